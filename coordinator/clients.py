@@ -1,0 +1,129 @@
+"""gRPC clients for the draft and target services: deadlines, retries, request ids, byte counts.
+
+They implement the loop's Proposer and Verifier protocols, and turn NOT_FOUND into SequenceNotFound
+so the loop re-fills a sequence a service lost. Verify and Propose are safe to retry: each names the
+prefix it builds on, so a repeated call crops to it and computes the same thing again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import structlog
+
+from coordinator.loop import DraftOutcome, Dist, VerifyOutcome
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec.errors import SequenceNotFound
+from specdec.grpcutil import CHANNEL_OPTIONS
+from specdec.logs import REQUEST_ID_METADATA
+from specdec.sampling import SamplingConfig
+
+log = structlog.get_logger(__name__)
+
+# Transparent retries of calls that failed with UNAVAILABLE (a restart, a dropped connection).
+# Deadlines are set per call, not here: a service config with both misbehaves in grpcio 1.85.
+_SERVICE_CONFIG = json.dumps({
+    "methodConfig": [{
+        "name": [{"service": "specdec.v1.DraftService"}, {"service": "specdec.v1.TargetService"}],
+        "retryPolicy": {
+            "maxAttempts": 3,
+            "initialBackoff": "0.05s",
+            "maxBackoff": "0.5s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        },
+    }]
+})
+
+
+def open_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)])
+
+
+def _metadata() -> tuple[tuple[str, str], ...]:
+    request_id = structlog.contextvars.get_contextvars().get("request_id")
+    return ((REQUEST_ID_METADATA, str(request_id)),) if request_id else ()
+
+
+def _sampling_proto(sampling: SamplingConfig) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed)
+
+
+class TargetClient:
+    def __init__(self, address: str, timeout_s: float):
+        self.address = address
+        self.channel = open_channel(address)
+        self.stub = pb_grpc.TargetServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
+        response = await self.stub.GetInfo(pb.TargetServiceGetInfoRequest(), timeout=timeout_s or self.timeout_s, wait_for_ready=True)
+        return response.info
+
+    async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
+                     draft_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:
+        request = pb.VerifyRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append,
+                                   draft_tokens=draft_tokens, sampling=_sampling_proto(sampling))
+        if not sampling.greedy and any(d is not None for d in draft_dists):
+            for dist in draft_dists:
+                ids, probs = dist if dist is not None else ([], [])
+                request.draft_dists.add(token_ids=ids, probs=probs)
+        start = time.perf_counter()
+        try:
+            response = await self.stub.Verify(request, timeout=self.timeout_s, metadata=_metadata())
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise SequenceNotFound(sequence_id, exc.details() or "") from exc
+            raise
+        wall = time.perf_counter() - start
+        return VerifyOutcome(response.accepted, response.next_token, response.compute_seconds, wall,
+                             request.ByteSize() + response.ByteSize())
+
+    async def release(self, sequence_id: str) -> None:
+        await self.stub.Release(pb.TargetServiceReleaseRequest(sequence_id=sequence_id), timeout=self.timeout_s, metadata=_metadata())
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class DraftClient:
+    def __init__(self, address: str, timeout_s: float):
+        self.address = address
+        self.channel = open_channel(address)
+        self.stub = pb_grpc.DraftServiceStub(self.channel)
+        self.timeout_s = timeout_s
+
+    async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
+        response = await self.stub.GetInfo(pb.DraftServiceGetInfoRequest(), timeout=timeout_s or self.timeout_s, wait_for_ready=True)
+        return response.info
+
+    async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
+                      min_cumulative_prob: float, temperature: float, seed: int) -> DraftOutcome:
+        request = pb.ProposeRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append, max_tokens=max_tokens,
+                                    min_cumulative_prob=min_cumulative_prob, temperature=temperature, seed=seed)
+        tokens: list[int] = []
+        dists: list[Dist] = []
+        compute = 0.0
+        size = request.ByteSize()
+        start = time.perf_counter()
+        try:
+            async for message in self.stub.Propose(request, timeout=self.timeout_s, metadata=_metadata()):
+                tokens.append(message.token_id)
+                dists.append((list(message.dist.token_ids), list(message.dist.probs)) if message.dist.token_ids else None)
+                compute = message.compute_seconds
+                size += message.ByteSize()
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise SequenceNotFound(sequence_id, exc.details() or "") from exc
+            raise
+        wall = time.perf_counter() - start
+        return DraftOutcome(tokens, dists, compute, wall, size)
+
+    async def release(self, sequence_id: str) -> None:
+        await self.stub.Release(pb.DraftServiceReleaseRequest(sequence_id=sequence_id), timeout=self.timeout_s, metadata=_metadata())
+
+    async def close(self) -> None:
+        await self.channel.close()

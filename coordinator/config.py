@@ -1,0 +1,31 @@
+"""Coordinator configuration: flags, or SPECDEC_COORDINATOR_* environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specdec.config import option
+from specdec.models import DEFAULT_TARGET
+
+ENV_PREFIX = "SPECDEC_COORDINATOR_"
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    """The public API: drives draft -> verify -> rollback for every request."""
+
+    host: str = option("127.0.0.1", "Address to listen on (0.0.0.0 in a container).")
+    port: int = option(50051, "Port to listen on; 0 picks a free one.")
+    target: str = option("127.0.0.1:50052", "Address of the target service.")
+    draft: str = option("127.0.0.1:50053", "Address of the draft service; empty turns speculation off.")
+    tokenizer: str = option(DEFAULT_TARGET, "Tokenizer of the target model: alias, hub id, folder or .gguf file.")
+    draft_length: int = option(8, "Default upper bound on draft tokens per step (requests may ask for another, up to 32).")
+    adaptive: bool = option(True, "Adapt the draft length per request unless the request says otherwise.")
+    max_new_tokens: int = option(4096, "Largest max_new_tokens a request may ask for.")
+    default_max_new_tokens: int = option(128, "max_new_tokens when a request leaves it unset.")
+    max_prompt_tokens: int = option(32768, "Longest prompt accepted, in target tokens.")
+    rpc_timeout_s: float = option(30.0, "Deadline of each call to the draft and target services.")
+    startup_timeout_s: float = option(600.0, "How long to wait for the draft and target to come up.")
+    grace_s: float = option(10.0, "Seconds in-flight requests get to finish after SIGTERM.")
+    log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
+    log_level: str = option("info", "debug, info, warning or error.")

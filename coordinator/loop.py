@@ -1,0 +1,228 @@
+"""The speculative loop: propose -> verify -> roll back, over any proposer and verifier.
+
+It owns the canonical tokens of one request, and for each service the length of the canonical
+prefix that service is known to hold (`draft_known`, `target_known`). Every call sends only the
+canonical tokens past that point; the service crops anything beyond it (the rejected drafts) first.
+The proposer and verifier are protocols: gRPC clients in production, in-process engines in
+benchmarks, so the same loop runs with or without the network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+import structlog
+
+from coordinator.adapt import CostModel, Costs, DraftLengthPolicy
+from specdec.errors import SequenceNotFound
+from specdec.sampling import SamplingConfig, derive_seed
+
+log = structlog.get_logger(__name__)
+
+Dist = tuple[list[int], list[float]] | None  # sparse distribution a draft token was drawn from
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftOutcome:
+    tokens: list[int]
+    dists: list[Dist]
+    compute_seconds: float
+    wall_seconds: float
+    wire_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyOutcome:
+    accepted: int
+    next_token: int
+    compute_seconds: float
+    wall_seconds: float
+    wire_bytes: int = 0
+
+
+class Proposer(Protocol):
+    async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
+                      min_cumulative_prob: float, temperature: float, seed: int) -> DraftOutcome: ...
+
+    async def release(self, sequence_id: str) -> None: ...
+
+
+class Verifier(Protocol):
+    async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
+                     draft_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome: ...
+
+    async def release(self, sequence_id: str) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSpec:
+    """A validated request, in target token ids."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    draft_length: int
+    adaptive: bool
+    eos_token_ids: frozenset[int]
+    seeded: bool = False  # the client chose the seed: keep the run reproducible (see adapt.py)
+    max_context: int = 0  # 0: unbounded
+
+
+@dataclasses.dataclass
+class Stats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    wire_seconds: float = 0.0
+    total_seconds: float = 0.0
+    time_to_first_token_seconds: float = 0.0
+    wire_bytes: int = 0
+    draft_failures: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """Tokens one target pass made final; `finish_reason` ("length" / "eos") on the last step."""
+
+    tokens: list[int]
+    finish_reason: str | None
+
+
+# After the draft fails, decode this many steps with the target alone before trying it again.
+DRAFT_RETRY_STEPS = 16
+
+
+class SpeculativeLoop:
+    def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs):
+        self.verifier = verifier
+        self.proposer = proposer
+        self.cost_model = cost_model
+        self.prior = prior
+
+    async def run(self, spec: GenerationSpec, stats: Stats) -> AsyncIterator[Step]:
+        """Yields each step's new tokens until max_new_tokens or end-of-sequence.
+
+        Both services' sequences are released however the generator ends (finished, error,
+        cancelled, or closed early by a stop string).
+        """
+        start = time.perf_counter()
+        # Unique even when clients reuse request ids: two requests must never share a cache.
+        sequence_id = f"{spec.request_id}:{uuid.uuid4().hex[:8]}"
+        tokens = list(spec.prompt_ids)  # canonical
+        prompt_len = len(tokens)
+        stats.prompt_tokens = prompt_len
+        draft_known = target_known = 0
+        policy = DraftLengthPolicy(
+            max_length=spec.draft_length,
+            cost_model=None if spec.seeded else self.cost_model,
+            prior=self.prior,
+            adaptive=spec.adaptive,
+        )
+        skip_draft_until = 0
+        try:
+            while True:
+                remaining = spec.max_new_tokens - (len(tokens) - prompt_len)
+                gamma, min_prob = policy.plan()
+                gamma = min(gamma, remaining - 1)
+                if spec.max_context:
+                    gamma = min(gamma, spec.max_context - len(tokens) - 1)
+                draft = DraftOutcome([], [], 0.0, 0.0)
+                if self.proposer is not None and gamma > 0 and stats.steps >= skip_draft_until:
+                    try:
+                        draft = await self._propose(sequence_id, tokens, draft_known, gamma, min_prob, spec.sampling)
+                        draft_known = len(tokens)
+                    except SequenceNotFound:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - a failing draft only costs speed
+                        stats.draft_failures += 1
+                        skip_draft_until = stats.steps + DRAFT_RETRY_STEPS
+                        draft_known = 0  # its state is unknown now: re-send everything next time
+                        log.warning("draft failed; decoding with the target alone for a while", error=str(exc))
+                appended = len(tokens) - target_known
+                verdict = await self._verify(sequence_id, tokens, target_known, draft, spec.sampling)
+                accepted = verdict.accepted
+                target_known = len(tokens) + accepted
+                if draft.tokens:
+                    draft_known = len(tokens) + accepted  # the draft holds its accepted tokens already
+                new = draft.tokens[:accepted] + [verdict.next_token]
+                self._account(stats, policy, draft, verdict, appended)
+
+                finish = None
+                for i, token in enumerate(new):
+                    if token in spec.eos_token_ids:
+                        new, finish = new[: i + 1], "eos"
+                        break
+                if len(new) >= remaining:
+                    new, finish = new[:remaining], finish or "length"
+                tokens.extend(new)
+                if stats.completion_tokens == 0:
+                    stats.time_to_first_token_seconds = time.perf_counter() - start
+                stats.completion_tokens += len(new)
+                stats.total_seconds = time.perf_counter() - start
+                yield Step(new, finish)
+                if finish:
+                    return
+        finally:
+            stats.total_seconds = time.perf_counter() - start
+            await self._release(sequence_id)
+
+    async def _propose(self, sequence_id, tokens, known, gamma, min_prob, sampling: SamplingConfig) -> DraftOutcome:
+        seed = derive_seed(sampling.seed, len(tokens), "draft")
+        try:
+            return await self.proposer.propose(sequence_id, known, tokens[known:], gamma, min_prob, sampling.temperature, seed)
+        except SequenceNotFound:
+            log.info("draft lost the sequence; re-sending it whole")
+            return await self.proposer.propose(sequence_id, 0, list(tokens), gamma, min_prob, sampling.temperature, seed)
+
+    async def _verify(self, sequence_id, tokens, known, draft: DraftOutcome, sampling) -> VerifyOutcome:
+        try:
+            return await self.verifier.verify(sequence_id, known, tokens[known:], draft.tokens, draft.dists, sampling)
+        except SequenceNotFound:
+            log.info("target lost the sequence; re-filling it from the canonical tokens")
+            return await self.verifier.verify(sequence_id, 0, list(tokens), draft.tokens, draft.dists, sampling)
+
+    def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyOutcome, appended: int) -> None:
+        drafted, accepted = len(draft.tokens), verdict.accepted
+        stats.steps += 1
+        stats.draft_tokens += drafted
+        stats.accepted_tokens += accepted
+        stats.draft_seconds += draft.compute_seconds
+        stats.verify_seconds += verdict.compute_seconds
+        wire = max(0.0, draft.wall_seconds - draft.compute_seconds) + max(0.0, verdict.wall_seconds - verdict.compute_seconds)
+        stats.wire_seconds += wire
+        stats.wire_bytes += draft.wire_bytes + verdict.wire_bytes
+        if len(stats.accepted_per_position) < drafted:
+            stats.accepted_per_position.extend([0] * (drafted - len(stats.accepted_per_position)))
+        for i in range(accepted):
+            stats.accepted_per_position[i] += 1
+        policy.observe(drafted, accepted)
+        # Only steady-state steps (one catch-up token) describe the per-step costs; a prefill does not.
+        if self.cost_model is not None and appended <= 1:
+            self.cost_model.observe(drafted, draft.compute_seconds, drafted + 1, verdict.compute_seconds, wire)
+
+    async def _release(self, sequence_id: str) -> None:
+        for service in (self.proposer, self.verifier):
+            if service is None:
+                continue
+            try:
+                await service.release(sequence_id)
+            except Exception as exc:  # noqa: BLE001 - the idle timeout frees it eventually
+                log.warning("release failed", service=type(service).__name__, error=str(exc))

@@ -1,0 +1,225 @@
+"""The public gRPC API: validates requests, tokenizes, runs the speculative loop, streams text."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import uuid
+
+import grpc
+import structlog
+
+from coordinator.adapt import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
+from coordinator.clients import DraftClient, TargetClient
+from coordinator.config import CoordinatorConfig
+from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
+from coordinator.text import TextStream
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec.errors import InvalidArgument, Unavailable
+from specdec.grpcutil import Server, rpc_method
+from specdec.logs import bind_request
+from specdec.sampling import SamplingConfig
+
+log = structlog.get_logger(__name__)
+
+MAX_DRAFT_LENGTH = 32
+FINISH_REASONS = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "eos": pb.FINISH_REASON_EOS,
+    "stop": pb.FINISH_REASON_STOP_STRING,
+}
+
+
+def stats_proto(stats: Stats) -> pb.GenerationStats:
+    return pb.GenerationStats(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        steps=stats.steps,
+        draft_tokens=stats.draft_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        acceptance_rate=stats.acceptance_rate,
+        mean_accepted_length=stats.mean_accepted_length,
+        draft_seconds=stats.draft_seconds,
+        verify_seconds=stats.verify_seconds,
+        wire_seconds=stats.wire_seconds,
+        total_seconds=stats.total_seconds,
+        time_to_first_token_seconds=stats.time_to_first_token_seconds,
+        accepted_per_position=stats.accepted_per_position,
+        wire_bytes=stats.wire_bytes,
+    )
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
+    """Registered before the server starts; answers UNAVAILABLE until `attach` connects the backends."""
+
+    def __init__(self, config: CoordinatorConfig):
+        self.config = config
+        self.tokenizer = None
+        self.loop: SpeculativeLoop | None = None
+        self.target_info = pb.ModelInfo()
+
+    def attach(self, tokenizer, target: TargetClient, target_info: pb.ModelInfo, draft: DraftClient | None, draft_info: pb.ModelInfo | None) -> None:
+        prior = NGRAM_DRAFT_PRIOR if draft_info is not None and draft_info.drafter == "ngram" else MODEL_DRAFT_PRIOR
+        self.tokenizer = tokenizer
+        self.target_info = target_info
+        self.loop = SpeculativeLoop(target, draft, CostModel(prior), prior)
+
+    # --- request validation: every field checked here, named in the error ---
+
+    def _spec(self, request) -> tuple[GenerationSpec, list[str]]:
+        if self.loop is None:
+            raise Unavailable("the coordinator is still connecting to the draft and target services")
+        config, vocab = self.config, self.target_info.vocab_size
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            if not request.text:
+                raise InvalidArgument("text", "the prompt is empty")
+            prompt_ids = self.tokenizer(request.text, add_special_tokens=False)["input_ids"]
+        elif which == "token_ids":
+            prompt_ids = list(request.token_ids.ids)
+            bad = [t for t in prompt_ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidArgument("token_ids", f"token id {bad[0]} outside the target's vocabulary [0, {vocab})")
+        elif which == "chat":
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            if not messages:
+                raise InvalidArgument("chat.messages", "the conversation is empty")
+            if any(m["role"] not in ("system", "user", "assistant") for m in messages):
+                raise InvalidArgument("chat.messages.role", "each role must be system, user or assistant")
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidArgument("chat", "the target's tokenizer has no chat template; send text or token_ids")
+            prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "keys"):
+                prompt_ids = prompt_ids["input_ids"]
+        else:
+            raise InvalidArgument("prompt", "set one of text, token_ids or chat")
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise InvalidArgument(which, "the prompt has no tokens")
+        if len(prompt_ids) > config.max_prompt_tokens:
+            raise InvalidArgument(which, f"the prompt has {len(prompt_ids)} tokens, more than the limit of {config.max_prompt_tokens}")
+
+        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else config.default_max_new_tokens
+        if not 1 <= max_new <= config.max_new_tokens:
+            raise InvalidArgument("max_new_tokens", f"must be in [1, {config.max_new_tokens}], got {max_new}")
+        context = self.target_info.max_context
+        if context and len(prompt_ids) + max_new > context:
+            raise InvalidArgument("max_new_tokens", f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) exceeds the target's context of {context}")
+
+        s = request.sampling
+        temperature = s.temperature if s.HasField("temperature") else 0.0
+        if not temperature >= 0:  # also rejects NaN
+            raise InvalidArgument("sampling.temperature", f"must be >= 0, got {temperature}")
+        top_k = s.top_k if s.HasField("top_k") else 0
+        if top_k < 0:
+            raise InvalidArgument("sampling.top_k", f"must be >= 0, got {top_k}")
+        top_p = s.top_p if s.HasField("top_p") else 1.0
+        if not 0 < top_p <= 1:
+            raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
+        seeded = s.HasField("seed")
+        seed = s.seed if seeded else random.getrandbits(63)
+
+        sp = request.speculation
+        draft_length = sp.draft_length if sp.HasField("draft_length") else config.draft_length
+        if not 0 <= draft_length <= MAX_DRAFT_LENGTH:
+            raise InvalidArgument("speculation.draft_length", f"must be in [0, {MAX_DRAFT_LENGTH}], got {draft_length}")
+        adaptive = sp.adaptive if sp.HasField("adaptive") else config.adaptive
+        for i, stop in enumerate(request.stop):
+            if not stop:
+                raise InvalidArgument(f"stop[{i}]", "stop strings must not be empty")
+
+        spec = GenerationSpec(
+            request_id=request.request_id or uuid.uuid4().hex[:16],
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new,
+            sampling=SamplingConfig(temperature, top_k, top_p, seed),
+            draft_length=draft_length,
+            adaptive=adaptive,
+            eos_token_ids=frozenset(self.target_info.eos_token_ids),
+            seeded=seeded,
+            max_context=context,
+        )
+        return spec, list(request.stop)
+
+    async def _generate(self, request):
+        """Yields (token_ids, text piece, finish reason or None, stats) per step."""
+        spec, stop = self._spec(request)
+        bind_request(spec.request_id)
+        log.info("request started", prompt_tokens=len(spec.prompt_ids), max_new_tokens=spec.max_new_tokens,
+                 temperature=spec.sampling.temperature, draft_length=spec.draft_length, adaptive=spec.adaptive)
+        stats = Stats()
+        text = TextStream(self.tokenizer, stop)
+        try:
+            async with contextlib.aclosing(self.loop.run(spec, stats)) as steps:
+                async for step in steps:
+                    piece, keep = text.add(step.tokens, final=step.finish_reason is not None)
+                    finish = "stop" if text.stopped_at is not None else step.finish_reason
+                    if keep < len(step.tokens):
+                        stats.completion_tokens -= len(step.tokens) - keep
+                    yield spec, step.tokens[:keep], piece, finish, stats
+                    if finish:
+                        break
+        except grpc.aio.AioRpcError as exc:
+            # A backend failed past its retries: the client learns which, with the backend's code.
+            code = exc.code()
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+                raise InvalidArgument("request", f"rejected by a backend: {exc.details()}") from exc
+            raise Unavailable(f"backend call failed with {code.name}: {exc.details()}") from exc
+        log.info("request finished", completion_tokens=stats.completion_tokens, steps=stats.steps,
+                 acceptance_rate=round(stats.acceptance_rate, 3), seconds=round(stats.total_seconds, 3))
+
+    @rpc_method
+    async def Generate(self, request: pb.GenerateRequest, context):
+        token_ids: list[int] = []
+        pieces: list[str] = []
+        async for spec, tokens, piece, finish, stats in self._generate(request):
+            token_ids.extend(tokens)
+            pieces.append(piece)
+        return pb.GenerateResponse(request_id=spec.request_id, text="".join(pieces), token_ids=token_ids,
+                                   finish_reason=FINISH_REASONS[finish], stats=stats_proto(stats))
+
+    @rpc_method
+    async def GenerateStream(self, request: pb.GenerateStreamRequest, context):
+        async for spec, tokens, piece, finish, stats in self._generate(request):
+            if tokens or piece:
+                yield pb.GenerateStreamResponse(request_id=spec.request_id, token_ids=tokens, text=piece)
+            if finish:
+                yield pb.GenerateStreamResponse(request_id=spec.request_id, finish_reason=FINISH_REASONS[finish], stats=stats_proto(stats))
+
+
+async def connect_backends(config: CoordinatorConfig):
+    """Waits (up to startup_timeout_s) for the target and the draft, and checks they fit together."""
+    target = TargetClient(config.target, config.rpc_timeout_s)
+    target_info = await target.info(timeout_s=config.startup_timeout_s)
+    draft = draft_info = None
+    if config.draft:
+        draft = DraftClient(config.draft, config.rpc_timeout_s)
+        draft_info = await draft.info(timeout_s=config.startup_timeout_s)
+        if draft_info.vocab_size and draft_info.vocab_size != target_info.vocab_size:
+            raise ValueError(f"the draft's vocabulary ({draft_info.vocab_size}) differs from the target's ({target_info.vocab_size})")
+    return target, target_info, draft, draft_info
+
+
+async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, signals: bool = True, tokenizer=None) -> None:
+    """Binds at once (health NOT_SERVING); SERVING once the tokenizer and both backends are ready."""
+    servicer = CoordinatorServicer(config)
+    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["CoordinatorService"].full_name])
+    pb_grpc.add_CoordinatorServiceServicer_to_server(servicer, server.server)
+    await server.start()
+    if signals:
+        server.install_signal_handlers(config.grace_s)
+    log.info("coordinator listening", port=server.port, target=config.target, draft=config.draft or None)
+    if tokenizer is None:
+        from specdec.models import load_tokenizer
+
+        tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
+    target, target_info, draft, draft_info = await connect_backends(config)
+    servicer.attach(tokenizer, target, target_info, draft, draft_info)
+    await server.mark_serving()
+    log.info("coordinator serving", port=server.port, target_model=target_info.model,
+             drafter=(draft_info.drafter or draft_info.model) if draft_info else None)
+    if ready is not None:
+        ready.set_result(server)
+    await server.wait()

@@ -1,0 +1,29 @@
+"""Draft service configuration: flags, or SPECDEC_DRAFT_* environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specdec.config import option
+
+ENV_PREFIX = "SPECDEC_DRAFT_"
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """Hosts the draft model (or an n-gram drafter) and proposes tokens."""
+
+    host: str = option("127.0.0.1", "Address to listen on (0.0.0.0 in a container).")
+    port: int = option(50053, "Port to listen on; 0 picks a free one.")
+    drafter: str = option("ngram", "ngram (prompt lookup, no weights) or model (a small causal LM, --model).", choices=("ngram", "model"))
+    model: str = option("", "Draft model for --drafter model: alias, hub id, local folder or .gguf file.")
+    device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")
+    dtype: str = option("auto", "auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16 or bfloat16.")
+    top_k: int = option(32, "When sampling, the draft draws from its top-k tokens so the sparse p it sends is exact.")
+    ngram_max: int = option(4, "Longest suffix n-gram the n-gram drafter looks up.")
+    ngram_min: int = option(1, "Shortest suffix n-gram it accepts as a match.")
+    max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted.")
+    idle_timeout_s: float = option(600.0, "Free a sequence untouched this long; 0 disables.")
+    grace_s: float = option(10.0, "Seconds in-flight calls get to finish after SIGTERM.")
+    log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
+    log_level: str = option("info", "debug, info, warning or error.")

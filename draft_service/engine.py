@@ -1,0 +1,130 @@
+"""The draft engine: keeps each sequence's tokens (and KV cache) and proposes continuations.
+
+Two drafters share one interface: a small causal LM (`ModelDrafter`) and prompt lookup
+(`NgramDrafter`). Both yield proposals one token at a time, so the servicer can stream each token
+the moment it exists. No gRPC here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import torch
+
+from draft_service.ngram import ngram_propose
+from specdec.errors import InvalidArgument
+from specdec.kvcache import Sequence, SequenceStore
+from specdec.lm import CausalLM
+from specdec.sampling import truncated_probs
+
+MAX_PROPOSAL = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """One drafted token and the distribution it was drawn from (None: drawn with p = 1)."""
+
+    token: int
+    dist_ids: list[int] | None
+    dist_probs: list[float] | None
+    cumulative_prob: float
+    compute_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSettings:
+    max_tokens: int
+    min_cumulative_prob: float
+    temperature: float
+    seed: int
+
+
+class ModelDrafter:
+    """Drafts with a small causal LM, sampling from its top-k truncated distribution.
+
+    Truncating to top-k is what makes the sparse p on the wire exact (see sampling.truncated_probs);
+    with temperature 0 it proposes the argmax and sends no distribution.
+    """
+
+    kind = "model"
+
+    def __init__(self, lm: CausalLM, top_k: int = 32):
+        self.lm = lm
+        self.top_k = top_k
+        self.vocab_size = lm.vocab_size
+
+    def draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+        generator = torch.Generator().manual_seed(settings.seed)
+        cumulative = 1.0
+        logits = self.lm.forward(seq, keep=1)[0]  # [V]; feeds the catch-up tokens
+        for i in range(settings.max_tokens):
+            if settings.temperature == 0:
+                token = int(logits.argmax())
+                prob = float(torch.softmax(logits.float(), dim=-1)[token])  # the draft's confidence
+                ids = probs = None
+            else:
+                top_ids, top_probs = truncated_probs(logits, settings.temperature, self.top_k)
+                choice = int(torch.multinomial(top_probs, 1, generator=generator))
+                token, prob = int(top_ids[choice]), float(top_probs[choice])
+                ids, probs = top_ids.tolist(), top_probs.tolist()
+            cumulative *= prob
+            if cumulative < settings.min_cumulative_prob:
+                return  # not confident enough: verifying this token would likely waste the slot
+            seq.tokens.append(token)
+            yield Proposal(token, ids, probs, cumulative, time.perf_counter() - start)
+            if i + 1 < settings.max_tokens:
+                logits = self.lm.forward(seq, keep=1)[0]
+
+
+class NgramDrafter:
+    """Prompt lookup over the sequence's own tokens (prompt and output). p is one-hot."""
+
+    kind = "ngram"
+    vocab_size = 0
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+
+    def draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+        for token in ngram_propose(seq.tokens, settings.max_tokens, self.max_n, self.min_n):
+            seq.tokens.append(token)
+            one_hot = ([token], [1.0]) if settings.temperature > 0 else (None, None)
+            yield Proposal(token, *one_hot, 1.0, time.perf_counter() - start)
+
+
+class DraftEngine:
+    """Not thread-safe: the servicer runs each step on one worker thread."""
+
+    def __init__(self, drafter: ModelDrafter | NgramDrafter, max_sequences: int = 256, idle_timeout_s: float = 600.0):
+        self.drafter = drafter
+        self.store = SequenceStore(max_sequences, idle_timeout_s)
+
+    def propose(self, sequence_id: str, known_len: int, append: list[int], settings: DraftSettings) -> Iterator[Proposal]:
+        """Syncs the sequence (rollback + catch-up), then yields proposals lazily.
+
+        Validation and the sync happen eagerly, before the first token is asked for, so bad input
+        fails the call at once. Drafted tokens are appended to the sequence's own token list; the
+        next call's known_len crops the ones the target rejected.
+        """
+        start = time.perf_counter()
+        if not 0 <= settings.max_tokens <= MAX_PROPOSAL:
+            raise InvalidArgument("max_tokens", f"must be in [0, {MAX_PROPOSAL}], got {settings.max_tokens}")
+        if settings.temperature < 0:
+            raise InvalidArgument("temperature", f"must be >= 0, got {settings.temperature}")
+        vocab = self.drafter.vocab_size
+        if vocab and any(not 0 <= t < vocab for t in append):
+            raise InvalidArgument("append_tokens", f"token ids must be in the draft's vocabulary [0, {vocab})")
+        seq = self.store.sync(sequence_id, known_len, append)
+        if settings.max_tokens == 0:
+            return iter(())
+        return self.drafter.draft(seq, settings, start)
+
+    def release(self, sequence_id: str) -> bool:
+        return self.store.release(sequence_id)
+
+    def warm_up(self) -> None:
+        for _ in self.propose("__warmup__", 0, [0, 1, 2, 3, 0, 1], DraftSettings(2, 0.0, 0.0, 0)):
+            pass
+        self.release("__warmup__")

@@ -1,0 +1,113 @@
+"""gRPC servicer for the draft: streams proposals as they are drafted, model work off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import structlog
+
+from draft_service.config import DraftConfig
+from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter, NgramDrafter
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec.errors import Unavailable
+from specdec.grpcutil import Server, rpc_method
+
+log = structlog.get_logger(__name__)
+_DONE = object()
+
+
+class DraftServicer(pb_grpc.DraftServiceServicer):
+    """Registered before the server starts; answers UNAVAILABLE until `attach` hands it the engine."""
+
+    def __init__(self):
+        self._engine: DraftEngine | None = None
+        self.info = pb.ModelInfo()
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
+
+    def attach(self, engine: DraftEngine, info: pb.ModelInfo) -> None:
+        self.info = info
+        self._engine = engine
+
+    @property
+    def engine(self) -> DraftEngine:
+        if self._engine is None:
+            raise Unavailable("the draft model is still loading")
+        return self._engine
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    @rpc_method
+    async def GetInfo(self, request, context):
+        self.engine  # noqa: B018 - raises UNAVAILABLE while loading
+        return pb.DraftServiceGetInfoResponse(info=self.info)
+
+    @rpc_method
+    async def Propose(self, request: pb.ProposeRequest, context):
+        settings = DraftSettings(request.max_tokens, request.min_cumulative_prob, request.temperature, request.seed)
+        proposals = await self._run(
+            self.engine.propose, request.sequence_id, request.known_len, list(request.append_tokens), settings
+        )
+        while True:
+            # Each token is drafted on the worker thread and sent the moment it exists.
+            proposal = await self._run(next, proposals, _DONE)
+            if proposal is _DONE:
+                return
+            message = pb.ProposeResponse(
+                token_id=proposal.token,
+                cumulative_prob=proposal.cumulative_prob,
+                compute_seconds=proposal.compute_seconds,
+            )
+            if proposal.dist_ids is not None:
+                message.dist.token_ids.extend(proposal.dist_ids)
+                message.dist.probs.extend(proposal.dist_probs)
+            yield message
+
+    @rpc_method
+    async def Release(self, request, context):
+        released = await self._run(self.engine.release, request.sequence_id)
+        return pb.DraftServiceReleaseResponse(released=released)
+
+
+def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
+    """Loads the drafter named by the config (blocking: call it off the event loop)."""
+    if config.drafter == "ngram":
+        drafter = NgramDrafter(config.ngram_max, config.ngram_min)
+        info = pb.ModelInfo(model="ngram", drafter="ngram")
+    else:
+        if not config.model:
+            raise ValueError("--drafter model needs --model (alias, hub id, folder or .gguf)")
+        from specdec.lm import CausalLM
+        from specdec.models import load_model
+
+        loaded = load_model(config.model, config.device, config.dtype)
+        lm = CausalLM(loaded.model, loaded.device)
+        drafter = ModelDrafter(lm, config.top_k)
+        info = pb.ModelInfo(
+            model=config.model, vocab_size=lm.vocab_size, max_context=lm.max_context,
+            eos_token_ids=lm.eos_token_ids, device=str(loaded.device),
+            dtype=str(loaded.dtype).removeprefix("torch."), drafter="model",
+        )
+    engine = DraftEngine(drafter, config.max_sequences, config.idle_timeout_s)
+    engine.warm_up()
+    return engine, info
+
+
+async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signals: bool = True) -> None:
+    """Binds at once (health NOT_SERVING), loads and warms the drafter, then reports SERVING."""
+    servicer = DraftServicer()
+    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["DraftService"].full_name])
+    pb_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
+    await server.start()
+    if signals:
+        server.install_signal_handlers(config.grace_s)
+    log.info("draft listening", port=server.port, drafter=config.drafter, model=config.model)
+    engine, info = await asyncio.get_running_loop().run_in_executor(servicer.executor, build_engine, config)
+    servicer.attach(engine, info)
+    await server.mark_serving()
+    log.info("draft serving", port=server.port)
+    if ready is not None:
+        ready.set_result(server)
+    await server.wait()

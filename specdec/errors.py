@@ -1,0 +1,47 @@
+"""The errors engines raise, each with the gRPC status it maps to (mapped in one place: grpcutil)."""
+
+from __future__ import annotations
+
+import grpc
+
+
+class SpecdecError(Exception):
+    """Base class: an error a client should see with a precise status code."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(SpecdecError):
+    """A request field is out of range; `field` names it, as in google.rpc.BadRequest."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, description: str):
+        super().__init__(f"{field}: {description}")
+        self.field = field
+        self.description = description
+
+
+class SequenceNotFound(SpecdecError):
+    """The service does not hold the sequence (or holds less of it than the caller believes).
+
+    The coordinator answers this by re-sending the whole canonical sequence: caches are soft state.
+    """
+
+    code = grpc.StatusCode.NOT_FOUND
+
+    def __init__(self, sequence_id: str, detail: str):
+        super().__init__(f"sequence_id: {sequence_id!r} {detail}")
+        self.sequence_id = sequence_id
+
+
+class Overloaded(SpecdecError):
+    """The service is at its capacity; the client should retry later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class Unavailable(SpecdecError):
+    """A service this one depends on cannot be reached."""
+
+    code = grpc.StatusCode.UNAVAILABLE

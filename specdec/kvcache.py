@@ -1,0 +1,109 @@
+"""Per-sequence state with rollback: the tokens a service holds and the KV cache over them.
+
+The cache is soft state (DESIGN.md §2). Every call names `known_len`, the canonical prefix the
+caller builds on; `SequenceStore.sync` crops what the service holds beyond it (the rejected draft
+tokens), appends the caller's new tokens, and raises SequenceNotFound when the service holds less
+than the caller believes (a restart, an eviction, another replica), so the caller re-sends it all.
+
+Invariant: `seq.cached <= len(seq.tokens) - 1` after a sync, so the next forward always feeds at
+least the last token and yields the logits that predict what follows it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Any
+
+import structlog
+
+from specdec.errors import Overloaded, SequenceNotFound
+
+log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass
+class Sequence:
+    """One sequence's tokens, and the KV cache over its first `cached` tokens."""
+
+    sequence_id: str
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    cache: Any = None  # a transformers Cache, or None for drafters without a model
+    cached: int = 0  # leading positions of `tokens` (plus fed drafts) whose keys/values are in `cache`
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
+
+    def crop_cache(self, length: int) -> None:
+        """Drops cached positions past `length` (rollback). Cropping is O(1) views in transformers."""
+        if length <= 0:
+            self.cache = None  # a fresh cache is cheaper and simpler than cropping to nothing
+        elif self.cache is not None and self.cached > length:
+            self.cache.crop(length - self.cached)  # negative: drop that many trailing positions
+        self.cached = min(self.cached, length)
+
+
+class SequenceStore:
+    """The sequences a service holds, least recently used first, with a capacity.
+
+    Past `max_sequences`, the least recently used idle sequence is evicted: memory stays bounded and
+    the coordinator re-fills an evicted sequence from its canonical tokens if it comes back.
+    """
+
+    def __init__(self, max_sequences: int, idle_timeout_s: float = 0.0):
+        self.max_sequences = max_sequences
+        self.idle_timeout_s = idle_timeout_s
+        self._sequences: collections.OrderedDict[str, Sequence] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._sequences)
+
+    def __contains__(self, sequence_id: str) -> bool:
+        return sequence_id in self._sequences
+
+    def sync(self, sequence_id: str, known_len: int, append: list[int]) -> Sequence:
+        """Rolls the sequence back to `known_len` canonical tokens and appends `append`."""
+        if known_len < 0:
+            raise SequenceNotFound(sequence_id, f"known_len must be >= 0, got {known_len}")
+        self._expire_idle()
+        seq = self._sequences.get(sequence_id)
+        if known_len == 0:
+            seq = self._create(sequence_id) if seq is None else seq
+            seq.tokens = []
+            seq.crop_cache(0)
+        elif seq is None:
+            raise SequenceNotFound(sequence_id, "is not held here (never created, released or evicted)")
+        elif len(seq.tokens) < known_len:
+            raise SequenceNotFound(sequence_id, f"holds {len(seq.tokens)} tokens, fewer than known_len={known_len}")
+        del seq.tokens[known_len:]
+        seq.tokens.extend(append)
+        if not seq.tokens:
+            raise SequenceNotFound(sequence_id, "has no tokens: send the prompt with known_len=0")
+        seq.crop_cache(min(known_len, len(seq.tokens) - 1))
+        seq.last_used = time.monotonic()
+        self._sequences.move_to_end(sequence_id)
+        return seq
+
+    def release(self, sequence_id: str) -> bool:
+        return self._sequences.pop(sequence_id, None) is not None
+
+    def _create(self, sequence_id: str) -> Sequence:
+        if len(self._sequences) >= self.max_sequences:
+            if not self._sequences:
+                raise Overloaded("this service holds no sequences (max_sequences=0)")
+            evicted, _ = self._sequences.popitem(last=False)
+            log.warning("evicted least recently used sequence", evicted=evicted, capacity=self.max_sequences)
+        seq = Sequence(sequence_id)
+        self._sequences[sequence_id] = seq
+        return seq
+
+    def _expire_idle(self) -> None:
+        """Frees sequences a vanished coordinator left behind."""
+        if self.idle_timeout_s <= 0:
+            return
+        deadline = time.monotonic() - self.idle_timeout_s
+        while self._sequences:
+            oldest_id, oldest = next(iter(self._sequences.items()))
+            if oldest.last_used >= deadline:
+                break
+            del self._sequences[oldest_id]
+            log.info("expired idle sequence", sequence_id=oldest_id, idle_timeout_s=self.idle_timeout_s)

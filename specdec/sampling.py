@@ -1,0 +1,82 @@
+"""Turning logits into the distribution a request samples from, and seeding the draws.
+
+The target must sample exactly as plain decoding would, so this follows Hugging Face
+`generate()`'s order and tie rules: temperature, then top-k (ties with the k-th logit are kept),
+then top-p (drop the low tail whose cumulative probability is <= 1 - top_p, always keeping the most
+likely token). tests/test_sampling.py checks it against transformers' own logits processors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """A request's sampling parameters, already validated (see validate_sampling)."""
+
+    temperature: float = 0.0  # 0 means greedy: the argmax, no randomness at all
+    top_k: int = 0  # 0 means no top-k truncation
+    top_p: float = 1.0  # 1.0 means no nucleus truncation
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Applies temperature, top-k and top-p; removed tokens get -inf. logits: [..., V] -> [..., V]."""
+    if temperature <= 0:
+        raise ValueError("warp_logits is for sampling; greedy decoding takes the argmax")
+    scores = logits.float() / temperature
+    vocab = scores.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, dim=-1, descending=False)  # ascending
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1.0 - top_p)
+        remove_sorted[..., -1:] = False  # keep at least the most likely token
+        remove = remove_sorted.scatter(-1, order, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores
+
+
+def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """The distribution q the target samples from. logits: [..., V] -> probs [..., V] (float32)."""
+    return torch.softmax(warp_logits(logits, config.temperature, config.top_k, config.top_p), dim=-1)
+
+
+def truncated_probs(logits: torch.Tensor, temperature: float, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A drafter's sampling distribution, kept sparse: the top-k tokens renormalised.
+
+    Sampling from the truncated distribution (rather than the full softmax) is what lets the draft
+    send its p compactly and still exactly: outside the k tokens, p is truly 0.
+    logits: [V] -> (token_ids [k], probs [k]) sorted by probability, descending.
+    """
+    k = min(top_k, logits.shape[-1])
+    values, ids = torch.topk(logits.float() / temperature, k, dim=-1)
+    return ids, torch.softmax(values, dim=-1)
+
+
+def derive_seed(seed: int, position: int, stream: str) -> int:
+    """A 63-bit seed for one draw site, from the request seed, the canonical position and a stream.
+
+    Seeding per (request, position) instead of keeping a generator per sequence makes seeded
+    results independent of which replica served a step, of restarts, and of cache refills: only
+    the canonical tokens decide the next draw.
+    """
+    digest = hashlib.blake2b(f"{seed}:{position}:{stream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def generator_for(seed: int, position: int, stream: str) -> torch.Generator:
+    """A CPU generator seeded for one draw site (see derive_seed)."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed(derive_seed(seed, position, stream))
+    return generator

@@ -1,0 +1,26 @@
+"""Target service configuration: flags, or SPECDEC_TARGET_* environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specdec.config import option
+from specdec.models import DEFAULT_TARGET
+
+ENV_PREFIX = "SPECDEC_TARGET_"
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """Hosts the large model and verifies proposals."""
+
+    host: str = option("127.0.0.1", "Address to listen on (0.0.0.0 in a container).")
+    port: int = option(50052, "Port to listen on; 0 picks a free one.")
+    model: str = option(DEFAULT_TARGET, "Target model: alias, hub id, local folder or .gguf file.")
+    device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")
+    dtype: str = option("auto", "auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16 or bfloat16.")
+    max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted (and re-filled on demand).")
+    idle_timeout_s: float = option(600.0, "Free a sequence untouched this long (a coordinator that vanished); 0 disables.")
+    grace_s: float = option(10.0, "Seconds in-flight calls get to finish after SIGTERM.")
+    log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
+    log_level: str = option("info", "debug, info, warning or error.")

@@ -1,0 +1,113 @@
+"""gRPC servicer for the target: protobuf <-> TargetEngine, model work off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import structlog
+
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec.errors import Unavailable
+from specdec.grpcutil import Server, rpc_method
+from specdec.sampling import SamplingConfig
+from target_service.config import TargetConfig
+from target_service.engine import TargetEngine
+
+log = structlog.get_logger(__name__)
+
+
+def sampling_from_proto(params: pb.SamplingParams) -> SamplingConfig:
+    """Unset fields take the documented defaults; range checks happen in the engine."""
+    return SamplingConfig(
+        temperature=params.temperature if params.HasField("temperature") else 0.0,
+        top_k=params.top_k if params.HasField("top_k") else 0,
+        top_p=params.top_p if params.HasField("top_p") else 1.0,
+        seed=params.seed if params.HasField("seed") else 0,
+    )
+
+
+class TargetServicer(pb_grpc.TargetServiceServicer):
+    """Registered before the server starts; answers UNAVAILABLE until `attach` hands it the engine."""
+
+    def __init__(self):
+        self._engine: TargetEngine | None = None
+        self.info = pb.ModelInfo()
+        # One worker: the model runs one forward at a time, in arrival order (batching comes later).
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
+
+    def attach(self, engine: TargetEngine, model_name: str, device: str, dtype: str) -> None:
+        self.info = pb.ModelInfo(
+            model=model_name,
+            vocab_size=engine.lm.vocab_size,
+            max_context=engine.lm.max_context,
+            eos_token_ids=engine.lm.eos_token_ids,
+            device=device,
+            dtype=dtype,
+        )
+        self._engine = engine
+
+    @property
+    def engine(self) -> TargetEngine:
+        if self._engine is None:
+            raise Unavailable("the target model is still loading")
+        return self._engine
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    @rpc_method
+    async def GetInfo(self, request, context):
+        self.engine  # noqa: B018 - raises UNAVAILABLE while loading
+        return pb.TargetServiceGetInfoResponse(info=self.info)
+
+    @rpc_method
+    async def Verify(self, request: pb.VerifyRequest, context):
+        dists = [(list(d.token_ids), list(d.probs)) for d in request.draft_dists]
+        result = await self._run(
+            self.engine.verify,
+            request.sequence_id,
+            request.known_len,
+            list(request.append_tokens),
+            list(request.draft_tokens),
+            dists,
+            sampling_from_proto(request.sampling),
+        )
+        return pb.VerifyResponse(
+            accepted=result.accepted,
+            next_token=result.next_token,
+            compute_seconds=result.compute_seconds,
+            cached_len=result.cached_len,
+        )
+
+    @rpc_method
+    async def Release(self, request, context):
+        released = await self._run(self.engine.release, request.sequence_id)
+        return pb.TargetServiceReleaseResponse(released=released)
+
+
+async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signals: bool = True) -> None:
+    """Binds at once (health NOT_SERVING), loads and warms the model, then reports SERVING.
+
+    `ready` (tests, `specdec up` in-process) receives the Server once it is serving.
+    """
+    from specdec.lm import CausalLM
+    from specdec.models import load_model
+
+    servicer = TargetServicer()
+    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["TargetService"].full_name])
+    pb_grpc.add_TargetServiceServicer_to_server(servicer, server.server)
+    await server.start()
+    if signals:
+        server.install_signal_handlers(config.grace_s)
+    log.info("target listening", port=server.port, model=config.model)
+    loaded = await asyncio.to_thread(load_model, config.model, config.device, config.dtype)
+    engine = TargetEngine(CausalLM(loaded.model, loaded.device), config.max_sequences, config.idle_timeout_s)
+    await servicer._run(engine.warm_up)
+    servicer.attach(engine, config.model, str(loaded.device), str(loaded.dtype).removeprefix("torch."))
+    await server.mark_serving()
+    log.info("target serving", port=server.port, vocab_size=engine.lm.vocab_size)
+    if ready is not None:
+        ready.set_result(server)
+    await server.wait()
