@@ -220,6 +220,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, 
     await server.mark_serving()
     log.info("coordinator serving", port=server.port, target_model=target_info.model,
              drafter=(draft_info.drafter or draft_info.model) if draft_info else None)
+    server.servicer = servicer  # lets tests and tools inspect the engine behind the server
     if ready is not None:
         ready.set_result(server)
     await server.wait()

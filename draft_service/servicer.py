@@ -108,6 +108,7 @@ async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signal
     servicer.attach(engine, info)
     await server.mark_serving()
     log.info("draft serving", port=server.port)
+    server.servicer = servicer  # lets tests and tools inspect the engine behind the server
     if ready is not None:
         ready.set_result(server)
     await server.wait()

@@ -108,6 +108,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     servicer.attach(engine, config.model, str(loaded.device), str(loaded.dtype).removeprefix("torch."))
     await server.mark_serving()
     log.info("target serving", port=server.port, vocab_size=engine.lm.vocab_size)
+    server.servicer = servicer  # lets tests and tools inspect the engine behind the server
     if ready is not None:
         ready.set_result(server)
     await server.wait()

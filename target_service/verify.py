@@ -87,7 +87,7 @@ def verify_rejection(
     rows = torch.arange(batch, device=draft_tokens.device)
     q_next = target_probs[rows, accepted]  # [B, V]
     # p is zero past each row's draft, so after a full accept the residual is q itself (bonus).
-    p_padded = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [B, G+1, V]
+    p_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)  # [B, G+1, V]
     p_next = p_padded[rows, accepted] * (accepted < draft_lens)[:, None]  # [B, V]
     residual = (q_next - p_next).clamp(min=0)  # [B, V]
     # q <= p everywhere means q == p: rejection had probability 0 there; fall back to q for safety.

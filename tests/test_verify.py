@@ -47,6 +47,13 @@ def test_empty_draft_is_a_plain_decoding_step():
     assert verdict.accepted.tolist() == [0] and verdict.next_tokens.tolist() == [6]
 
 
+def test_rejection_with_empty_draft_samples_from_q():
+    q = torch.tensor([[[0.0, 0.0, 1.0]]])
+    empty = torch.zeros(1, 0, dtype=torch.long)
+    verdict = verify_rejection(q, empty, torch.zeros(1, 0, 3), torch.tensor([0]), torch.zeros(1, 0), torch.tensor([0.5]))
+    assert verdict.accepted.tolist() == [0] and verdict.next_tokens.tolist() == [2]
+
+
 def test_rejection_never_accepts_a_token_the_target_forbids():
     q = torch.tensor([[[0.0, 1.0], [0.5, 0.5]]])  # target never says token 0 first
     p = torch.tensor([[[1.0, 0.0]]])

@@ -1,0 +1,14 @@
+# The two commands of the README. Both install what they need first (scripts/setup.sh).
+.PHONY: setup demo test protos
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	bash scripts/demo.sh
+
+test: setup
+	.venv/bin/python -m pytest -q
+
+protos: setup
+	.venv/bin/python -m specdec.protogen

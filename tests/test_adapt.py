@@ -1,0 +1,54 @@
+import pytest
+
+from coordinator.adapt import MODEL_DRAFT_PRIOR, CostModel, Costs, DraftLengthPolicy, best_length, expected_tokens
+
+
+def test_expected_tokens_matches_leviathan_formula():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)
+
+
+def test_best_length_grows_with_acceptance_and_shrinks_with_draft_cost():
+    cheap = Costs(0.01, 0.9, 0.1, 0.0)
+    costly = Costs(0.5, 0.9, 0.1, 0.0)
+    assert best_length(0.9, cheap, 16) > best_length(0.5, cheap, 16)
+    assert best_length(0.9, costly, 16) < best_length(0.9, cheap, 16)
+    assert best_length(0.05, costly, 16) == 1
+
+
+def test_threshold_rises_after_rejections_and_falls_after_full_accepts():
+    policy = DraftLengthPolicy(max_length=8)
+    start = policy.threshold
+    policy.observe(drafted=4, accepted=1)
+    assert policy.threshold > start
+    raised = policy.threshold
+    for _ in range(3):
+        policy.observe(drafted=4, accepted=4)
+    assert policy.threshold < raised
+
+
+def test_acceptance_estimate_follows_observations():
+    policy = DraftLengthPolicy(max_length=8)
+    for _ in range(30):
+        policy.observe(drafted=8, accepted=8)
+    high = policy.plan()[0]
+    assert policy.acceptance > 0.9
+    for _ in range(60):
+        policy.observe(drafted=4, accepted=0)
+    assert policy.acceptance < 0.2 and policy.plan()[0] < high
+
+
+def test_non_adaptive_policy_uses_the_fixed_length():
+    assert DraftLengthPolicy(max_length=5, adaptive=False).plan() == (5, 0.0)
+
+
+def test_cost_model_learns_seconds_from_steps():
+    model = CostModel(MODEL_DRAFT_PRIOR)
+    for _ in range(50):
+        for n in (1, 3, 5):
+            model.observe(drafted=n - 1, draft_seconds=0.004 * (n - 1), verified=n, verify_seconds=0.040 + 0.005 * n, wire_seconds=0.001)
+    costs = model.costs()
+    assert costs.draft_per_token == pytest.approx(0.004, rel=0.2)
+    assert costs.verify_per_token == pytest.approx(0.005, rel=0.3)
+    assert costs.step_seconds(0) == pytest.approx(0.046, rel=0.2)
