@@ -189,14 +189,28 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 yield pb.GenerateStreamResponse(request_id=spec.request_id, finish_reason=FINISH_REASONS[finish], stats=stats_proto(stats))
 
 
+async def _wait_for_info(client, deadline: float) -> pb.ModelInfo:
+    """GetInfo answers UNAVAILABLE while the service loads its model: keep asking until the deadline."""
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return await client.info(timeout_s=max(1.0, deadline - loop.time()))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE or loop.time() > deadline:
+                raise
+            log.info("waiting for a backend", address=client.address, reason=exc.details())
+            await asyncio.sleep(1.0)
+
+
 async def connect_backends(config: CoordinatorConfig):
     """Waits (up to startup_timeout_s) for the target and the draft, and checks they fit together."""
+    deadline = asyncio.get_running_loop().time() + config.startup_timeout_s
     target = TargetClient(config.target, config.rpc_timeout_s)
-    target_info = await target.info(timeout_s=config.startup_timeout_s)
+    target_info = await _wait_for_info(target, deadline)
     draft = draft_info = None
     if config.draft:
         draft = DraftClient(config.draft, config.rpc_timeout_s)
-        draft_info = await draft.info(timeout_s=config.startup_timeout_s)
+        draft_info = await _wait_for_info(draft, deadline)
         if draft_info.vocab_size and draft_info.vocab_size != target_info.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft_info.vocab_size}) differs from the target's ({target_info.vocab_size})")
     return target, target_info, draft, draft_info

@@ -173,12 +173,14 @@ def cmd_generate(argv: list[str]) -> int:
             print()
         return tokens, stats, finish
 
-    with grpc.insecure_channel(args.address) as channel:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=args.wait)
-        except grpc.FutureTimeoutError:
-            print(f"specdec generate: no coordinator at {args.address} (start one with `specdec up`)", file=sys.stderr)
+    deadline = time.monotonic() + args.wait
+    while not _health_ok(args.address):  # SERVING only once the models are loaded and warmed
+        if time.monotonic() > deadline:
+            print(f"specdec generate: no healthy coordinator at {args.address} after {args.wait:.0f}s "
+                  "(start one with `specdec up`)", file=sys.stderr)
             return 1
+        time.sleep(0.5)
+    with grpc.insecure_channel(args.address) as channel:
         stub = pb_grpc.CoordinatorServiceStub(channel)
         try:
             tokens, stats, finish = run(stub, build(args.draft_length), echo=True)
