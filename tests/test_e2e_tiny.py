@@ -169,3 +169,44 @@ def test_services_free_every_sequence_after_requests(env):
         generate(env["clients"]["ngram"], prompt, max_new_tokens=3)
     target, model_draft, ngram_draft = (server.servicer.engine for server in env["stack"].servers[:3])
     assert len(target.store) == 0 and len(model_draft.store) == 0 and len(ngram_draft.store) == 0
+
+
+def backend_stubs(env):
+    from protos import specdec_pb2_grpc as pb_grpc
+
+    target_server, draft_server = env["stack"].servers[0], env["stack"].servers[1]
+    target = pb_grpc.TargetServiceStub(grpc.insecure_channel(f"127.0.0.1:{target_server.port}"))
+    draft = pb_grpc.DraftServiceStub(grpc.insecure_channel(f"127.0.0.1:{draft_server.port}"))
+    return target, draft
+
+
+def expect_error(call, code, field):
+    with pytest.raises(grpc.RpcError) as info:
+        result = call()
+        if hasattr(result, "__iter__") and not isinstance(result, pb.VerifyResponse):
+            list(result)
+    assert info.value.code() == code, info.value.details()
+    assert info.value.details().startswith(field + ":"), info.value.details()
+
+
+def test_backends_reject_bad_calls_with_precise_codes(env):
+    from grpc_status import rpc_status
+    from google.rpc import error_details_pb2
+
+    target, draft = backend_stubs(env)
+    nf, inv = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT
+    expect_error(lambda: target.Verify(pb.VerifyRequest(sequence_id="nope", known_len=5, append_tokens=[1]), timeout=10), nf, "sequence_id")
+    expect_error(lambda: draft.Propose(pb.ProposeRequest(sequence_id="nope", known_len=5, append_tokens=[1], max_tokens=2), timeout=10), nf, "sequence_id")
+    expect_error(lambda: target.Verify(pb.VerifyRequest(sequence_id="x", append_tokens=[1], draft_tokens=[10**6]), timeout=10), inv, "draft_tokens")
+    expect_error(lambda: target.Verify(pb.VerifyRequest(sequence_id="x", append_tokens=[1], sampling=pb.SamplingParams(temperature=1, top_p=2)), timeout=10), inv, "sampling.top_p")
+    expect_error(lambda: draft.Propose(pb.ProposeRequest(sequence_id="x", append_tokens=[1], max_tokens=99), timeout=10), inv, "max_tokens")
+    # The rich status names the field in a google.rpc.BadRequest, for clients that read details.
+    with pytest.raises(grpc.RpcError) as info:
+        target.Verify(pb.VerifyRequest(sequence_id="x", append_tokens=[-4]), timeout=10)
+    status = rpc_status.from_call(info.value)
+    violation = error_details_pb2.BadRequest()
+    status.details[0].Unpack(violation)
+    assert violation.field_violations[0].field == "append_tokens"
+    # Releasing what does not exist is fine; the services keep serving after all of this.
+    assert not target.Release(pb.TargetServiceReleaseRequest(sequence_id="never"), timeout=10).released
+    assert generate(env["clients"]["model"], tiny.prompts()[0], max_new_tokens=2).stats.completion_tokens == 2

@@ -1,0 +1,117 @@
+"""The speculative loop in process (no gRPC), with faults injected between steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from coordinator.adapt import MODEL_DRAFT_PRIOR, CostModel
+from coordinator.local import LocalProposer, LocalVerifier
+from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
+from draft_service.engine import DraftEngine, ModelDrafter
+from specdec.lm import CausalLM
+from specdec.sampling import SamplingConfig
+from target_service.engine import TargetEngine
+from tests import tiny
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny.tiny_pair(seed=0)
+
+
+def engines(pair):
+    target_model, draft_model = pair
+    cpu = torch.device("cpu")
+    return TargetEngine(CausalLM(target_model, cpu)), DraftEngine(ModelDrafter(CausalLM(draft_model, cpu)))
+
+
+def run(loop: SpeculativeLoop, prompt: list[int], **kwargs) -> tuple[list[int], Stats]:
+    spec = GenerationSpec(request_id="r", prompt_ids=prompt, max_new_tokens=MAX_NEW, sampling=kwargs.pop("sampling", SamplingConfig()),
+                          draft_length=kwargs.pop("draft_length", 4), adaptive=kwargs.pop("adaptive", True),
+                          eos_token_ids=frozenset({tiny.EOS}), **kwargs)
+    stats = Stats()
+
+    async def collect():
+        out = []
+        async for step in loop.run(spec, stats):
+            out.extend(step.tokens)
+        return out
+
+    return asyncio.run(collect()), stats
+
+
+class EvictingVerifier(LocalVerifier):
+    """Loses every sequence before every third call, as a restarted or evicting target would."""
+
+    calls = 0
+
+    async def verify(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls % 3 == 0:
+            for sequence_id in list(self.engine.store._sequences):
+                self.engine.release(sequence_id)
+        return await super().verify(*args, **kwargs)
+
+
+class FlakyProposer(LocalProposer):
+    """Fails on its second call and on every call after the tenth: a draft that dies."""
+
+    calls = 0
+
+    async def propose(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 2 or self.calls > 10:
+            raise ConnectionError("draft is down")
+        return await super().propose(*args, **kwargs)
+
+
+def test_lost_sequences_are_refilled_and_output_is_unchanged(pair):
+    target, draft = engines(pair)
+    for prompt in tiny.prompts(6):
+        loop = SpeculativeLoop(EvictingVerifier(target), LocalProposer(draft), CostModel(MODEL_DRAFT_PRIOR), MODEL_DRAFT_PRIOR)
+        tokens, stats = run(loop, prompt)
+        assert tokens == tiny.reference_greedy(pair[0], prompt, MAX_NEW)
+    assert len(target.store) == 0 and len(draft.store) == 0
+
+
+def test_a_failing_draft_falls_back_to_the_target_alone(pair):
+    target, draft = engines(pair)
+    prompt = tiny.prompts()[2]
+    proposer = FlakyProposer(draft)
+    loop = SpeculativeLoop(LocalVerifier(target), proposer, None, MODEL_DRAFT_PRIOR)
+    tokens, stats = run(loop, prompt)
+    assert tokens == tiny.reference_greedy(pair[0], prompt, MAX_NEW)
+    assert stats.draft_failures >= 1
+
+
+def test_in_process_loop_matches_generate_for_many_lengths(pair):
+    target, draft = engines(pair)
+    loop = SpeculativeLoop(LocalVerifier(target), LocalProposer(draft), CostModel(MODEL_DRAFT_PRIOR), MODEL_DRAFT_PRIOR)
+    for prompt in tiny.prompts(5, seed=9):
+        expected = tiny.reference_greedy(pair[0], prompt, MAX_NEW)
+        for gamma in (1, 3, 8, 16):
+            assert run(loop, prompt, draft_length=gamma)[0] == expected
+
+
+def test_max_new_tokens_is_exact_even_when_a_step_overshoots(pair):
+    target, draft = engines(pair)
+    loop = SpeculativeLoop(LocalVerifier(target), LocalProposer(draft), None, MODEL_DRAFT_PRIOR)
+    prompt = tiny.prompts()[0]
+    for limit in (1, 2, 5):
+        tokens, stats = asyncio.run(_limited(loop, prompt, limit))
+        assert tokens == tiny.reference_greedy(pair[0], prompt, limit)
+        assert stats.completion_tokens == len(tokens) <= limit
+
+
+async def _limited(loop, prompt, limit):
+    spec = GenerationSpec("r", prompt, limit, SamplingConfig(), 8, False, frozenset({tiny.EOS}))
+    stats = Stats()
+    out = []
+    async for step in loop.run(spec, stats):
+        out.extend(step.tokens)
+    return out, stats
