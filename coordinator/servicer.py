@@ -17,7 +17,7 @@ from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
 from coordinator.text import TextStream
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec.errors import InvalidArgument, Unavailable
+from specdec.errors import InvalidArgument, Overloaded, Unavailable
 from specdec.grpcutil import Server, rpc_method
 from specdec.logs import bind_request
 from specdec.sampling import SamplingConfig
@@ -164,8 +164,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         except grpc.aio.AioRpcError as exc:
             # A backend failed past its retries: the client learns which, with the backend's code.
             code = exc.code()
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument("request", f"rejected by a backend: {exc.details()}") from exc
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise Overloaded(f"a backend is at capacity: {exc.details()}") from exc
             raise Unavailable(f"backend call failed with {code.name}: {exc.details()}") from exc
         log.info("request finished", completion_tokens=stats.completion_tokens, steps=stats.steps,
                  acceptance_rate=round(stats.acceptance_rate, 3), seconds=round(stats.total_seconds, 3))
