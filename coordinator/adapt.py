@@ -8,8 +8,10 @@ Two levers, both per request:
        E(g) = (1 - a^(g+1)) / (1 - a)          tokens per step at per-token acceptance a
        T(g) = g * t_draft + V(g + 1) + t_wire    seconds per step
    with a measured from this request's verdicts, t_draft (seconds per draft token), V(n) (target
-   seconds for a forward over n new tokens, fitted as V(n) = v0 + v1 * n) and t_wire from the
-   steps the coordinator has timed (shared across requests: they describe the machines).
+   seconds for a forward over n new tokens, kept per n) and t_wire from the steps the coordinator
+   has timed (shared across requests: they describe the machines). g = 0 (no drafting) wins when
+   acceptance is too low to pay for a longer target forward; a probe step now and then keeps the
+   acceptance estimate alive.
 
 Seeded requests use the static cost priors instead of measured times, so the same seed gives the
 same draft lengths, hence the same random draws, hence the same tokens on every run.
@@ -28,76 +30,81 @@ def expected_tokens(acceptance: float, gamma: int) -> float:
     return (1.0 - acceptance ** (gamma + 1)) / (1.0 - acceptance)
 
 
+MAX_VERIFY_POSITIONS = 33  # a proposal of up to 32 tokens plus the bonus position
+
+
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """Seconds per draft token, target forward cost V(n) = verify_base + verify_per_token * n, wire per step."""
+    """Seconds per draft token, target forward cost V(n) for n = 1..33 new positions, wire per step."""
 
     draft_per_token: float
-    verify_base: float
-    verify_per_token: float
+    verify: tuple[float, ...]  # verify[n - 1] = V(n)
     wire_per_step: float
 
     def step_seconds(self, gamma: int) -> float:
-        return gamma * self.draft_per_token + self.verify_base + self.verify_per_token * (gamma + 1) + self.wire_per_step
+        return gamma * self.draft_per_token + self.verify[gamma] + self.wire_per_step
 
 
-# Priors in units of one target token: a model draft costs ~0.1 of it, verifying n tokens costs
-# ~1 + 0.09 (n - 1) (DESIGN.md §4 on a 2-core CPU), and the wire a few percent on loopback.
-MODEL_DRAFT_PRIOR = Costs(draft_per_token=0.1, verify_base=0.91, verify_per_token=0.09, wire_per_step=0.03)
-NGRAM_DRAFT_PRIOR = Costs(draft_per_token=0.002, verify_base=0.91, verify_per_token=0.09, wire_per_step=0.03)
+def cost_curve(single: float, jump: float, per_token: float) -> tuple[float, ...]:
+    """V(1) = single; V(n >= 2) = single * jump + per_token * (n - 2).
+
+    On CPUs a forward over 2 tokens costs far more than over 1 (matrix-vector kernels give way to
+    matrix-matrix ones: 44 ms vs 70 ms for SmolLM2 on 2 cores), then grows slowly; on GPUs the
+    jump is near 1. Measurements replace these priors as steps are timed.
+    """
+    return tuple(single if n == 1 else single * jump + per_token * (n - 2) for n in range(1, MAX_VERIFY_POSITIONS + 1))
+
+
+# Priors in units of one target token (DESIGN.md §4, 2-core CPU): a model draft costs ~0.1 of it,
+# an n-gram lookup next to nothing, the wire a few percent on loopback.
+MODEL_DRAFT_PRIOR = Costs(draft_per_token=0.1, verify=cost_curve(1.0, 1.55, 0.03), wire_per_step=0.03)
+NGRAM_DRAFT_PRIOR = Costs(draft_per_token=0.002, verify=cost_curve(1.0, 1.55, 0.03), wire_per_step=0.03)
 
 
 class CostModel:
-    """Running estimates of step costs, from every step of every request (thread-safe)."""
+    """Running estimates of step costs from every step of every request (thread-safe).
 
-    def __init__(self, prior: Costs, decay: float = 0.95, prior_weight: float = 3.0):
+    Each quantity is a decayed mean seeded with the prior at weight `prior_weight`; V(n) is kept per
+    n, since its shape (the 1 -> 2 jump on CPUs) is what decides whether drafting pays at all.
+    """
+
+    def __init__(self, prior: Costs, decay: float = 0.97, prior_weight: float = 2.0):
         self.prior = prior
         self.decay = decay
         self._lock = threading.Lock()
         w = prior_weight
-        self._draft = [prior.draft_per_token * w, w]  # [seconds, tokens]
-        self._wire = [prior.wire_per_step * w, w]  # [seconds, steps]
-        # Weighted least squares sums for V(n) = b0 + b1 * n, seeded with the prior at n = 1 and 8.
-        self._sums = [0.0] * 5  # [sum w, sum w n, sum w n^2, sum w t, sum w n t]
-        for n in (1, 8):
-            self._add_verify(n, prior.verify_base + prior.verify_per_token * n, w)
+        self._draft = [prior.draft_per_token * w, w]  # [decayed seconds, decayed tokens]
+        self._wire = [prior.wire_per_step * w, w]  # [decayed seconds, decayed steps]
+        self._verify = [[v * w, w] for v in prior.verify]  # per n: [decayed seconds, decayed count]
         self._scaled = False
-
-    def _add_verify(self, n: int, seconds: float, weight: float) -> None:
-        s = self._sums
-        for i, value in enumerate((weight, weight * n, weight * n * n, weight * seconds, weight * n * seconds)):
-            s[i] = s[i] * self.decay + value
 
     def observe(self, drafted: int, draft_seconds: float, verified: int, verify_seconds: float, wire_seconds: float) -> None:
         with self._lock:
             if not self._scaled:
-                # The priors are in target-token units; the first real step tells the unit in seconds.
-                self._rescale(verify_seconds / max(self.prior.verify_base + self.prior.verify_per_token * verified, 1e-9))
+                # The priors are in target-token units; the first timed step gives the unit in seconds.
+                self._rescale(verify_seconds / self.prior.verify[verified - 1])
             if drafted:
                 self._draft = [self._draft[0] * self.decay + draft_seconds, self._draft[1] * self.decay + drafted]
-            self._add_verify(verified, verify_seconds, 1.0)
+            cell = self._verify[min(verified, MAX_VERIFY_POSITIONS) - 1]
+            cell[0], cell[1] = cell[0] * self.decay + verify_seconds, cell[1] * self.decay + 1
             self._wire = [self._wire[0] * self.decay + wire_seconds, self._wire[1] * self.decay + 1]
 
     def _rescale(self, unit: float) -> None:
         self._draft[0] *= unit
         self._wire[0] *= unit
-        for i in (3, 4):
-            self._sums[i] *= unit
+        for cell in self._verify:
+            cell[0] *= unit
         self._scaled = True
 
     def costs(self) -> Costs:
         with self._lock:
-            sw, sn, snn, st, snt = self._sums
-            det = sw * snn - sn * sn
-            slope = (sw * snt - sn * st) / det if det > 1e-12 else 0.0
-            slope = max(slope, 0.0)  # a forward over more tokens never costs less
-            base = (st - slope * sn) / sw
-            return Costs(self._draft[0] / self._draft[1], base, slope, self._wire[0] / self._wire[1])
+            verify = tuple(seconds / count for seconds, count in self._verify)
+            return Costs(self._draft[0] / self._draft[1], verify, self._wire[0] / self._wire[1])
 
 
 def best_length(acceptance: float, costs: Costs, max_length: int) -> int:
-    """The draft length in [1, max_length] with the most expected tokens per second."""
-    return max(range(1, max_length + 1), key=lambda g: expected_tokens(acceptance, g) / costs.step_seconds(g))
+    """The draft length in [0, max_length] with the most expected tokens per second (0: don't draft)."""
+    return max(range(0, max_length + 1), key=lambda g: expected_tokens(acceptance, g) / costs.step_seconds(g))
 
 
 @dataclasses.dataclass
@@ -116,6 +123,8 @@ class DraftLengthPolicy:
     accepted_weight: float = 2.0  # prior: a = 2 / (2 + 1) ~ 0.67
     rejected_weight: float = 1.0
     decay: float = 0.9
+    probe_every: int = 8  # when not drafting pays, still draft every this many steps
+    idle_steps: int = 0
 
     @property
     def acceptance(self) -> float:
@@ -127,7 +136,15 @@ class DraftLengthPolicy:
         if not self.adaptive or self.max_length == 0:
             return self.max_length, 0.0
         costs = self.cost_model.costs() if self.cost_model is not None else self.prior
-        return best_length(self.acceptance, costs, self.max_length), self.threshold
+        gamma = best_length(self.acceptance, costs, self.max_length)
+        if gamma == 0:
+            # Not drafting is best at the acceptance seen so far; draft once in a while anyway, or
+            # the estimate could never recover when the text turns predictable.
+            self.idle_steps += 1
+            if self.idle_steps % self.probe_every:
+                return 0, self.threshold
+            gamma = max(1, min(self.max_length, 4))
+        return gamma, self.threshold
 
     def observe(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
