@@ -123,8 +123,11 @@ class DraftLengthPolicy:
     accepted_weight: float = 2.0  # prior: a = 2 / (2 + 1) ~ 0.67
     rejected_weight: float = 1.0
     decay: float = 0.9
-    probe_every: int = 8  # when not drafting pays, still draft every this many steps
+    min_probe_every: int = 8  # when not drafting pays, still draft every this many steps...
+    max_probe_every: int = 32  # ...backing off to this while probes find nothing
+    probe_every: int = 8
     idle_steps: int = 0
+    probing: bool = False
 
     @property
     def acceptance(self) -> float:
@@ -137,16 +140,23 @@ class DraftLengthPolicy:
             return self.max_length, 0.0
         costs = self.cost_model.costs() if self.cost_model is not None else self.prior
         gamma = best_length(self.acceptance, costs, self.max_length)
+        self.probing = False
         if gamma == 0:
             # Not drafting is best at the acceptance seen so far; draft once in a while anyway, or
-            # the estimate could never recover when the text turns predictable.
+            # the estimate could never recover when the text turns predictable. Probes that find
+            # nothing come ever more rarely (up to every 8 * 4 steps).
             self.idle_steps += 1
             if self.idle_steps % self.probe_every:
                 return 0, self.threshold
-            gamma = max(1, min(self.max_length, 4))
+            self.probing = True
+            gamma = min(self.max_length, 4)
+        else:
+            self.probe_every = self.min_probe_every
         return gamma, self.threshold
 
     def observe(self, drafted: int, accepted: int) -> None:
+        if self.probing and accepted == 0:
+            self.probe_every = min(self.max_probe_every, self.probe_every * 2)
         if drafted == 0:
             return
         rejected = 1 if accepted < drafted else 0

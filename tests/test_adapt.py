@@ -30,6 +30,11 @@ def test_policy_probes_now_and_then_when_not_drafting():
         policy.observe(drafted=4, accepted=0)
     plans = [policy.plan()[0] for _ in range(16)]
     assert plans.count(0) == 14 and all(g > 0 for g in plans if g)
+    for _ in range(4):  # probes that find nothing come ever more rarely
+        while policy.plan()[0] == 0:
+            pass
+        policy.observe(drafted=4, accepted=0)
+    assert policy.probe_every == policy.max_probe_every
 
 
 def test_threshold_rises_after_rejections_and_falls_after_full_accepts():
