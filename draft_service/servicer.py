@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 
 import structlog
 
@@ -11,48 +10,34 @@ from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter, NgramDrafter
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec.errors import Unavailable
-from specdec.grpcutil import Server, rpc_method
+from specdec.grpcutil import EngineHost, Server, rpc_method
 
 log = structlog.get_logger(__name__)
 _DONE = object()
 
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
-    """Registered before the server starts; answers UNAVAILABLE until `attach` hands it the engine."""
-
     def __init__(self):
-        self._engine: DraftEngine | None = None
-        self.info = pb.ModelInfo()
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
-
-    def attach(self, engine: DraftEngine, info: pb.ModelInfo) -> None:
-        self.info = info
-        self._engine = engine
+        self.host = EngineHost("draft")
 
     @property
     def engine(self) -> DraftEngine:
-        if self._engine is None:
-            raise Unavailable("the draft model is still loading")
-        return self._engine
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return self.host.engine
 
     @rpc_method
     async def GetInfo(self, request, context):
         self.engine  # noqa: B018 - raises UNAVAILABLE while loading
-        return pb.DraftServiceGetInfoResponse(info=self.info)
+        return pb.DraftServiceGetInfoResponse(info=self.host.info)
 
     @rpc_method
     async def Propose(self, request: pb.ProposeRequest, context):
         settings = DraftSettings(request.max_tokens, request.min_cumulative_prob, request.temperature, request.seed)
-        proposals = await self._run(
+        proposals = await self.host.run(
             self.engine.propose, request.sequence_id, request.known_len, list(request.append_tokens), settings
         )
         while True:
             # Each token is drafted on the worker thread and sent the moment it exists.
-            proposal = await self._run(next, proposals, _DONE)
+            proposal = await self.host.run(next, proposals, _DONE)
             if proposal is _DONE:
                 return
             message = pb.ProposeResponse(
@@ -67,7 +52,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     @rpc_method
     async def Release(self, request, context):
-        released = await self._run(self.engine.release, request.sequence_id)
+        released = await self.host.run(self.engine.release, request.sequence_id)
         return pb.DraftServiceReleaseResponse(released=released)
 
 
@@ -104,8 +89,8 @@ async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signal
     if signals:
         server.install_signal_handlers(config.grace_s)
     log.info("draft listening", port=server.port, drafter=config.drafter, model=config.model)
-    engine, info = await asyncio.get_running_loop().run_in_executor(servicer.executor, build_engine, config)
-    servicer.attach(engine, info)
+    engine, info = await servicer.host.run(build_engine, config)
+    servicer.host.attach(engine, info)
     await server.mark_serving()
     log.info("draft serving", port=server.port)
     server.servicer = servicer  # lets tests and tools inspect the engine behind the server

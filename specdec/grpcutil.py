@@ -7,6 +7,7 @@ exceptions into precise status codes here, in one place (INTERNAL only for real 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import inspect
 import signal
@@ -21,7 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from specdec.errors import InvalidArgument, SpecdecError
+from specdec.errors import InvalidArgument, SpecdecError, Unavailable
 from specdec.logs import REQUEST_ID_METADATA, bind_request
 
 log = structlog.get_logger(__name__)
@@ -139,3 +140,31 @@ class Server:
     async def wait(self) -> None:
         await self._stopped.wait()
         await self.server.wait_for_termination()
+
+
+class EngineHost:
+    """What the draft and target servicers share: an engine that arrives after the server starts,
+    and one worker thread that runs every model call in arrival order, off the event loop.
+
+    The servicer is registered before the server starts (gRPC wants handlers first), so until
+    `attach` it answers UNAVAILABLE while health says NOT_SERVING.
+    """
+
+    def __init__(self, role: str):
+        self.role = role
+        self._engine = None
+        self.info = None
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=role)
+
+    def attach(self, engine, info) -> None:
+        self.info = info
+        self._engine = engine
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            raise Unavailable(f"the {self.role} model is still loading")
+        return self._engine
+
+    async def run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

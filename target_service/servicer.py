@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 
 import structlog
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec.errors import Unavailable
-from specdec.grpcutil import Server, rpc_method
+from specdec.grpcutil import EngineHost, Server, rpc_method
 from specdec.sampling import SamplingConfig
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
@@ -29,43 +27,23 @@ def sampling_from_proto(params: pb.SamplingParams) -> SamplingConfig:
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
-    """Registered before the server starts; answers UNAVAILABLE until `attach` hands it the engine."""
-
     def __init__(self):
-        self._engine: TargetEngine | None = None
-        self.info = pb.ModelInfo()
         # One worker: the model runs one forward at a time, in arrival order (batching comes later).
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="target")
-
-    def attach(self, engine: TargetEngine, model_name: str, device: str, dtype: str) -> None:
-        self.info = pb.ModelInfo(
-            model=model_name,
-            vocab_size=engine.lm.vocab_size,
-            max_context=engine.lm.max_context,
-            eos_token_ids=engine.lm.eos_token_ids,
-            device=device,
-            dtype=dtype,
-        )
-        self._engine = engine
+        self.host = EngineHost("target")
 
     @property
     def engine(self) -> TargetEngine:
-        if self._engine is None:
-            raise Unavailable("the target model is still loading")
-        return self._engine
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        return self.host.engine
 
     @rpc_method
     async def GetInfo(self, request, context):
         self.engine  # noqa: B018 - raises UNAVAILABLE while loading
-        return pb.TargetServiceGetInfoResponse(info=self.info)
+        return pb.TargetServiceGetInfoResponse(info=self.host.info)
 
     @rpc_method
     async def Verify(self, request: pb.VerifyRequest, context):
         dists = [(list(d.token_ids), list(d.probs)) for d in request.draft_dists]
-        result = await self._run(
+        result = await self.host.run(
             self.engine.verify,
             request.sequence_id,
             request.known_len,
@@ -83,7 +61,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     @rpc_method
     async def Release(self, request, context):
-        released = await self._run(self.engine.release, request.sequence_id)
+        released = await self.host.run(self.engine.release, request.sequence_id)
         return pb.TargetServiceReleaseResponse(released=released)
 
 
@@ -104,8 +82,12 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     log.info("target listening", port=server.port, model=config.model)
     loaded = await asyncio.to_thread(load_model, config.model, config.device, config.dtype)
     engine = TargetEngine(CausalLM(loaded.model, loaded.device), config.max_sequences, config.idle_timeout_s)
-    await servicer._run(engine.warm_up)
-    servicer.attach(engine, config.model, str(loaded.device), str(loaded.dtype).removeprefix("torch."))
+    await servicer.host.run(engine.warm_up)
+    info = pb.ModelInfo(
+        model=config.model, vocab_size=engine.lm.vocab_size, max_context=engine.lm.max_context,
+        eos_token_ids=engine.lm.eos_token_ids, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
+    )
+    servicer.host.attach(engine, info)
     await server.mark_serving()
     log.info("target serving", port=server.port, vocab_size=engine.lm.vocab_size)
     server.servicer = servicer  # lets tests and tools inspect the engine behind the server
