@@ -176,7 +176,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         token_ids: list[int] = []
         pieces: list[str] = []
-        async for spec, tokens, piece, finish, stats in self._generate(request):
+        async for spec, tokens, piece, finish, stats in self._generate(request):  # noqa: B007 - the last step's values are used below
             token_ids.extend(tokens)
             pieces.append(piece)
         return pb.GenerateResponse(request_id=spec.request_id, text="".join(pieces), token_ids=token_ids,

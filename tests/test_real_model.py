@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import os
-import pathlib
 import re
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
