@@ -16,6 +16,8 @@ class CoordinatorConfig:
 
     host: str = option("127.0.0.1", "Address to listen on (0.0.0.0 in a container).")
     port: int = option(50051, "Port to listen on; 0 picks a free one.")
+    http_port: int = option(8000, "Port of the OpenAI-compatible HTTP API, /health and /metrics; 0 picks a free one, -1 disables it.")
+    api_token: str = option("", "Bearer token the public APIs require (gRPC metadata `authorization` and HTTP); empty: open.")
     target: str = option("127.0.0.1:50052", "Address of the target service.")
     draft: str = option("127.0.0.1:50053", "Address of the draft service; empty turns speculation off.")
     tokenizer: str = option(DEFAULT_TARGET, "Tokenizer of the target model: alias, hub id, folder or .gguf file.")

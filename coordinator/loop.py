@@ -79,6 +79,7 @@ class Stats:
     completion_tokens: int = 0
     steps: int = 0
     draft_tokens: int = 0
+    draft_steps: int = 0  # steps that verified at least one draft token
     accepted_tokens: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -203,6 +204,7 @@ class SpeculativeLoop:
         drafted, accepted = len(draft.tokens), verdict.accepted
         stats.steps += 1
         stats.draft_tokens += drafted
+        stats.draft_steps += 1 if drafted else 0
         stats.accepted_tokens += accepted
         stats.draft_seconds += draft.compute_seconds
         stats.verify_seconds += verdict.compute_seconds

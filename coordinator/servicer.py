@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import random
+import time
 import uuid
 
 import grpc
@@ -17,7 +19,8 @@ from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
 from coordinator.text import TextStream
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec.errors import InvalidArgument, Overloaded, Unavailable
+from specdec import metrics
+from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
 from specdec.grpcutil import Server, rpc_method
 from specdec.logs import bind_request
 from specdec.sampling import SamplingConfig
@@ -49,6 +52,22 @@ def stats_proto(stats: Stats) -> pb.GenerationStats:
         accepted_per_position=stats.accepted_per_position,
         wire_bytes=stats.wire_bytes,
     )
+
+
+def record_request(m: metrics.CoordinatorMetrics, stats: Stats) -> None:
+    """Adds a request's statistics to the counters, so /metrics agrees with the responses."""
+    m.prompt_tokens.inc(stats.prompt_tokens)
+    m.generation_tokens.inc(stats.completion_tokens)
+    m.steps.inc(stats.steps)
+    m.num_drafts.inc(stats.draft_steps)
+    m.num_draft_tokens.inc(stats.draft_tokens)
+    m.num_accepted_tokens.inc(stats.accepted_tokens)
+    for position, count in enumerate(stats.accepted_per_position):
+        if count:
+            m.accepted_per_pos.labels(str(position)).inc(count)
+    if stats.completion_tokens:
+        m.ttft.observe(stats.time_to_first_token_seconds)
+        m.e2e.observe(stats.total_seconds)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
@@ -144,13 +163,23 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         return spec, list(request.stop)
 
     async def _generate(self, request):
-        """Yields (token_ids, text piece, finish reason or None, stats) per step."""
-        spec, stop = self._spec(request)
+        """Yields (spec, token_ids, text piece, finish reason or None, stats) per step.
+
+        Shared by the gRPC methods and the HTTP API; records the request's metrics.
+        """
+        m = metrics.coordinator()
+        try:
+            spec, stop = self._spec(request)
+        except SpecdecError as exc:
+            m.failures.labels(exc.code.name).inc()
+            raise
         bind_request(spec.request_id)
         log.info("request started", prompt_tokens=len(spec.prompt_ids), max_new_tokens=spec.max_new_tokens,
                  temperature=spec.sampling.temperature, draft_length=spec.draft_length, adaptive=spec.adaptive)
         stats = Stats()
         text = TextStream(self.tokenizer, stop)
+        m.running.inc()
+        last_emit = time.perf_counter()
         try:
             async with contextlib.aclosing(self.loop.run(spec, stats)) as steps:
                 async for step in steps:
@@ -158,17 +187,30 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                     finish = "stop" if text.stopped_at is not None else step.finish_reason
                     if keep < len(step.tokens):
                         stats.completion_tokens -= len(step.tokens) - keep
+                    now = time.perf_counter()
+                    if stats.steps > 1 and keep:
+                        for _ in range(keep):
+                            m.itl.observe((now - last_emit) / keep)
+                    last_emit = now
                     yield spec, step.tokens[:keep], piece, finish, stats
                     if finish:
+                        m.requests.labels(finish).inc()
                         break
         except grpc.aio.AioRpcError as exc:
             # A backend failed past its retries: the client learns which, with the backend's code.
             code = exc.code()
+            m.failures.labels(code.name).inc()
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument("request", f"rejected by a backend: {exc.details()}") from exc
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise Overloaded(f"a backend is at capacity: {exc.details()}") from exc
             raise Unavailable(f"backend call failed with {code.name}: {exc.details()}") from exc
+        except SpecdecError as exc:
+            m.failures.labels(exc.code.name).inc()
+            raise
+        finally:
+            m.running.dec()
+            record_request(m, stats)
         log.info("request finished", completion_tokens=stats.completion_tokens, steps=stats.steps,
                  acceptance_rate=round(stats.acceptance_rate, 3), seconds=round(stats.total_seconds, 3))
 
@@ -221,12 +263,18 @@ async def connect_backends(config: CoordinatorConfig):
 async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, signals: bool = True, tokenizer=None) -> None:
     """Binds at once (health NOT_SERVING); SERVING once the tokenizer and both backends are ready."""
     servicer = CoordinatorServicer(config)
-    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["CoordinatorService"].full_name])
+    service_name = pb.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
+    interceptors = [TokenAuth(config.api_token, service_name)] if config.api_token else []
+    server = Server(config.host, config.port, [service_name], interceptors=interceptors)
     pb_grpc.add_CoordinatorServiceServicer_to_server(servicer, server.server)
     await server.start()
+    metrics.coordinator()
+    http = await start_http(servicer, config) if config.http_port >= 0 else None
+    server.http = http
     if signals:
         server.install_signal_handlers(config.grace_s)
-    log.info("coordinator listening", port=server.port, target=config.target, draft=config.draft or None)
+    log.info("coordinator listening", port=server.port, http_port=http.port if http else None,
+             target=config.target, draft=config.draft or None)
     if tokenizer is None:
         from specdec.models import load_tokenizer
 
@@ -240,3 +288,67 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, 
     if ready is not None:
         ready.set_result(server)
     await server.wait()
+
+
+class HttpServer:
+    """uvicorn inside the coordinator's event loop, beside the gRPC server."""
+
+    def __init__(self, server, task):
+        self.server, self.task = server, task
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        await self.task
+
+
+async def start_http(servicer: CoordinatorServicer, config: CoordinatorConfig) -> HttpServer:
+    import uvicorn
+
+    from coordinator.http import build_app
+
+    app = build_app(servicer, model_name=config.tokenizer, api_token=config.api_token)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off"))
+    server.install_signal_handlers = lambda: None  # the gRPC server owns SIGTERM
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()  # raises the bind error
+        await asyncio.sleep(0.01)
+    return HttpServer(server, task)
+
+
+class TokenAuth(grpc.aio.ServerInterceptor):
+    """Bearer-token check on the public service; health and reflection stay open for probes."""
+
+    def __init__(self, token: str, service: str):
+        self.token, self.prefix = token, f"/{service}/"
+
+    async def intercept_service(self, continuation, details):
+        if not details.method.startswith(self.prefix):
+            return await continuation(details)
+        header = dict(details.invocation_metadata or ()).get("authorization", "")
+        streaming = details.method.endswith("Stream")
+        if not header.startswith("Bearer "):
+            return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token in `authorization` metadata", streaming)
+        if not hmac.compare_digest(header.removeprefix("Bearer ").strip(), self.token):
+            return _deny(grpc.StatusCode.PERMISSION_DENIED, "invalid bearer token", streaming)
+        return await continuation(details)
+
+
+def _deny(code: grpc.StatusCode, message: str, streaming: bool):
+    """A handler that only aborts, of the same kind (unary or server streaming) as the method."""
+
+    async def unary(request, context):
+        await context.abort(code, message)
+
+    async def stream(request, context):
+        await context.abort(code, message)
+        yield  # pragma: no cover - never reached; makes this an async generator
+
+    if streaming:
+        return grpc.unary_stream_rpc_method_handler(stream)
+    return grpc.unary_unary_rpc_method_handler(unary)

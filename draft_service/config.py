@@ -15,6 +15,7 @@ class DraftConfig:
 
     host: str = option("127.0.0.1", "Address to listen on (0.0.0.0 in a container).")
     port: int = option(50053, "Port to listen on; 0 picks a free one.")
+    metrics_port: int = option(8003, "Port of the Prometheus /metrics endpoint; 0 picks a free one, -1 disables it.")
     drafter: str = option("ngram", "ngram (prompt lookup, no weights) or model (a small causal LM, --model).", choices=("ngram", "model"))
     model: str = option("", "Draft model for --drafter model: alias, hub id, local folder or .gguf file.")
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")

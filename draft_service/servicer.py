@@ -10,6 +10,7 @@ from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter, NgramDrafter
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
+from specdec import metrics
 from specdec.grpcutil import EngineHost, Server, rpc_method
 
 log = structlog.get_logger(__name__)
@@ -35,11 +36,17 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         proposals = await self.host.run(
             self.engine.propose, request.sequence_id, request.known_len, list(request.append_tokens), settings
         )
+        m = metrics.draft()
+        compute = 0.0
         while True:
             # Each token is drafted on the worker thread and sent the moment it exists.
             proposal = await self.host.run(next, proposals, _DONE)
             if proposal is _DONE:
+                m.propose_seconds.observe(compute)
+                m.sequences.set(len(self.engine.store))
                 return
+            m.proposed_tokens.inc()
+            compute = proposal.compute_seconds
             message = pb.ProposeResponse(
                 token_id=proposal.token,
                 cumulative_prob=proposal.cumulative_prob,
@@ -84,11 +91,13 @@ async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signal
     """Binds at once (health NOT_SERVING), loads and warms the drafter, then reports SERVING."""
     servicer = DraftServicer()
     server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["DraftService"].full_name])
+    metrics.draft()
+    metrics_port = metrics.serve_http(config.metrics_port, config.host)
     pb_grpc.add_DraftServiceServicer_to_server(servicer, server.server)
     await server.start()
     if signals:
         server.install_signal_handlers(config.grace_s)
-    log.info("draft listening", port=server.port, drafter=config.drafter, model=config.model)
+    log.info("draft listening", port=server.port, drafter=config.drafter, model=config.model, metrics_port=metrics_port)
     engine, info = await servicer.host.run(build_engine, config)
     servicer.host.attach(engine, info)
     await server.mark_serving()

@@ -100,8 +100,9 @@ class Server:
     and again as soon as shutdown starts, so load balancers stop routing before requests are cut.
     """
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str], max_concurrent_rpcs: int | None = None):
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs)
+    def __init__(self, host: str, port: int, service_names: Iterable[str], max_concurrent_rpcs: int | None = None, interceptors=()):
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs, interceptors=list(interceptors))
+        self.http = None  # an HTTP server to stop with this one (the coordinator's API)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.service_names = list(service_names)
@@ -130,6 +131,8 @@ class Server:
     async def stop(self, grace: float) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
+        if self.http is not None:
+            await self.http.stop()
         self._stopped.set()
 
     def install_signal_handlers(self, grace: float) -> None:

@@ -16,6 +16,7 @@ class TargetConfig:
 
     host: str = option("127.0.0.1", "Address to listen on (0.0.0.0 in a container).")
     port: int = option(50052, "Port to listen on; 0 picks a free one.")
+    metrics_port: int = option(8002, "Port of the Prometheus /metrics endpoint; 0 picks a free one, -1 disables it.")
     model: str = option(DEFAULT_TARGET, "Target model: alias, hub id, local folder or .gguf file.")
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16 or bfloat16.")

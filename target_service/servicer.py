@@ -8,6 +8,7 @@ import structlog
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
+from specdec import metrics
 from specdec.grpcutil import EngineHost, Server, rpc_method
 from specdec.sampling import SamplingConfig
 from target_service.config import TargetConfig
@@ -52,6 +53,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             dists,
             sampling_from_proto(request.sampling),
         )
+        m = metrics.target()
+        m.verify_seconds.observe(result.compute_seconds)
+        m.batch_size.observe(1)
+        m.draft_tokens.inc(len(request.draft_tokens))
+        m.accepted_tokens.inc(result.accepted)
+        m.sequences.set(len(self.engine.store))
         return pb.VerifyResponse(
             accepted=result.accepted,
             next_token=result.next_token,
@@ -75,11 +82,13 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
 
     servicer = TargetServicer()
     server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["TargetService"].full_name])
+    metrics.target()
+    metrics_port = metrics.serve_http(config.metrics_port, config.host)
     pb_grpc.add_TargetServiceServicer_to_server(servicer, server.server)
     await server.start()
     if signals:
         server.install_signal_handlers(config.grace_s)
-    log.info("target listening", port=server.port, model=config.model)
+    log.info("target listening", port=server.port, model=config.model, metrics_port=metrics_port)
     loaded = await asyncio.to_thread(load_model, config.model, config.device, config.dtype)
     engine = TargetEngine(CausalLM(loaded.model, loaded.device), config.max_sequences, config.idle_timeout_s)
     await servicer.host.run(engine.warm_up)

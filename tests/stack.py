@@ -43,13 +43,13 @@ class Stack:
         return f"127.0.0.1:{server.port}"
 
     def target(self, model: str, **overrides) -> str:
-        return self._start(serve_target, dataclasses.replace(TargetConfig(port=0, model=model, device="cpu"), **overrides))
+        return self._start(serve_target, dataclasses.replace(TargetConfig(port=0, metrics_port=-1, model=model, device="cpu"), **overrides))
 
     def draft(self, **overrides) -> str:
-        return self._start(serve_draft, dataclasses.replace(DraftConfig(port=0, device="cpu"), **overrides))
+        return self._start(serve_draft, dataclasses.replace(DraftConfig(port=0, metrics_port=-1, device="cpu"), **overrides))
 
     def coordinator(self, target: str, draft: str, tokenizer, **overrides) -> str:
-        config = dataclasses.replace(CoordinatorConfig(port=0, target=target, draft=draft, startup_timeout_s=60), **overrides)
+        config = dataclasses.replace(CoordinatorConfig(port=0, http_port=-1, target=target, draft=draft, startup_timeout_s=60), **overrides)
         return self._start(serve_coordinator, config, tokenizer=tokenizer)
 
     def client(self, address: str) -> pb_grpc.CoordinatorServiceStub:
