@@ -39,8 +39,11 @@ _SERVICE_CONFIG = json.dumps({
 })
 
 
-def open_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)])
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    options = [*CHANNEL_OPTIONS, ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+    if credentials is not None:
+        return grpc.aio.secure_channel(address, credentials, options=options)
+    return grpc.aio.insecure_channel(address, options=options)
 
 
 def _metadata() -> tuple[tuple[str, str], ...]:
@@ -53,9 +56,9 @@ def _sampling_proto(sampling: SamplingConfig) -> pb.SamplingParams:
 
 
 class TargetClient:
-    def __init__(self, address: str, timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None):
         self.address = address
-        self.channel = open_channel(address)
+        self.channel = open_channel(address, credentials)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout_s = timeout_s
 
@@ -90,9 +93,9 @@ class TargetClient:
 
 
 class DraftClient:
-    def __init__(self, address: str, timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None):
         self.address = address
-        self.channel = open_channel(address)
+        self.channel = open_channel(address, credentials)
         self.stub = pb_grpc.DraftServiceStub(self.channel)
         self.timeout_s = timeout_s
 

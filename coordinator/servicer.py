@@ -19,7 +19,7 @@ from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
 from coordinator.text import TextStream
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec import metrics
+from specdec import metrics, tls
 from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
 from specdec.grpcutil import Server, rpc_method
 from specdec.logs import bind_request
@@ -249,11 +249,12 @@ async def _wait_for_info(client, deadline: float) -> pb.ModelInfo:
 async def connect_backends(config: CoordinatorConfig):
     """Waits (up to startup_timeout_s) for the target and the draft, and checks they fit together."""
     deadline = asyncio.get_running_loop().time() + config.startup_timeout_s
-    target = TargetClient(config.target, config.rpc_timeout_s)
+    credentials = tls.channel_credentials(config.backend_tls_ca, config.backend_tls_cert, config.backend_tls_key)
+    target = TargetClient(config.target, config.rpc_timeout_s, credentials)
     target_info = await _wait_for_info(target, deadline)
     draft = draft_info = None
     if config.draft:
-        draft = DraftClient(config.draft, config.rpc_timeout_s)
+        draft = DraftClient(config.draft, config.rpc_timeout_s, credentials)
         draft_info = await _wait_for_info(draft, deadline)
         if draft_info.vocab_size and draft_info.vocab_size != target_info.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft_info.vocab_size}) differs from the target's ({target_info.vocab_size})")
@@ -265,7 +266,8 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, 
     servicer = CoordinatorServicer(config)
     service_name = pb.DESCRIPTOR.services_by_name["CoordinatorService"].full_name
     interceptors = [TokenAuth(config.api_token, service_name)] if config.api_token else []
-    server = Server(config.host, config.port, [service_name], interceptors=interceptors)
+    credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
+    server = Server(config.host, config.port, [service_name], interceptors=interceptors, credentials=credentials)
     pb_grpc.add_CoordinatorServiceServicer_to_server(servicer, server.server)
     await server.start()
     metrics.coordinator()

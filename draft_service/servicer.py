@@ -10,7 +10,7 @@ from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter, NgramDrafter
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec import metrics
+from specdec import metrics, tls
 from specdec.grpcutil import EngineHost, Server, rpc_method
 
 log = structlog.get_logger(__name__)
@@ -90,7 +90,8 @@ def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
 async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signals: bool = True) -> None:
     """Binds at once (health NOT_SERVING), loads and warms the drafter, then reports SERVING."""
     servicer = DraftServicer()
-    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["DraftService"].full_name])
+    credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
+    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["DraftService"].full_name], credentials=credentials)
     metrics.draft()
     metrics_port = metrics.serve_http(config.metrics_port, config.host)
     pb_grpc.add_DraftServiceServicer_to_server(servicer, server.server)

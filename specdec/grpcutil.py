@@ -100,7 +100,8 @@ class Server:
     and again as soon as shutdown starts, so load balancers stop routing before requests are cut.
     """
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str], max_concurrent_rpcs: int | None = None, interceptors=()):
+    def __init__(self, host: str, port: int, service_names: Iterable[str], max_concurrent_rpcs: int | None = None,
+                 interceptors=(), credentials: grpc.ServerCredentials | None = None):
         self.server = grpc.aio.server(options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs, interceptors=list(interceptors))
         self.http = None  # an HTTP server to stop with this one (the coordinator's API)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -110,7 +111,8 @@ class Server:
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.port = self.server.add_secure_port(address, credentials) if credentials else self.server.add_insecure_port(address)
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self._stopped = asyncio.Event()

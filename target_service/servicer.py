@@ -8,7 +8,7 @@ import structlog
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec import metrics
+from specdec import metrics, tls
 from specdec.grpcutil import EngineHost, Server, rpc_method
 from specdec.sampling import SamplingConfig
 from target_service.config import TargetConfig
@@ -81,7 +81,8 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     from specdec.models import load_model
 
     servicer = TargetServicer()
-    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["TargetService"].full_name])
+    credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
+    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], credentials=credentials)
     metrics.target()
     metrics_port = metrics.serve_http(config.metrics_port, config.host)
     pb_grpc.add_TargetServiceServicer_to_server(servicer, server.server)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import re
+import subprocess
 import urllib.error
 import urllib.request
 
@@ -12,6 +14,7 @@ import openai
 import pytest
 
 from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
 from tests import tiny
 from tests.stack import Stack
 
@@ -156,3 +159,29 @@ def test_metrics_counters_match_response_statistics(env):
     # The target's own counters (same process in this test) saw the same draft tokens.
     assert delta("specdec:target_spec_decode_num_draft_tokens_total") == totals["draft"]
     assert any(re.match(r"specdec:time_to_first_token_seconds_count", k) for k in after)
+
+
+def test_mutual_tls_between_coordinator_and_backends(tmp_path):
+    """Draft and target demand client certificates; the coordinator presents one; others are refused."""
+    certs = tmp_path / "certs"
+    subprocess.run(["bash", "scripts/make_dev_certs.sh", str(certs)], check=True, capture_output=True,
+                   cwd=pathlib.Path(__file__).resolve().parent.parent)
+    server_tls = dict(tls_cert=str(certs / "server.pem"), tls_key=str(certs / "server.key"), tls_ca=str(certs / "ca.pem"))
+    target, draft = tiny.tiny_pair(seed=1)
+    stack = Stack()
+    try:
+        target_addr = stack.target(tiny.save(target, tmp_path / "t"), host="localhost", **server_tls).replace("127.0.0.1", "localhost")
+        draft_addr = stack.draft(drafter="model", model=tiny.save(draft, tmp_path / "d"), host="localhost", **server_tls).replace("127.0.0.1", "localhost")
+        coordinator = stack.coordinator(target_addr, draft_addr, tiny.byte_tokenizer(), backend_tls_ca=str(certs / "ca.pem"),
+                                        backend_tls_cert=str(certs / "client.pem"), backend_tls_key=str(certs / "client.key"))
+        response = stack.client(coordinator).Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_new_tokens=6), timeout=60)
+        assert list(response.token_ids) == tiny.reference_greedy(target, [1, 2, 3], 6)
+        # Plaintext, and TLS without a client certificate, are both refused by the target.
+        for channel in (grpc.insecure_channel(target_addr),
+                        grpc.secure_channel(target_addr, grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes()))):
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.TargetServiceStub(channel).GetInfo(pb.TargetServiceGetInfoRequest(), timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            channel.close()
+    finally:
+        stack.stop()
