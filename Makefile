@@ -8,6 +8,7 @@ demo: setup
 	bash scripts/demo.sh
 
 test: setup
+	bash scripts/setup_clients.sh
 	.venv/bin/python -m pytest -q
 
 protos: setup

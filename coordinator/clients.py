@@ -7,6 +7,7 @@ prefix it builds on, so a repeated call crops to it and computes the same thing 
 
 from __future__ import annotations
 
+import contextvars
 import json
 import time
 
@@ -16,7 +17,7 @@ import structlog
 from coordinator.loop import DraftOutcome, Dist, VerifyOutcome
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec.errors import SequenceNotFound
+from specdec.errors import DeadlineExceeded, SequenceNotFound
 from specdec.grpcutil import CHANNEL_OPTIONS
 from specdec.logs import REQUEST_ID_METADATA
 from specdec.sampling import SamplingConfig
@@ -44,6 +45,22 @@ def open_channel(address: str, credentials: grpc.ChannelCredentials | None = Non
     if credentials is not None:
         return grpc.aio.secure_channel(address, credentials, options=options)
     return grpc.aio.insecure_channel(address, options=options)
+
+
+# The client's deadline (time.monotonic() seconds) of the request being served, if it set one: every
+# internal call gets at most what remains of it, so a client deadline holds end to end.
+REQUEST_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("request_deadline", default=None)
+RELEASE_TIMEOUT_S = 5.0  # releases run even after a request's deadline passed (cleanup must happen)
+
+
+def call_timeout(limit: float) -> float:
+    deadline = REQUEST_DEADLINE.get()
+    if deadline is None:
+        return limit
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise DeadlineExceeded("the request's deadline passed")
+    return min(limit, remaining)
 
 
 def _metadata() -> tuple[tuple[str, str], ...]:
@@ -76,7 +93,7 @@ class TargetClient:
                 request.draft_dists.add(token_ids=ids, probs=probs)
         start = time.perf_counter()
         try:
-            response = await self.stub.Verify(request, timeout=self.timeout_s, metadata=_metadata())
+            response = await self.stub.Verify(request, timeout=call_timeout(self.timeout_s), metadata=_metadata())
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise SequenceNotFound(sequence_id, exc.details() or "") from exc
@@ -86,7 +103,7 @@ class TargetClient:
                              request.ByteSize() + response.ByteSize())
 
     async def release(self, sequence_id: str) -> None:
-        await self.stub.Release(pb.TargetServiceReleaseRequest(sequence_id=sequence_id), timeout=self.timeout_s, metadata=_metadata())
+        await self.stub.Release(pb.TargetServiceReleaseRequest(sequence_id=sequence_id), timeout=RELEASE_TIMEOUT_S, metadata=_metadata())
 
     async def close(self) -> None:
         await self.channel.close()
@@ -113,7 +130,7 @@ class DraftClient:
         size = request.ByteSize()
         start = time.perf_counter()
         try:
-            async for message in self.stub.Propose(request, timeout=self.timeout_s, metadata=_metadata()):
+            async for message in self.stub.Propose(request, timeout=call_timeout(self.timeout_s), metadata=_metadata()):
                 tokens.append(message.token_id)
                 dists.append((list(message.dist.token_ids), list(message.dist.probs)) if message.dist.token_ids else None)
                 compute = message.compute_seconds
@@ -126,7 +143,7 @@ class DraftClient:
         return DraftOutcome(tokens, dists, compute, wall, size)
 
     async def release(self, sequence_id: str) -> None:
-        await self.stub.Release(pb.DraftServiceReleaseRequest(sequence_id=sequence_id), timeout=self.timeout_s, metadata=_metadata())
+        await self.stub.Release(pb.DraftServiceReleaseRequest(sequence_id=sequence_id), timeout=RELEASE_TIMEOUT_S, metadata=_metadata())
 
     async def close(self) -> None:
         await self.channel.close()

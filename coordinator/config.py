@@ -26,6 +26,7 @@ class CoordinatorConfig:
     max_new_tokens: int = option(4096, "Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = option(128, "max_new_tokens when a request leaves it unset.")
     max_prompt_tokens: int = option(32768, "Longest prompt accepted, in target tokens.")
+    max_streams_per_client: int = option(64, "Concurrent requests one client (bearer token, else peer address) may have; past it RESOURCE_EXHAUSTED. 0: no limit.")
     rpc_timeout_s: float = option(30.0, "Deadline of each call to the draft and target services.")
     startup_timeout_s: float = option(600.0, "How long to wait for the draft and target to come up.")
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")

@@ -133,7 +133,9 @@ def build_app(servicer, model_name: str, api_token: str = "") -> FastAPI:
             return _error(400, f"body is not valid JSON: {exc}", "body")
         try:
             request, stream = to_request(body, chat)
-            steps = servicer._generate(request)
+            token = raw.headers.get("authorization", "")
+            client = f"token:{hash(token)}" if token else f"peer:{raw.client.host if raw.client else '?'}"
+            steps = servicer._generate(request, client)
             first = await steps.__anext__()  # validation errors surface here, before any bytes are sent
         except SpecdecError as exc:
             return _error(STATUS.get(type(exc), 500), str(exc), getattr(exc, "field", None))

@@ -13,14 +13,14 @@ import grpc
 import structlog
 
 from coordinator.adapt import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
-from coordinator.clients import DraftClient, TargetClient
+from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
 from coordinator.text import TextStream
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec import metrics, tls
-from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
+from specdec.errors import DeadlineExceeded, InvalidArgument, Overloaded, SpecdecError, Unavailable
 from specdec.grpcutil import Server, rpc_method
 from specdec.logs import bind_request
 from specdec.sampling import SamplingConfig
@@ -70,6 +70,16 @@ def record_request(m: metrics.CoordinatorMetrics, stats: Stats) -> None:
         m.e2e.observe(stats.total_seconds)
 
 
+def client_of(context) -> tuple[str, float | None]:
+    """(who is calling, their deadline as a time.monotonic() value or None)."""
+    metadata = dict(context.invocation_metadata() or ())
+    token = metadata.get("authorization", "")
+    peer = context.peer() or ""
+    who = f"token:{hash(token)}" if token else "peer:" + peer.rsplit(":", 1)[0]
+    remaining = context.time_remaining()
+    return who, (time.monotonic() + remaining if remaining is not None else None)
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     """Registered before the server starts; answers UNAVAILABLE until `attach` connects the backends."""
 
@@ -78,6 +88,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.tokenizer = None
         self.loop: SpeculativeLoop | None = None
         self.target_info = pb.ModelInfo()
+        self.active: dict[str, int] = {}  # running requests per client
 
     def attach(self, tokenizer, target: TargetClient, target_info: pb.ModelInfo, draft: DraftClient | None, draft_info: pb.ModelInfo | None) -> None:
         prior = NGRAM_DRAFT_PRIOR if draft_info is not None and draft_info.drafter == "ngram" else MODEL_DRAFT_PRIOR
@@ -162,17 +173,38 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         )
         return spec, list(request.stop)
 
-    async def _generate(self, request):
+    @contextlib.contextmanager
+    def _admit(self, client: str):
+        """Caps one client's concurrent requests, so no single client can take every slot."""
+        limit = self.config.max_streams_per_client
+        if limit and self.active.get(client, 0) >= limit:
+            raise Overloaded(f"this client already has {limit} requests running (max_streams_per_client); retry after one finishes")
+        self.active[client] = self.active.get(client, 0) + 1
+        try:
+            yield
+        finally:
+            self.active[client] -= 1
+            if not self.active[client]:
+                del self.active[client]
+
+    async def _generate(self, request, client: str = "http", deadline: float | None = None):
         """Yields (spec, token_ids, text piece, finish reason or None, stats) per step.
 
         Shared by the gRPC methods and the HTTP API; records the request's metrics.
+        `deadline` (time.monotonic()) bounds every internal call made for the request.
         """
         m = metrics.coordinator()
         try:
             spec, stop = self._spec(request)
+            with self._admit(client):
+                REQUEST_DEADLINE.set(deadline)
+                async for item in self._run_spec(spec, stop, m):
+                    yield item
         except SpecdecError as exc:
             m.failures.labels(exc.code.name).inc()
             raise
+
+    async def _run_spec(self, spec: GenerationSpec, stop: list[str], m):
         bind_request(spec.request_id)
         log.info("request started", prompt_tokens=len(spec.prompt_ids), max_new_tokens=spec.max_new_tokens,
                  temperature=spec.sampling.temperature, draft_length=spec.draft_length, adaptive=spec.adaptive)
@@ -199,15 +231,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         except grpc.aio.AioRpcError as exc:
             # A backend failed past its retries: the client learns which, with the backend's code.
             code = exc.code()
-            m.failures.labels(code.name).inc()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and REQUEST_DEADLINE.get() is not None and time.monotonic() >= REQUEST_DEADLINE.get():
+                raise DeadlineExceeded("the request's deadline passed") from exc
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument("request", f"rejected by a backend: {exc.details()}") from exc
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise Overloaded(f"a backend is at capacity: {exc.details()}") from exc
             raise Unavailable(f"backend call failed with {code.name}: {exc.details()}") from exc
-        except SpecdecError as exc:
-            m.failures.labels(exc.code.name).inc()
-            raise
         finally:
             m.running.dec()
             record_request(m, stats)
@@ -218,7 +248,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         token_ids: list[int] = []
         pieces: list[str] = []
-        async for spec, tokens, piece, finish, stats in self._generate(request):  # noqa: B007 - the last step's values are used below
+        async for spec, tokens, piece, finish, stats in self._generate(request, *client_of(context)):  # noqa: B007 - the last step's values are used below
             token_ids.extend(tokens)
             pieces.append(piece)
         return pb.GenerateResponse(request_id=spec.request_id, text="".join(pieces), token_ids=token_ids,
@@ -226,7 +256,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
 
     @rpc_method
     async def GenerateStream(self, request: pb.GenerateStreamRequest, context):
-        async for spec, tokens, piece, finish, stats in self._generate(request):
+        async for spec, tokens, piece, finish, stats in self._generate(request, *client_of(context)):
             if tokens or piece:
                 yield pb.GenerateStreamResponse(request_id=spec.request_id, token_ids=tokens, text=piece)
             if finish:

@@ -45,3 +45,9 @@ class Unavailable(SpecdecError):
     """A service this one depends on cannot be reached."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(SpecdecError):
+    """The client's deadline passed before the request could finish."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
