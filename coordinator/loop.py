@@ -150,8 +150,6 @@ class SpeculativeLoop:
                     try:
                         draft = await self._propose(sequence_id, tokens, draft_known, gamma, min_prob, spec.sampling)
                         draft_known = len(tokens)
-                    except SequenceNotFound:
-                        raise
                     except Exception as exc:  # noqa: BLE001 - a failing draft only costs speed
                         stats.draft_failures += 1
                         skip_draft_until = stats.steps + DRAFT_RETRY_STEPS
