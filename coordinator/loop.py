@@ -9,6 +9,7 @@ benchmarks, so the same loop runs with or without the network.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 import uuid
@@ -219,10 +220,24 @@ class SpeculativeLoop:
             self.cost_model.observe(drafted, draft.compute_seconds, drafted + 1, verdict.compute_seconds, wire)
 
     async def _release(self, sequence_id: str) -> None:
-        for service in (self.proposer, self.verifier):
-            if service is None:
-                continue
-            try:
-                await service.release(sequence_id)
-            except Exception as exc:  # noqa: BLE001 - the idle timeout frees it eventually
-                log.warning("release failed", service=type(service).__name__, error=str(exc))
+        """Releases the sequence in both services, in a task a second cancellation cannot stop.
+
+        A cancelled request may be cancelled again while its `finally` awaits the releases (gRPC
+        cancels the handler on the client's cancel and again on the deadline); awaiting them
+        directly would then skip the remaining release and leak that service's cache.
+        """
+        task = asyncio.get_running_loop().create_task(self._release_all(sequence_id))
+        _RELEASES.add(task)
+        task.add_done_callback(_RELEASES.discard)
+        await asyncio.shield(task)
+
+    async def _release_all(self, sequence_id: str) -> None:
+        services = [s for s in (self.proposer, self.verifier) if s is not None]
+        results = await asyncio.gather(*(s.release(sequence_id) for s in services), return_exceptions=True)
+        for service, result in zip(services, results):
+            if isinstance(result, BaseException):  # the idle timeout frees it eventually
+                log.warning("release failed", service=type(service).__name__, error=str(result))
+
+
+# Release tasks in flight, held so the event loop does not garbage-collect them before they finish.
+_RELEASES: set[asyncio.Task] = set()

@@ -127,4 +127,4 @@ class DraftEngine:
     def warm_up(self) -> None:
         for _ in self.propose("__warmup__", 0, [0, 1, 2, 3, 0, 1], DraftSettings(2, 0.0, 0.0, 0)):
             pass
-        self.release("__warmup__")
+        self.store.release("__warmup__", retire=False)  # warm-ups may run again

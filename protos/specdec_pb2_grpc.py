@@ -193,7 +193,9 @@ class DraftServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Frees the sequence's cache. Releasing an unknown sequence is not an error.
+        """Frees the sequence's cache and retires its id: a later call naming it with known_len = 0 (one
+        that was in flight when the sequence was released) fails with FAILED_PRECONDITION instead of
+        re-creating it. Releasing an unknown sequence is not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -360,7 +362,9 @@ class TargetServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Frees the sequence's cache. Releasing an unknown sequence is not an error.
+        """Frees the sequence's cache and retires its id: a later call naming it with known_len = 0 (one
+        that was in flight when the sequence was released) fails with FAILED_PRECONDITION instead of
+        re-creating it. Releasing an unknown sequence is not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

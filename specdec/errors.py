@@ -35,6 +35,17 @@ class SequenceNotFound(SpecdecError):
         self.sequence_id = sequence_id
 
 
+class SequenceReleased(SpecdecError):
+    """The sequence id was released: a call that arrives after its Release (a late, cancelled call
+    overtaken on the wire) must not bring the sequence back to life and leak its cache."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self, sequence_id: str):
+        super().__init__(f"sequence_id: {sequence_id!r} was released; use a new id for a new sequence")
+        self.sequence_id = sequence_id
+
+
 class Overloaded(SpecdecError):
     """The service is at its capacity; the client should retry later."""
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from specdec.errors import Overloaded, SequenceNotFound
+from specdec.errors import Overloaded, SequenceNotFound, SequenceReleased
 
 log = structlog.get_logger(__name__)
 
@@ -49,10 +49,17 @@ class SequenceStore:
     the coordinator re-fills an evicted sequence from its canonical tokens if it comes back.
     """
 
+    # Released ids remembered so a late call cannot re-create them; bounded, oldest forgotten first.
+    RETIRED_IDS = 65536
+
     def __init__(self, max_sequences: int, idle_timeout_s: float = 0.0):
         self.max_sequences = max_sequences
         self.idle_timeout_s = idle_timeout_s
         self._sequences: collections.OrderedDict[str, Sequence] = collections.OrderedDict()
+        # Calls for one sequence travel as separate RPCs, so a Propose or Verify the coordinator
+        # cancelled can reach the engine after its Release; without this it would re-create the
+        # sequence and hold its cache until the idle timeout.
+        self._retired: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._sequences)
@@ -67,6 +74,8 @@ class SequenceStore:
         self._expire_idle()
         seq = self._sequences.get(sequence_id)
         if known_len == 0:
+            if seq is None and sequence_id in self._retired:
+                raise SequenceReleased(sequence_id)
             seq = self._create(sequence_id) if seq is None else seq
             seq.tokens = []
             seq.crop_cache(0)
@@ -83,7 +92,14 @@ class SequenceStore:
         self._sequences.move_to_end(sequence_id)
         return seq
 
-    def release(self, sequence_id: str) -> bool:
+    def release(self, sequence_id: str, retire: bool = True) -> bool:
+        """Frees the sequence and retires its id (even if unseen: its first call may still be in flight)."""
+        if not retire:
+            return self._sequences.pop(sequence_id, None) is not None
+        self._retired[sequence_id] = None
+        self._retired.move_to_end(sequence_id)
+        while len(self._retired) > self.RETIRED_IDS:
+            self._retired.popitem(last=False)
         return self._sequences.pop(sequence_id, None) is not None
 
     def _create(self, sequence_id: str) -> Sequence:

@@ -78,7 +78,7 @@ class TargetEngine:
     def warm_up(self) -> None:
         """One prefill and one verification so the first real request pays no lazy initialisation."""
         self.verify("__warmup__", 0, [0, 1, 2, 3], [4, 5], [], SamplingConfig())
-        self.release("__warmup__")
+        self.store.release("__warmup__", retire=False)  # warm-ups may run again
 
     def _validate(self, append, draft_tokens, draft_dists, sampling: SamplingConfig) -> None:
         vocab = self.lm.vocab_size

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter
-from specdec.errors import SequenceNotFound
+from specdec.errors import SequenceNotFound, SequenceReleased
 from specdec.kvcache import SequenceStore
 from specdec.lm import CausalLM
 from specdec.sampling import SamplingConfig
@@ -75,6 +75,17 @@ def test_store_reports_lost_sequences_and_evicts_least_recent():
     store.sync("c", 0, [1])  # evicts b
     assert "b" not in store and "a" in store and "c" in store
     assert store.release("a") and not store.release("a")
+
+
+def test_a_call_arriving_after_its_release_cannot_recreate_the_sequence():
+    store = SequenceStore(max_sequences=4)
+    assert not store.release("late")  # the Release overtook the sequence's first call on the wire
+    with pytest.raises(SequenceReleased, match="was released"):
+        store.sync("late", 0, [1, 2])
+    assert len(store) == 0
+    store.sync("warm", 0, [1])
+    store.release("warm", retire=False)  # warm-ups reuse their id
+    store.sync("warm", 0, [1])
 
 
 def test_store_expires_idle_sequences(monkeypatch):

@@ -54,7 +54,7 @@ class EvictingVerifier(LocalVerifier):
         self.calls += 1
         if self.calls % 3 == 0:
             for sequence_id in list(self.engine.store._sequences):
-                self.engine.release(sequence_id)
+                self.engine.store.release(sequence_id, retire=False)  # an eviction, not a Release
         return await super().verify(*args, **kwargs)
 
 
