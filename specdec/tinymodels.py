@@ -1,0 +1,62 @@
+"""Tiny randomly initialised models and a byte-level tokenizer, built from configs: no downloads.
+
+For the tests (correctness needs no real weights) and for `specdec bench --quick`, which runs the
+whole benchmark pipeline in CI in a minute. The draft is the target with noise added to its weights,
+so it agrees with the target often but not always, which exercises acceptance, rejection,
+correction and bonus tokens alike.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+EOS = 256
+VOCAB = 260  # 256 byte tokens, <eos>, and padding rows
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A real byte-level BPE tokenizer with no merges: one token per byte, plus <eos>."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    vocab["<eos>"] = EOS
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    return fast
+
+
+def tiny_config(layers: int = 2, hidden: int = 64) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.2,  # peaky logits: varied greedy text, few near-ties
+        eos_token_id=EOS, pad_token_id=EOS, bos_token_id=0, tie_word_embeddings=False,
+    )
+
+
+def tiny_pair(seed: int = 0, noise: float = 0.08) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """(target, draft): the draft is the target plus Gaussian noise of relative size `noise`."""
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(tiny_config()).eval()
+    draft = LlamaForCausalLM(tiny_config()).eval()
+    draft.load_state_dict(target.state_dict())
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std().clamp(min=1e-3))
+    for model in (target, draft):
+        model.generation_config.eos_token_id = EOS
+        model.generation_config.pad_token_id = EOS
+    return target, draft
+
+
+def save(model: LlamaForCausalLM, folder: pathlib.Path) -> str:
+    model.save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return str(folder)
