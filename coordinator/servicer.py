@@ -51,6 +51,7 @@ def stats_proto(stats: Stats) -> pb.GenerationStats:
         time_to_first_token_seconds=stats.time_to_first_token_seconds,
         accepted_per_position=stats.accepted_per_position,
         wire_bytes=stats.wire_bytes,
+        draft_steps=stats.draft_steps,
     )
 
 

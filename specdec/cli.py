@@ -3,6 +3,8 @@
     specdec serve target|draft|coordinator [flags]   one service (flags or SPECDEC_* env vars)
     specdec up [--drafter ngram|model] [...]         draft + target + coordinator on loopback
     specdec generate "PROMPT" [...]                  stream a completion from a coordinator
+    specdec bench [--quick] [...]                    tokens/s against transformers and the analytic model
+    specdec plan --acceptance A --cost-curve ...     predicted speed-up per draft length, and the best
     specdec config-table                             the README's configuration tables
 """
 
@@ -220,7 +222,51 @@ def cmd_config_table(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "config-table": cmd_config_table}
+def cmd_bench(argv: list[str]) -> int:
+    from specdec.bench import main as bench_main
+
+    return bench_main(argv)
+
+
+def cmd_plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="specdec plan",
+        description="Predict tokens per step and speed-up for each draft length (Leviathan et al.), and name the best.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--acceptance", type=float, required=True, help="Per-token acceptance a in [0, 1].")
+    parser.add_argument("--draft-cost", type=float, default=0.1, help="Draft cost per token c, relative to one target decoding step V(1).")
+    parser.add_argument("--cost-curve", default="", help="Target V(n) in ms as n:ms pairs, e.g. 1:44,2:70,4:67,8:70,16:85 (DESIGN.md).")
+    parser.add_argument("--measure", default="", help="Measure V(n) on this machine with this target model instead (alias/folder/hub id).")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="Network round trip per hop, ms.")
+    parser.add_argument("--hops", type=int, default=2, help="Round trips per step (2: draft and target over gRPC; 0: one process).")
+    parser.add_argument("--max-draft", type=int, default=16)
+    args = parser.parse_args(argv)
+    from specdec import plan
+
+    if bool(args.cost_curve) == bool(args.measure):
+        parser.error("give exactly one of --cost-curve and --measure")
+    try:
+        if args.measure:
+            from specdec.bench import measure_cost_curve
+            from specdec.lm import CausalLM
+            from specdec.models import load_model
+
+            loaded = load_model(args.measure, "cpu")
+            context = list(range(100, 356))  # 256 tokens of context
+            curve = measure_cost_curve(CausalLM(loaded.model, loaded.device), context, sorted({*range(1, 10), 12, 16, args.max_draft + 1}))
+            print("measured V(n), ms: " + ", ".join(f"{n}:{v * 1e3:.1f}" for n, v in curve.points))
+        else:
+            curve = plan.CostCurve.parse(args.cost_curve)
+        rows, best = plan.plan_table(args.acceptance, args.draft_cost, curve, args.max_draft, args.rtt_ms / 1e3, args.hops)
+    except ValueError as e:
+        parser.error(str(e))
+    print(plan.format_plan(rows, best, curve))
+    print(f"best draft length: {best} ({plan.speedup(rows[best], curve):.2f}x over the target alone)")
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "config-table": cmd_config_table,
+            "bench": cmd_bench, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ and costs
     T(g) = g * c * V(1) + V(g + 1) + hops * RTT             seconds
 where c is the draft's cost per token relative to one target decoding step V(1), V(n) the target's
 forward over n new positions, and hops the network round trips per step (2 over gRPC: draft and
-target; 0 in one process). The target alone makes one token per V(1), so the speed-up is
+target, 1 when not drafting; 0 in one process). The target alone makes one token per V(1), so the speed-up is
     S(g) = E(g) * V(1) / T(g).
 
 Real runs do not draft exactly g every step: an n-gram drafter finds no match, the adaptive policy
@@ -91,7 +91,8 @@ def expected_tokens_fractional(acceptance: float, gamma: float) -> float:
 
 def predict(acceptance: float, draft_cost: float, curve: CostCurve, gamma: int, rtt: float = 0.0, hops: int = 0) -> Prediction:
     """One draft length, every step drafting `gamma` tokens; draft_cost c is relative to V(1)."""
-    step = gamma * draft_cost * curve.single + curve(gamma + 1) + hops * rtt
+    trips = hops if gamma > 0 else min(hops, 1)  # no draft call when not drafting
+    step = gamma * draft_cost * curve.single + curve(gamma + 1) + trips * rtt
     return Prediction(gamma, expected_tokens(acceptance, gamma), step)
 
 
@@ -102,7 +103,8 @@ def predict_mix(acceptance: float, draft_cost: float, curve: CostCurve, mean_dra
     if mean_draft <= 0:
         f = 0.0
     tokens = f * expected_tokens_fractional(acceptance, mean_draft) + (1 - f)
-    step = f * (mean_draft * draft_cost * curve.single + curve(mean_draft + 1)) + (1 - f) * curve(1) + hops * rtt
+    step = (f * (mean_draft * draft_cost * curve.single + curve(mean_draft + 1) + hops * rtt)
+            + (1 - f) * (curve(1) + min(hops, 1) * rtt))
     return Prediction(mean_draft, tokens, step)
 
 

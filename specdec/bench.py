@@ -1,0 +1,471 @@
+"""`specdec bench`: end-to-end greedy tokens/s of specdec against its peers, side by side, in one run.
+
+Configurations, all on the same prompts, models and machine (see BENCHMARKS in the README):
+  hf              the target alone with transformers' generate(): the baseline
+  hf-assisted     transformers' assisted generation (assistant_model=, or prompt_lookup_num_tokens=)
+  specdec-off     the target alone through specdec's own engine (speculation off)
+  specdec-local   specdec's speculative loop in one process (no gRPC), adaptive and at fixed lengths
+  specdec-grpc    the three gRPC services as separate processes on loopback
+Repetitions are interleaved (rep 1 of every configuration, then rep 2, ...) so drift on a shared
+machine hits every configuration alike. Every configuration's tokens are checked against the
+baseline's: greedy speculation that changes the output is a bug, and the report says so.
+
+Beside each measurement sits the analytic model's prediction (specdec.plan) from the run's own
+acceptance, the draft's measured cost and the target's measured cost curve V(n), and the efficiency
+measured / predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+from specdec import plan as planlib
+
+PROMPT_SETS = ("chat", "grounded")
+PROMPTS_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "prompts"
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    target: str
+    drafters: tuple[str, ...]  # "ngram", or a draft model spec (alias / folder / hub id)
+    prompt_sets: tuple[str, ...]
+    limit: int
+    max_new_tokens: int
+    repeats: int
+    max_draft: int
+    draft_lengths: tuple[int, ...]
+    grpc: bool
+    hf: bool
+    out: pathlib.Path
+    quick: bool
+    prompt_lookup: int
+
+
+@dataclasses.dataclass
+class Configuration:
+    name: str
+    kind: str  # hf | hf-assisted | specdec-off | specdec-local | specdec-grpc
+    drafter: str | None = None
+    draft_length: int = 0
+    adaptive: bool = False
+    hops: int = 0  # network round trips per step (the analytic model's RTT term)
+    runner: object = None  # callable(prompt_ids) -> Sample
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Sample:
+    tokens: list[int]
+    seconds: float
+    ttft: float = 0.0
+    stats: dict | None = None
+
+
+@dataclasses.dataclass
+class Result:
+    """One configuration on one prompt set: every repetition of every prompt."""
+
+    config: Configuration
+    prompt_set: str
+    samples: list[list[Sample]] = dataclasses.field(default_factory=list)  # [rep][prompt]
+
+
+# --- models and prompts ---------------------------------------------------------------------------
+
+def quick_models(folder: pathlib.Path) -> tuple[str, str]:
+    """Tiny random target and draft (byte tokenizer with a chat template) saved as model folders."""
+    from specdec.tinymodels import save, tiny_pair
+
+    target, draft = tiny_pair(seed=0)
+    return save(target, folder / "target"), save(draft, folder / "draft")
+
+
+def load_prompts(tokenizer, prompt_set: str, limit: int) -> list[tuple[str, list[int]]]:
+    path = PROMPTS_DIR / f"{prompt_set}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt set {prompt_set!r}: {path} not found (sets: {', '.join(PROMPT_SETS)})")
+    out = []
+    for line in path.read_text().splitlines()[: limit or None]:
+        item = json.loads(line)
+        ids = tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        out.append((item["id"], list(ids)))
+    return out
+
+
+# --- measurements the analytic model needs --------------------------------------------------------
+
+@torch.inference_mode()
+def measure_cost_curve(lm, context: list[int], ns: list[int], repeats: int = 5) -> planlib.CostCurve:
+    """V(n): one target forward over n new positions after `context`, keeping n logits as
+    verification does; the median of `repeats` after one warm-up."""
+    from specdec.kvcache import Sequence
+
+    seq = Sequence("cost-curve", tokens=list(context))
+    lm.forward(seq)  # the cache now holds the whole context
+    filler = (list(context) * (max(ns) // len(context) + 1))[: max(ns)]
+    points = []
+    for n in ns:
+        times = []
+        for _ in range(repeats + 1):
+            seq.crop_cache(len(context) - 1)  # the last context token is pending again: 1 + (n - 1) positions
+            start = time.perf_counter()
+            lm.forward(seq, filler[: n - 1], keep=n)
+            times.append(time.perf_counter() - start)
+        points.append((n, statistics.median(times[1:])))
+    return planlib.CostCurve(tuple(points))
+
+
+def measure_draft_cost(engine, context: list[int], tokens: int = 8, repeats: int = 5) -> float:
+    """Seconds per drafted token with a warm cache (the draft's prefill is not a per-token cost)."""
+    from draft_service.engine import DraftSettings
+
+    times = []
+    for rep in range(repeats + 1):
+        sid = f"draft-cost-{rep}-{uuid.uuid4().hex[:6]}"
+        list(engine.propose(sid, 0, list(context), DraftSettings(1, 0.0, 0.0, 0)))  # prefill
+        start = time.perf_counter()
+        made = list(engine.propose(sid, len(context), [], DraftSettings(tokens, 0.0, 0.0, 0)))
+        elapsed = time.perf_counter() - start
+        engine.release(sid)
+        if made:
+            times.append(elapsed / len(made))
+    return statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else 0.0)
+
+
+def measure_rtt(address: str, repeats: int = 50) -> float:
+    """Median round trip of a tiny unary call (GetInfo) on the draft/target channel."""
+    import grpc
+
+    from protos import specdec_pb2 as pb
+    from protos import specdec_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.TargetServiceStub(channel)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            stub.GetInfo(pb.TargetServiceGetInfoRequest(), timeout=10)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[5:])
+
+
+# --- runners --------------------------------------------------------------------------------------
+
+def hf_runner(model, max_new: int, eos: list[int], **generate_kwargs):
+    @torch.inference_mode()
+    def run(prompt: list[int]) -> Sample:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos[0] if eos else None, **generate_kwargs)
+        seconds = time.perf_counter() - start
+        return Sample(out[0, len(prompt):].tolist(), seconds)
+
+    return run
+
+
+def local_runner(loop, max_new: int, eos: list[int], draft_length: int, adaptive: bool):
+    from coordinator.loop import GenerationSpec, Stats
+    from specdec.sampling import SamplingConfig
+
+    def run(prompt: list[int]) -> Sample:
+        spec = GenerationSpec(request_id=uuid.uuid4().hex[:12], prompt_ids=list(prompt), max_new_tokens=max_new,
+                              sampling=SamplingConfig(), draft_length=draft_length, adaptive=adaptive,
+                              eos_token_ids=frozenset(eos))
+        stats = Stats()
+
+        async def collect() -> list[int]:
+            out: list[int] = []
+            async with contextlib.aclosing(loop.run(spec, stats)) as steps:
+                async for step in steps:
+                    out.extend(step.tokens)
+            return out
+
+        start = time.perf_counter()
+        tokens = asyncio.run(collect())
+        seconds = time.perf_counter() - start
+        return Sample(tokens, seconds, stats.time_to_first_token_seconds, stats_dict(stats))
+
+    return run
+
+
+def grpc_runner(address: str, max_new: int, draft_length: int, adaptive: bool):
+    import grpc
+
+    from protos import specdec_pb2 as pb
+    from protos import specdec_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.CoordinatorServiceStub(channel)
+
+    def run(prompt: list[int]) -> Sample:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new,
+                                     speculation=pb.SpeculationParams(draft_length=draft_length, adaptive=adaptive))
+        start = time.perf_counter()
+        response = stub.Generate(request, timeout=600)
+        seconds = time.perf_counter() - start
+        return Sample(list(response.token_ids), seconds, response.stats.time_to_first_token_seconds, stats_dict(response.stats))
+
+    return run
+
+
+def stats_dict(s) -> dict:
+    return {
+        "steps": s.steps, "draft_steps": s.draft_steps, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+        "accepted_per_position": list(s.accepted_per_position), "draft_seconds": s.draft_seconds,
+        "verify_seconds": s.verify_seconds, "wire_seconds": s.wire_seconds, "total_seconds": s.total_seconds,
+        "wire_bytes": s.wire_bytes, "completion_tokens": s.completion_tokens,
+    }
+
+
+class GrpcStack:
+    """`specdec serve` target, draft(s) and coordinator(s) as child processes on loopback ports."""
+
+    def __init__(self, target: str, drafters: tuple[str, ...], logs: pathlib.Path, device: str = "cpu"):
+        from specdec.cli import _health_ok
+
+        self._health_ok = _health_ok
+        self.logs = logs
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.children: list[subprocess.Popen] = []
+        self.target_address = self._spawn("target", "--model", target, "--device", device)
+        self.coordinators: dict[str, str] = {}
+        for drafter in drafters:
+            flags = ["--drafter", "ngram"] if drafter == "ngram" else ["--drafter", "model", "--model", drafter, "--device", device]
+            draft_address = self._spawn("draft", *flags)
+            self.coordinators[drafter] = self._spawn("coordinator", "--target", self.target_address, "--draft", draft_address,
+                                                     "--tokenizer", target, "--http-port", "-1")
+        self.wait()
+
+    def _spawn(self, role: str, *flags: str) -> str:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        extra = ["--metrics-port", "-1"] if role != "coordinator" else []
+        log = open(self.logs / f"{role}-{port}.log", "wb")  # noqa: SIM115 - lives as long as the child
+        env = {**os.environ, f"SPECDEC_{role.upper()}_LOG_FORMAT": "json", "GRPC_VERBOSITY": "ERROR"}
+        self.children.append(subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", role, "--port", str(port), *extra, *flags],
+                                              stdout=log, stderr=subprocess.STDOUT, env=env))
+        return f"127.0.0.1:{port}"
+
+    def wait(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        addresses = [self.target_address, *self.coordinators.values()]
+        while not all(self._health_ok(a) for a in addresses):
+            if any(c.poll() is not None for c in self.children):
+                self.stop()
+                raise RuntimeError("a benchmark service exited during start-up (run `specdec serve ...` by hand to see why)")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"benchmark services not healthy after {timeout:.0f}s")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.terminate()
+        for child in self.children:
+            try:
+                child.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+def short_name(drafter: str) -> str:
+    return "ngram" if drafter == "ngram" else pathlib.Path(drafter.rstrip("/")).name or drafter
+
+
+def build_configurations(opts: Options, target_loaded, lm, drafters: tuple[str, ...], stack: GrpcStack | None,
+                         notes: dict) -> tuple[list[Configuration], dict]:
+    """Every configuration with its runner; also the draft engines (for measuring their cost)."""
+    from coordinator.adapt import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
+    from coordinator.local import LocalProposer, LocalVerifier
+    from coordinator.loop import SpeculativeLoop
+    from draft_service.config import DraftConfig
+    from draft_service.servicer import build_engine
+    from specdec.models import load_model
+    from target_service.engine import TargetEngine
+
+    eos = lm.eos_token_ids
+    verifier = LocalVerifier(TargetEngine(lm))
+    configs: list[Configuration] = []
+    if opts.hf:
+        configs.append(Configuration("hf", "hf", runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos)))
+    off_loop = SpeculativeLoop(verifier, None, None, NGRAM_DRAFT_PRIOR)
+    configs.append(Configuration("specdec-off", "specdec-off", runner=local_runner(off_loop, opts.max_new_tokens, eos, 0, False)))
+    engines = {}
+    for drafter in drafters:
+        name = short_name(drafter)
+        config = DraftConfig(drafter="ngram", device="cpu") if drafter == "ngram" else DraftConfig(drafter="model", model=drafter, device="cpu")
+        engine, _ = build_engine(config)
+        engines[drafter] = engine
+        prior = NGRAM_DRAFT_PRIOR if drafter == "ngram" else MODEL_DRAFT_PRIOR
+        if opts.hf:
+            if drafter == "ngram":
+                kwargs = {"prompt_lookup_num_tokens": opts.prompt_lookup}
+                configs.append(Configuration(f"hf-assisted[{name}]", "hf-assisted", drafter, opts.prompt_lookup,
+                                             runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos, **kwargs),
+                                             note=f"prompt_lookup_num_tokens={opts.prompt_lookup}"))
+            else:
+                try:
+                    assistant = load_model(drafter, "cpu").model
+                    configs.append(Configuration(f"hf-assisted[{name}]", "hf-assisted", drafter,
+                                                 runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos, assistant_model=assistant),
+                                                 note="assistant_model= the same draft"))
+                except Exception as exc:  # noqa: BLE001 - a draft transformers cannot load as an assistant
+                    notes[f"hf-assisted[{name}]"] = f"skipped: transformers cannot use this draft as assistant_model ({exc})"
+        loop = SpeculativeLoop(verifier, LocalProposer(engine), CostModel(prior), prior)
+        configs.append(Configuration(f"specdec-local[{name}]", "specdec-local", drafter, opts.max_draft, True,
+                                     runner=local_runner(loop, opts.max_new_tokens, eos, opts.max_draft, True), note="adaptive"))
+        for g in opts.draft_lengths:
+            fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior)
+            configs.append(Configuration(f"specdec-local[{name},g={g}]", "specdec-local", drafter, g, False,
+                                         runner=local_runner(fixed, opts.max_new_tokens, eos, g, False)))
+        if stack is not None:
+            configs.append(Configuration(f"specdec-grpc[{name}]", "specdec-grpc", drafter, opts.max_draft, True, hops=2,
+                                         runner=grpc_runner(stack.coordinators[drafter], opts.max_new_tokens, opts.max_draft, True),
+                                         note="adaptive; 3 processes on loopback"))
+    return configs, engines
+
+
+def machine() -> dict:
+    import platform
+
+    import transformers
+
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "platform": platform.platform()}
+
+
+def run(opts: Options, argv: list[str]) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specdec.benchreport import report
+    from specdec.lm import CausalLM
+    from specdec.models import load_model, load_tokenizer
+
+    torch.manual_seed(0)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp:
+        target, drafters = opts.target, opts.drafters
+        if opts.quick:
+            target, draft = quick_models(pathlib.Path(tmp))
+            drafters = ("ngram", draft)
+        print(f"specdec bench: loading {target}", file=sys.stderr, flush=True)
+        loaded = load_model(target, "cpu")
+        tokenizer = loaded.tokenizer or load_tokenizer(target)
+        lm = CausalLM(loaded.model, loaded.device)
+        prompts = {name: load_prompts(tokenizer, name, opts.limit) for name in opts.prompt_sets}
+        if lm.max_context:  # tiny test models have short contexts: keep each prompt's tail
+            room = lm.max_context - opts.max_new_tokens - opts.max_draft - 2
+            prompts = {k: [(pid, ids[-room:]) for pid, ids in v] for k, v in prompts.items()}
+        notes: dict[str, str] = {}
+        stack = GrpcStack(target, drafters, opts.out / "logs") if opts.grpc else None
+        try:
+            configs, engines = build_configurations(opts, loaded, lm, drafters, stack, notes)
+            context = next(iter(prompts.values()))[0][1]
+            longest = max([opts.max_draft, *opts.draft_lengths]) + 1
+            print("specdec bench: measuring the target's cost curve V(n) and the drafts' cost", file=sys.stderr, flush=True)
+            curve = measure_cost_curve(lm, context, sorted({1, 2, 3, 4, 5, 6, 8, 9, 12, 16, longest}))
+            draft_cost = {d: measure_draft_cost(e, context) for d, e in engines.items() if d != "ngram"}
+            rtt = measure_rtt(stack.target_address) if stack is not None else 0.0
+            results = {(s, c.name): Result(c, s) for s in prompts for c in configs}
+            total = opts.repeats * sum(len(p) for p in prompts.values()) * len(configs)
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          transient=False) as progress:
+                warm = progress.add_task("warm-up", total=len(configs) * len(prompts))
+                for items in prompts.values():
+                    for config in configs:
+                        config.runner(items[0][1])  # untimed: lazy initialisation, caches, first compile
+                        progress.advance(warm)
+                task = progress.add_task("benchmark", total=total)
+                for rep in range(opts.repeats):
+                    for set_name, items in prompts.items():
+                        for config in configs:  # interleaved: every configuration once per repetition
+                            progress.update(task, description=f"rep {rep + 1}/{opts.repeats} {set_name} {config.name}")
+                            samples = []
+                            for _, ids in items:
+                                samples.append(config.runner(ids))
+                                progress.advance(task)
+                            results[(set_name, config.name)].samples.append(samples)
+        finally:
+            if stack is not None:
+                stack.stop()
+        context_info = {"cost_curve": curve, "draft_cost": draft_cost, "rtt": rtt, "notes": notes, "machine": machine(),
+                        "command": "specdec bench " + " ".join(argv), "target": opts.target if not opts.quick else "tiny (quick)",
+                        "drafters": [short_name(d) for d in drafters], "prompts": {k: [pid for pid, _ in v] for k, v in prompts.items()}}
+        return report(list(results.values()), context_info, opts)
+
+
+def parse(argv: list[str]) -> Options:
+    from specdec.models import DEFAULT_TARGET
+
+    parser = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="Target model: alias, folder, .gguf or hub id.")
+    parser.add_argument("--drafter", action="append", default=None,
+                        help="'ngram' or a draft model (alias/folder/hub id); repeat for several. Default: ngram.")
+    parser.add_argument("--prompts", default=",".join(PROMPT_SETS), help=f"Comma-separated prompt sets from {PROMPTS_DIR}.")
+    parser.add_argument("--limit", type=int, default=0, help="Use only the first N prompts of each set (0: all).")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="Interleaved repetitions of every configuration.")
+    parser.add_argument("--max-draft", type=int, default=8, help="Draft length cap of the adaptive configurations.")
+    parser.add_argument("--draft-lengths", default="2,4,8", help="Fixed draft lengths swept in one process ('' for none).")
+    parser.add_argument("--prompt-lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens (its documented value).")
+    parser.add_argument("--no-grpc", action="store_true", help="Skip the three-process gRPC configuration.")
+    parser.add_argument("--no-hf", action="store_true", help="Skip transformers' generate() and assisted generation.")
+    parser.add_argument("--out", default="benchmarks/results", help="Folder for results.json and the PNG plots.")
+    parser.add_argument("--quick", action="store_true",
+                        help="Tiny random models, 2 prompts per set, 16 tokens, 1 repetition: checks the pipeline in about a minute.")
+    args = parser.parse_args(argv)
+    try:
+        lengths = tuple(int(x) for x in args.draft_lengths.split(",") if x.strip())
+    except ValueError:
+        parser.error(f"--draft-lengths: expected comma-separated integers, got {args.draft_lengths!r}")
+    sets = tuple(s.strip() for s in args.prompts.split(",") if s.strip())
+    for name in sets:
+        if not (PROMPTS_DIR / f"{name}.jsonl").is_file():
+            parser.error(f"--prompts: no prompt set {name!r} in {PROMPTS_DIR}")
+    if any(g < 1 or g > 32 for g in (*lengths, args.max_draft)):
+        parser.error("draft lengths must be in 1..32")
+    if args.repeats < 1 or args.max_new_tokens < 1 or args.limit < 0:
+        parser.error("--repeats and --max-new-tokens must be >= 1, --limit >= 0")
+    opts = Options(target=args.target, drafters=tuple(args.drafter or ["ngram"]), prompt_sets=sets, limit=args.limit,
+                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, max_draft=args.max_draft, draft_lengths=lengths,
+                   grpc=not args.no_grpc, hf=not args.no_hf, out=pathlib.Path(args.out), quick=args.quick,
+                   prompt_lookup=args.prompt_lookup)
+    if opts.quick:
+        opts = dataclasses.replace(opts, limit=opts.limit or 2, max_new_tokens=min(opts.max_new_tokens, 16), repeats=1,
+                                   draft_lengths=lengths[:1])
+    return opts
+
+
+def main(argv: list[str]) -> int:
+    opts = parse(argv)
+    run(opts, argv)
+    return 0

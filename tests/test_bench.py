@@ -1,0 +1,57 @@
+"""`specdec bench --quick`: the whole benchmark pipeline on tiny models, its JSON and plots checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def document(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--quick", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "results.json").read_text()), out, done.stdout
+
+
+def test_every_configuration_ran_on_both_prompt_sets(document):
+    doc, _, _ = document
+    names = {r["configuration"] for r in doc["results"]}
+    assert {"hf", "specdec-off", "hf-assisted[ngram]", "specdec-local[ngram]", "specdec-grpc[ngram]",
+            "hf-assisted[draft]", "specdec-local[draft]", "specdec-grpc[draft]"} <= names
+    assert {r["prompt_set"] for r in doc["results"]} == {"chat", "grounded"}
+    assert doc["command"].startswith("specdec bench") and doc["machine"]["cores"] >= 1
+
+
+def test_greedy_output_is_identical_in_every_configuration(document):
+    doc, _, _ = document
+    for r in doc["results"]:
+        ident = r["identical_to_baseline"]
+        assert ident["identical"] == ident["runs"] > 0, r["configuration"]
+
+
+def test_records_carry_rates_splits_and_predictions(document):
+    doc, _, stdout = document
+    for r in doc["results"]:
+        t = r["tokens_per_second"]
+        assert 0 < t["min"] <= t["median"] <= t["max"]
+        if r["kind"] == "hf":
+            assert r["speedup_vs_hf"] == pytest.approx(1.0)
+        if r["kind"].startswith("specdec"):
+            assert sum(r["time_split"].values()) == pytest.approx(1.0, abs=0.02)
+            assert r["predicted_decode_tokens_per_second"] > 0 and 0 < r["efficiency"] < 10
+            assert 0.0 <= r["acceptance_rate"] <= 1.0 and r["mean_accepted_length"] >= 1.0
+        if r["kind"] == "specdec-grpc":
+            assert r["wire_bytes_per_step"] > 0 and r["model"]["hops"] == 2
+    assert doc["rtt_seconds"] > 0 and doc["cost_curve_seconds"]["1"] > 0
+    assert "prompt set: chat" in stdout and "efficiency" in stdout
+
+
+def test_plots_are_written(document):
+    _, out, _ = document
+    for name in ("tokens_per_second.png", "speedup_vs_draft_length.png", "acceptance_by_position.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

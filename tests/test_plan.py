@@ -1,0 +1,80 @@
+"""The analytic model (specdec.plan) and the `specdec plan` command."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+
+from coordinator.adapt import expected_tokens
+from specdec import plan
+
+CURVE = plan.CostCurve.parse("1:44,2:70,4:67,8:70,16:85")
+
+
+def test_expected_tokens_closed_form_matches_a_simulation():
+    rng = random.Random(0)
+    for a, g in ((0.3, 2), (0.7, 4), (0.9, 8)):
+        steps = 20000
+        total = 0
+        for _ in range(steps):
+            accepted = 0
+            while accepted < g and rng.random() < a:
+                accepted += 1
+            total += accepted + 1  # plus the target's own token
+        assert total / steps == pytest.approx(expected_tokens(a, g), rel=0.02)
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 5) == 6.0
+    assert plan.expected_tokens_fractional(0.5, 2) == pytest.approx(1.75)
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    assert CURVE(1) == pytest.approx(0.044) and CURVE(3) == pytest.approx(0.0685)
+    assert CURVE(32) == pytest.approx(0.085 + (0.085 - 0.070) * 16 / 8)
+    assert CURVE(1.5) == pytest.approx(0.057)
+    with pytest.raises(ValueError, match="V\\(1\\)"):
+        plan.CostCurve.parse("2:70,4:67")
+    with pytest.raises(ValueError, match="n:ms pairs"):
+        plan.CostCurve.parse("1:44,two:70")
+
+
+def test_acceptance_from_steps_inverts_expected_tokens():
+    for a in (0.0, 0.2, 0.55, 0.8, 0.97):
+        for g in (1, 3.5, 8):
+            assert plan.acceptance_from_steps(plan.expected_tokens_fractional(a, g), g) == pytest.approx(a, abs=1e-6)
+
+
+def test_best_length_follows_acceptance_and_costs():
+    _, best = plan.plan_table(0.0, 0.1, CURVE, 8)
+    assert best == 0  # nothing is ever accepted: drafting only costs
+    _, best = plan.plan_table(0.99, 0.0, plan.CostCurve(((1, 1.0),)), 8)
+    assert best == 8  # free drafts, flat verification: draft as far as allowed
+    rows, best = plan.plan_table(0.7, 0.09, CURVE, 8)
+    assert 3 <= best <= 6 and plan.speedup(rows[best], CURVE) > 1.3
+    mixed = plan.predict_mix(0.7, 0.09, CURVE, 4, 1.0)
+    assert mixed.tokens_per_second == pytest.approx(rows[4].tokens_per_second)
+    assert plan.predict_mix(0.7, 0.09, CURVE, 4, 0.0).tokens_per_second == pytest.approx(1 / CURVE(1))
+    with pytest.raises(ValueError, match="acceptance"):
+        plan.plan_table(1.5, 0.1, CURVE, 4)
+
+
+def test_round_trips_cost_every_step_but_drafting_ones_cost_two():
+    far = plan.predict(0.7, 0.09, CURVE, 4, rtt=0.01, hops=2)
+    near = plan.predict(0.7, 0.09, CURVE, 4)
+    assert far.step_seconds == pytest.approx(near.step_seconds + 0.02)
+    assert plan.predict(0.7, 0.09, CURVE, 0, rtt=0.01, hops=2).step_seconds == pytest.approx(CURVE(1) + 0.01)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec.cli", "plan", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_plan_command_names_the_best_length_and_rejects_bad_input():
+    done = run_cli("--acceptance", "0.7", "--draft-cost", "0.09", "--cost-curve", "1:44,2:70,4:67,8:70,16:85", "--max-draft", "8")
+    assert done.returncode == 0, done.stderr
+    assert "<- best" in done.stdout and "best draft length: 5" in done.stdout
+    bad = run_cli("--acceptance", "2", "--cost-curve", "1:44")
+    assert bad.returncode == 2 and "acceptance must be in [0, 1]" in bad.stderr
+    neither = run_cli("--acceptance", "0.5")
+    assert neither.returncode == 2 and "exactly one of --cost-curve and --measure" in neither.stderr
