@@ -28,6 +28,7 @@ from specdec.sampling import SamplingConfig
 log = structlog.get_logger(__name__)
 
 MAX_DRAFT_LENGTH = 32
+MAX_REQUEST_ID = 128
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "eos": pb.FINISH_REASON_EOS,
@@ -160,6 +161,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         for i, stop in enumerate(request.stop):
             if not stop:
                 raise InvalidArgument(f"stop[{i}]", "stop strings must not be empty")
+        if len(request.request_id) > MAX_REQUEST_ID or not all(" " <= c <= "~" for c in request.request_id):
+            # It travels in gRPC metadata to the backends, which carries printable ASCII only.
+            raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID} printable ASCII characters")
 
         spec = GenerationSpec(
             request_id=request.request_id or uuid.uuid4().hex[:16],

@@ -11,6 +11,7 @@ from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter, Ngram
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec import metrics, tls
+from specdec.errors import InvalidArgument
 from specdec.grpcutil import EngineHost, Server, rpc_method
 
 log = structlog.get_logger(__name__)
@@ -32,6 +33,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     @rpc_method
     async def Propose(self, request: pb.ProposeRequest, context):
+        if not request.temperature >= 0:  # NaN passes the engine's `< 0` check, then poisons sampling
+            raise InvalidArgument("temperature", f"must be >= 0, got {request.temperature}")
         settings = DraftSettings(request.max_tokens, request.min_cumulative_prob, request.temperature, request.seed)
         proposals = await self.host.run(
             self.engine.propose, request.sequence_id, request.known_len, list(request.append_tokens), settings

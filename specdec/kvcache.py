@@ -18,9 +18,17 @@ from typing import Any
 
 import structlog
 
-from specdec.errors import Overloaded, SequenceNotFound, SequenceReleased
+from specdec.errors import InvalidArgument, Overloaded, SequenceNotFound, SequenceReleased
 
 log = structlog.get_logger(__name__)
+
+# Ids are echoed in error messages, and gRPC drops a reply whose status message passes 16 KiB.
+MAX_SEQUENCE_ID = 256
+
+
+def check_sequence_id(sequence_id: str) -> None:
+    if not 0 < len(sequence_id) <= MAX_SEQUENCE_ID:
+        raise InvalidArgument("sequence_id", f"must have 1 to {MAX_SEQUENCE_ID} characters, got {len(sequence_id)}")
 
 
 @dataclasses.dataclass
@@ -69,8 +77,11 @@ class SequenceStore:
 
     def sync(self, sequence_id: str, known_len: int, append: list[int]) -> Sequence:
         """Rolls the sequence back to `known_len` canonical tokens and appends `append`."""
+        check_sequence_id(sequence_id)
         if known_len < 0:
-            raise SequenceNotFound(sequence_id, f"known_len must be >= 0, got {known_len}")
+            raise InvalidArgument("known_len", f"must be >= 0, got {known_len}")
+        if known_len == 0 and not append:
+            raise InvalidArgument("append_tokens", "a sequence sent from the start (known_len=0) needs at least one token")
         self._expire_idle()
         seq = self._sequences.get(sequence_id)
         if known_len == 0:
@@ -85,8 +96,6 @@ class SequenceStore:
             raise SequenceNotFound(sequence_id, f"holds {len(seq.tokens)} tokens, fewer than known_len={known_len}")
         del seq.tokens[known_len:]
         seq.tokens.extend(append)
-        if not seq.tokens:
-            raise SequenceNotFound(sequence_id, "has no tokens: send the prompt with known_len=0")
         seq.crop_cache(min(known_len, len(seq.tokens) - 1))
         seq.last_used = time.monotonic()
         self._sequences.move_to_end(sequence_id)
@@ -94,6 +103,7 @@ class SequenceStore:
 
     def release(self, sequence_id: str, retire: bool = True) -> bool:
         """Frees the sequence and retires its id (even if unseen: its first call may still be in flight)."""
+        check_sequence_id(sequence_id)
         if not retire:
             return self._sequences.pop(sequence_id, None) is not None
         self._retired[sequence_id] = None

@@ -28,11 +28,26 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in float32. [..., V] -> [..., V].
+
+    A tiny temperature (1e-40 is a valid float32) overflows the division to +inf, and a softmax over
+    +inf is NaN; then the scores are shifted so the largest is 0 first: the same softmax in exact
+    arithmetic, whose limit (all mass on the argmax) it reaches instead of NaN. Sane temperatures
+    take the plain division, bit for bit what plain sampling computes.
+    """
+    scores = logits.float() / temperature
+    if torch.isposinf(scores).any():
+        shifted = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # <= 0, so never +inf
+        scores = shifted / temperature
+    return scores
+
+
 def warp_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Applies temperature, top-k and top-p; removed tokens get -inf. logits: [..., V] -> [..., V]."""
     if temperature <= 0:
         raise ValueError("warp_logits is for sampling; greedy decoding takes the argmax")
-    scores = logits.float() / temperature
+    scores = scale_logits(logits, temperature)
     vocab = scores.shape[-1]
     if 0 < top_k < vocab:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -60,7 +75,7 @@ def truncated_probs(logits: torch.Tensor, temperature: float, top_k: int) -> tup
     logits: [V] -> (token_ids [k], probs [k]) sorted by probability, descending.
     """
     k = min(top_k, logits.shape[-1])
-    values, ids = torch.topk(logits.float() / temperature, k, dim=-1)
+    values, ids = torch.topk(scale_logits(logits, temperature), k, dim=-1)
     return ids, torch.softmax(values, dim=-1)
 
 

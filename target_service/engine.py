@@ -8,6 +8,7 @@ the logits of the last g+1 positions: position i predicts the token after draft 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import structlog
@@ -90,10 +91,12 @@ class TargetEngine:
             raise InvalidArgument("draft_tokens", f"at most {MAX_DRAFT_TOKENS} per call, got {len(draft_tokens)}")
         if draft_dists and len(draft_dists) != len(draft_tokens):
             raise InvalidArgument("draft_dists", f"one per draft token: got {len(draft_dists)} for {len(draft_tokens)} tokens")
-        for ids, probs in draft_dists:
-            if len(ids) != len(probs) or any(not 0 <= t < vocab for t in ids) or any(p < 0 for p in probs):
-                raise InvalidArgument("draft_dists", "each needs as many probs as token_ids, ids in the vocabulary, probs >= 0")
-        if sampling.temperature < 0:
+        for i, (ids, probs) in enumerate(draft_dists):
+            if (ids or probs) and not _is_distribution(ids, probs, vocab):
+                raise InvalidArgument(f"draft_dists[{i}]", "needs distinct in-vocabulary ids, one prob each, in [0, 1], summing to 1")
+            if ids and not any(t == draft_tokens[i] and p > 0 for t, p in zip(ids, probs)):
+                raise InvalidArgument(f"draft_dists[{i}]", f"draft token {draft_tokens[i]} has probability 0 in the p it was drawn from")
+        if not sampling.temperature >= 0:  # also rejects NaN
             raise InvalidArgument("sampling.temperature", f"must be >= 0, got {sampling.temperature}")
         if sampling.top_k < 0:
             raise InvalidArgument("sampling.top_k", f"must be >= 0, got {sampling.top_k}")
@@ -111,3 +114,13 @@ class TargetEngine:
             else:
                 p[i, token] = 1.0
         return p
+
+
+def _is_distribution(ids: list[int], probs: list[float], vocab: int) -> bool:
+    """A sparse p the rejection sampler can use: NaN, inf or mass that does not sum to 1 would skew it."""
+    return (
+        len(ids) == len(probs) == len(set(ids))
+        and all(0 <= t < vocab for t in ids)
+        and all(0 <= p <= 1 for p in probs)  # also rejects NaN
+        and abs(math.fsum(probs) - 1) <= 1e-3
+    )
