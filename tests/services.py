@@ -21,8 +21,16 @@ def free_port() -> int:
 class Service:
     """`specdec serve ROLE --port PORT ...` that can be killed and started again on the same port."""
 
-    def __init__(self, role: str, *flags: str, port: int | None = None, netns: str | None = None, host: str = "127.0.0.1"):
-        self.role, self.flags, self.netns, self.host = role, list(flags), netns, host
+    def __init__(
+        self,
+        role: str,
+        *flags: str,
+        port: int | None = None,
+        netns: str | None = None,
+        host: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
+    ):
+        self.role, self.flags, self.netns, self.host, self.extra_env = role, list(flags), netns, host, dict(env or {})
         self.port = port or free_port()
         self.process: subprocess.Popen | None = None
 
@@ -35,7 +43,7 @@ class Service:
                    "--port", str(self.port), *self.flags]
         if self.netns:
             command = ["ip", "netns", "exec", self.netns, *command]
-        env = {**os.environ, "GRPC_VERBOSITY": "ERROR", f"SPECDEC_{self.role.upper()}_LOG_FORMAT": "json"}
+        env = {**os.environ, "GRPC_VERBOSITY": "ERROR", f"SPECDEC_{self.role.upper()}_LOG_FORMAT": "json", **self.extra_env}
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if wait:
             self.wait_healthy(wait)
