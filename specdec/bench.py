@@ -112,22 +112,28 @@ def load_prompts(tokenizer, prompt_set: str, limit: int) -> list[tuple[str, list
 @torch.inference_mode()
 def measure_cost_curve(lm, context: list[int], ns: list[int], repeats: int = 5) -> planlib.CostCurve:
     """V(n): one target forward over n new positions after `context`, keeping n logits as
-    verification does; the median of `repeats` after one warm-up."""
+    verification does. Every n is timed once per round, rounds repeated, the median kept: on a
+    shared machine drift then hits every n alike instead of bending the curve."""
     from specdec.kvcache import Sequence
 
     seq = Sequence("cost-curve", tokens=list(context))
     lm.forward(seq)  # the cache now holds the whole context
     filler = (list(context) * (max(ns) // len(context) + 1))[: max(ns)]
-    points = []
-    for n in ns:
-        times = []
-        for _ in range(repeats + 1):
+    times: dict[int, list[float]] = {n: [] for n in ns}
+    for round_ in range(repeats + 1):
+        for n in ns:
             seq.crop_cache(len(context) - 1)  # the last context token is pending again: 1 + (n - 1) positions
             start = time.perf_counter()
             lm.forward(seq, filler[: n - 1], keep=n)
-            times.append(time.perf_counter() - start)
-        points.append((n, statistics.median(times[1:])))
-    return planlib.CostCurve(tuple(points))
+            if round_:  # round 0 warms up
+                times[n].append(time.perf_counter() - start)
+    return planlib.CostCurve(tuple((n, statistics.median(times[n])) for n in ns))
+
+
+def median_curve(curves: list[planlib.CostCurve]) -> planlib.CostCurve:
+    """Point-wise median of curves measured at the same n (one per benchmark repetition)."""
+    ns = [n for n, _ in curves[0].points]
+    return planlib.CostCurve(tuple((n, statistics.median(c(n) for c in curves)) for n in ns))
 
 
 def measure_draft_cost(engine, context: list[int], tokens: int = 8, repeats: int = 5) -> float:
@@ -391,7 +397,8 @@ def run(opts: Options, argv: list[str]) -> dict:
             context = next(iter(prompts.values()))[0][1]
             longest = max([opts.max_draft, *opts.draft_lengths]) + 1
             print("specdec bench: measuring the target's cost curve V(n) and the drafts' cost", file=sys.stderr, flush=True)
-            curve = measure_cost_curve(lm, context, sorted({1, 2, 3, 4, 5, 6, 8, 9, 12, 16, longest}))
+            ns = sorted({1, 2, 3, 4, 5, 6, 8, 9, 12, 16, longest})
+            curves = [measure_cost_curve(lm, context, ns)]
             draft_cost = {d: measure_draft_cost(e, context) for d, e in engines.items() if d != "ngram"}
             rtt = measure_rtt(stack.target_address) if stack is not None else 0.0
             results = {(s, c.name): Result(c, s) for s in prompts for c in configs}
@@ -405,6 +412,7 @@ def run(opts: Options, argv: list[str]) -> dict:
                         progress.advance(warm)
                 task = progress.add_task("benchmark", total=total)
                 for rep in range(opts.repeats):
+                    curves.append(measure_cost_curve(lm, context, ns, repeats=3))  # V(n) drifts with the machine too
                     for set_name, items in prompts.items():
                         for config in configs:  # interleaved: every configuration once per repetition
                             progress.update(task, description=f"rep {rep + 1}/{opts.repeats} {set_name} {config.name}")
@@ -413,9 +421,14 @@ def run(opts: Options, argv: list[str]) -> dict:
                                 samples.append(config.runner(ids))
                                 progress.advance(task)
                             results[(set_name, config.name)].samples.append(samples)
+                            if not progress.console.is_terminal:  # a log file gets one line per pass instead of a bar
+                                rate = sum(len(x.tokens) for x in samples) / sum(x.seconds for x in samples)
+                                print(f"rep {rep + 1}/{opts.repeats} {set_name:<9} {config.name:<28} {rate:7.2f} tok/s",
+                                      file=sys.stderr, flush=True)
         finally:
             if stack is not None:
                 stack.stop()
+        curve = median_curve(curves)
         context_info = {"cost_curve": curve, "draft_cost": draft_cost, "rtt": rtt, "notes": notes, "machine": machine(),
                         "command": "specdec bench " + " ".join(argv), "target": opts.target if not opts.quick else "tiny (quick)",
                         "drafters": [short_name(d) for d in drafters], "prompts": {k: [pid for pid, _ in v] for k, v in prompts.items()}}

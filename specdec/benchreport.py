@@ -122,6 +122,7 @@ def report(results, ctx: dict, opts) -> dict:
 
 def print_table(document: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets every column
@@ -133,19 +134,21 @@ def print_table(document: dict) -> None:
     for set_name in document["prompts"]:
         table = Table(title=f"prompt set: {set_name} ({len(document['prompts'][set_name])} prompts)")
         for column in ("configuration", "tok/s median [min-max]", "vs hf", "vs hf-assisted", "identical", "accept",
-                       "tokens/step", "predicted", "efficiency", "draft/verify/wire/other %", "overhead", "bytes/step"):
+                       "tokens/step", "decode tok/s", "predicted", "efficiency", "draft/verify/wire/other %", "overhead",
+                       "bytes/step"):
             table.add_column(column, justify="left" if column == "configuration" else "right")
         for r in (r for r in document["results"] if r["prompt_set"] == set_name):
             t = r["tokens_per_second"]
             ident = r.get("identical_to_baseline")
             split = r.get("time_split")
             table.add_row(
-                r["configuration"], f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]",
+                escape(r["configuration"]), escape(f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]"),
                 f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else "",
                 f"{r['speedup_vs_hf_assisted']:.2f}x" if "speedup_vs_hf_assisted" in r else "",
                 f"{ident['identical']}/{ident['runs']}" if ident else "",
                 f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r and r["draft_tokens"] else "",
                 f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "",
+                f"{r['decode_tokens_per_second']:.1f}" if "decode_tokens_per_second" in r else "",
                 f"{r['predicted_decode_tokens_per_second']:.1f}" if "predicted_decode_tokens_per_second" in r else "",
                 f"{r['efficiency']:.2f}" if "efficiency" in r else "",
                 "/".join(f"{split[k] * 100:.0f}" for k in ("draft", "verify", "wire", "other")) if split else "",
@@ -154,7 +157,7 @@ def print_table(document: dict) -> None:
             )
         console.print(table)
     for name, note in document["notes"].items():
-        console.print(f"note: {name}: {note}")
+        console.print(escape(f"note: {name}: {note}"))
 
 
 def plot(document: dict, out) -> None:
