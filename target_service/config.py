@@ -22,9 +22,17 @@ class TargetConfig:
     dtype: str = option("auto", "auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16 or bfloat16.")
     max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted (and re-filled on demand).")
     idle_timeout_s: float = option(600.0, "Free a sequence untouched this long (a coordinator that vanished); 0 disables.")
+    batch_window_ms: float = option(2.0, "How long a Verify waits for the other sequences' calls to share its forward pass (continuous batching); 0: no wait.")
+    max_batch_size: int = option(16, "Most sequences verified in one forward pass; 1 turns batching off.")
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
     tls_key: str = option("", "PEM private key of --tls-cert.")
     tls_ca: str = option("", "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).")
     grace_s: float = option(10.0, "Seconds in-flight calls get to finish after SIGTERM.")
     log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
     log_level: str = option("info", "debug, info, warning or error.")
+
+    def __post_init__(self):
+        if not self.batch_window_ms >= 0:
+            raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_ms}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")

@@ -14,10 +14,11 @@ import time
 import structlog
 import torch
 
-from specdec.errors import InvalidArgument
-from specdec.kvcache import SequenceStore
+from specdec.errors import InvalidArgument, SpecdecError
+from specdec.kvcache import Sequence, SequenceStore
 from specdec.lm import CausalLM
 from specdec.sampling import SamplingConfig, generator_for, target_probs
+from target_service.batching import batchable, forward_batch
 from target_service.verify import verify_greedy, verify_rejection
 
 log = structlog.get_logger(__name__)
@@ -31,6 +32,19 @@ class StepResult:
     next_token: int
     cached_len: int
     compute_seconds: float
+    batch_size: int = 1  # rows in the forward pass this result came from
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyCall:
+    """One Verify request, as the engine sees it (the servicer translates the protobuf)."""
+
+    sequence_id: str
+    known_len: int
+    append: list[int]
+    draft_tokens: list[int]
+    draft_dists: list[tuple[list[int], list[float]]]
+    sampling: SamplingConfig
 
 
 class TargetEngine:
@@ -39,6 +53,7 @@ class TargetEngine:
     def __init__(self, lm: CausalLM, max_sequences: int = 256, idle_timeout_s: float = 600.0):
         self.lm = lm
         self.store = SequenceStore(max_sequences, idle_timeout_s)
+        self.batchable = batchable(lm)
 
     def verify(
         self,
@@ -50,28 +65,73 @@ class TargetEngine:
         sampling: SamplingConfig,
     ) -> StepResult:
         start = time.perf_counter()
-        self._validate(append, draft_tokens, draft_dists, sampling)
-        seq = self.store.sync(sequence_id, known_len, append)
-        total = len(seq.tokens) + len(draft_tokens)
-        if self.lm.max_context and total > self.lm.max_context:
-            raise InvalidArgument("draft_tokens", f"sequence would hold {total} tokens, past the target's context of {self.lm.max_context}")
-        gamma = len(draft_tokens)
-        position = len(seq.tokens)  # canonical length: the first draft token's index
-        logits = self.lm.forward(seq, draft_tokens, keep=gamma + 1)  # [G+1, V]
-        drafts = torch.tensor([draft_tokens], dtype=torch.long)  # [1, G]
-        lens = torch.tensor([gamma])
-        if sampling.greedy:
-            verdict = verify_greedy(logits[None], drafts, lens)
-        else:
-            q = target_probs(logits, sampling)  # [G+1, V]
-            p = self._dense_draft_probs(draft_tokens, draft_dists, q.shape[-1])  # [G, V]
-            gen = generator_for(sampling.seed, position, "target")
-            accept_u, sample_u = torch.rand(1, gamma, generator=gen), torch.rand(1, generator=gen)
-            verdict = verify_rejection(q[None], drafts, p[None], lens, accept_u, sample_u)
-        accepted, next_token = int(verdict.accepted[0]), int(verdict.next_tokens[0])
+        call = VerifyCall(sequence_id, known_len, append, draft_tokens, draft_dists, sampling)
+        seq = self._prepare(call)
+        logits = self.lm.forward(seq, draft_tokens, keep=len(draft_tokens) + 1)  # [G+1, V]
+        accepted, next_token = self._verdict(call, logits, len(seq.tokens))
         seq.tokens.extend(draft_tokens[:accepted])
         seq.crop_cache(len(seq.tokens))  # roll the rejected draft positions out of the cache
         return StepResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start)
+
+    def verify_batch(self, calls: list[VerifyCall]) -> list[StepResult | SpecdecError]:
+        """Verifies several sequences' proposals in ONE forward pass (target_service/batching.py).
+
+        Each row fails on its own: a row with a bad field or a lost sequence gets its error back
+        and the others go ahead. Rows must name distinct sequences (the batcher sees to it). The
+        tokens each row gets are the ones `verify` would give it alone: same per-row logits up to
+        float rounding, same per-row verdict, same per-position seeded uniforms when sampling.
+        """
+        start = time.perf_counter()
+        results: list[StepResult | SpecdecError | None] = [None] * len(calls)
+        rows: list[tuple[int, Sequence]] = []
+        for index, call in enumerate(calls):
+            try:
+                rows.append((index, self._prepare(call)))
+            except SpecdecError as exc:
+                results[index] = exc
+        if len(rows) == 1 or (rows and not self.batchable):
+            for index, seq in rows:  # row by row: one row, or a model whose cache cannot be padded
+                call = calls[index]
+                logits = self.lm.forward(seq, call.draft_tokens, keep=len(call.draft_tokens) + 1)
+                results[index] = self._finish(call, seq, logits, start, len(rows))
+                seq.crop_cache(len(seq.tokens))
+        elif rows:
+            seqs = [seq for _, seq in rows]
+            extras = [calls[index].draft_tokens for index, _ in rows]
+            logits, state = forward_batch(self.lm, seqs, extras, [len(extra) + 1 for extra in extras])
+            for row, (index, seq) in enumerate(rows):
+                results[index] = self._finish(calls[index], seq, logits[row], start, len(rows))
+                state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
+        return results
+
+    def _prepare(self, call: VerifyCall) -> Sequence:
+        self._validate(call.append, call.draft_tokens, call.draft_dists, call.sampling)
+        seq = self.store.sync(call.sequence_id, call.known_len, call.append)
+        total = len(seq.tokens) + len(call.draft_tokens)
+        if self.lm.max_context and total > self.lm.max_context:
+            raise InvalidArgument("draft_tokens", f"sequence would hold {total} tokens, past the target's context of {self.lm.max_context}")
+        return seq
+
+    def _finish(self, call: VerifyCall, seq: Sequence, logits: torch.Tensor, start: float, batch_size: int) -> StepResult:
+        accepted, next_token = self._verdict(call, logits, len(seq.tokens))
+        seq.tokens.extend(call.draft_tokens[:accepted])
+        return StepResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start, batch_size)
+
+    def _verdict(self, call: VerifyCall, logits: torch.Tensor, position: int) -> tuple[int, int]:
+        """(accepted, next token) of one row; logits [G+1, V]; `position` is the first draft token's index."""
+        gamma = len(call.draft_tokens)
+        drafts = torch.tensor([call.draft_tokens], dtype=torch.long)  # [1, G]
+        lens = torch.tensor([gamma])
+        if call.sampling.greedy:
+            verdict = verify_greedy(logits[None], drafts, lens)
+        else:
+            q = target_probs(logits, call.sampling)  # [G+1, V]
+            p = self._dense_draft_probs(call.draft_tokens, call.draft_dists, q.shape[-1])  # [G, V]
+            # Keyed by position, not by call order: a row draws the same uniforms in any batch.
+            gen = generator_for(call.sampling.seed, position, "target")
+            accept_u, sample_u = torch.rand(1, gamma, generator=gen), torch.rand(1, generator=gen)
+            verdict = verify_rejection(q[None], drafts, p[None], lens, accept_u, sample_u)
+        return int(verdict.accepted[0]), int(verdict.next_tokens[0])
 
     def release(self, sequence_id: str) -> bool:
         return self.store.release(sequence_id)
@@ -80,6 +140,12 @@ class TargetEngine:
         """One prefill and one verification so the first real request pays no lazy initialisation."""
         self.verify("__warmup__", 0, [0, 1, 2, 3], [4, 5], [], SamplingConfig())
         self.store.release("__warmup__", retire=False)  # warm-ups may run again
+        ids, greedy = ("__warmup__", "__warmup2__"), SamplingConfig()
+        first = self.verify_batch([VerifyCall(ids[0], 0, [0, 1, 2, 3], [4, 5], [], greedy), VerifyCall(ids[1], 0, [0, 1], [4], [], greedy)])
+        # and once more with caches to pad: the batched path's two shapes
+        self.verify_batch([VerifyCall(i, r.cached_len, [r.next_token], [4], [], greedy) for i, r in zip(ids, first)])
+        for sequence_id in ids:
+            self.store.release(sequence_id, retire=False)
 
     def _validate(self, append, draft_tokens, draft_dists, sampling: SamplingConfig) -> None:
         vocab = self.lm.vocab_size

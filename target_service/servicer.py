@@ -12,7 +12,8 @@ from specdec import metrics, tls
 from specdec.grpcutil import EngineHost, Server, rpc_method
 from specdec.sampling import SamplingConfig
 from target_service.config import TargetConfig
-from target_service.engine import TargetEngine
+from target_service.batcher import VerifyBatcher
+from target_service.engine import TargetEngine, VerifyCall
 
 log = structlog.get_logger(__name__)
 
@@ -28,9 +29,13 @@ def sampling_from_proto(params: pb.SamplingParams) -> SamplingConfig:
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
-    def __init__(self):
-        # One worker: the model runs one forward at a time, in arrival order (batching comes later).
+    def __init__(self, batch_window_ms: float = 2.0, max_batch_size: int = 16):
+        # One worker: the model runs one forward at a time; Verify calls that wait together share it.
         self.host = EngineHost("target")
+        self.batcher = VerifyBatcher(self.host.run, self._verify_batch, batch_window_ms / 1000, max_batch_size)
+
+    def _verify_batch(self, calls):
+        return self.engine.verify_batch(calls)
 
     @property
     def engine(self) -> TargetEngine:
@@ -44,18 +49,18 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     @rpc_method
     async def Verify(self, request: pb.VerifyRequest, context):
         dists = [(list(d.token_ids), list(d.probs)) for d in request.draft_dists]
-        result = await self.host.run(
-            self.engine.verify,
+        self.engine  # noqa: B018 - raises UNAVAILABLE while loading
+        result = await self.batcher.submit(VerifyCall(
             request.sequence_id,
             request.known_len,
             list(request.append_tokens),
             list(request.draft_tokens),
             dists,
             sampling_from_proto(request.sampling),
-        )
+        ))
         m = metrics.target()
         m.verify_seconds.observe(result.compute_seconds)
-        m.batch_size.observe(1)
+        m.batch_size.observe(result.batch_size)
         m.draft_tokens.inc(len(request.draft_tokens))
         m.accepted_tokens.inc(result.accepted)
         m.sequences.set(len(self.engine.store))
@@ -69,6 +74,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     @rpc_method
     async def Release(self, request, context):
         released = await self.host.run(self.engine.release, request.sequence_id)
+        self.batcher.released()
         return pb.TargetServiceReleaseResponse(released=released)
 
 
@@ -80,7 +86,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     from specdec.lm import CausalLM
     from specdec.models import load_model
 
-    servicer = TargetServicer()
+    servicer = TargetServicer(config.batch_window_ms, config.max_batch_size)
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
     server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], credentials=credentials)
     metrics.target()
@@ -103,4 +109,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     server.servicer = servicer  # lets tests and tools inspect the engine behind the server
     if ready is not None:
         ready.set_result(server)
-    await server.wait()
+    try:
+        await server.wait()
+    finally:
+        servicer.batcher.close()

@@ -1,0 +1,118 @@
+"""Continuous batching of Verify calls: the calls waiting when the model frees up run as ONE pass.
+
+Runs in the servicer's event loop (no gRPC here). One batch is in flight at a time, on the engine's
+worker thread; calls that arrive meanwhile wait and form the next batch, so sequences join and leave
+at any step. Before starting a batch it waits a short window for the calls it expects: after a
+batch of 8 returns, the 8 coordinator loops each call the draft and come back a few ms apart, and
+a batch started on the first arrival would split them into two half batches that then alternate
+for good. The wait ends as soon as as many calls are pending as the previous batch had rows (minus
+the sequences released since), or after `window_s`, or after a tenth of the previous batch's
+compute time, whichever is longer: waiting costs little next to a step it lets the rows share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+
+import structlog
+
+from target_service.engine import StepResult, VerifyCall
+
+log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass
+class _Pending:
+    call: VerifyCall
+    future: asyncio.Future
+
+
+class VerifyBatcher:
+    def __init__(self, run, verify_batch, window_s: float = 0.002, max_batch_size: int = 16):
+        """`run(fn, *args)` awaits fn on the engine's worker; `verify_batch(calls)` is the engine's."""
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self._run, self._verify_batch = run, verify_batch
+        self.window_s, self.max_batch_size = window_s, max_batch_size
+        self._pending: list[_Pending] = []
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._expected = 1  # rows the next batch should have: the last batch's, minus releases since
+        self._last_compute_s = 0.0
+
+    async def submit(self, call: VerifyCall) -> StepResult:
+        """Queues the call for the next batch and returns its own result (or raises its own error)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="verify-batcher")
+        item = _Pending(call, asyncio.get_running_loop().create_future())
+        self._pending.append(item)
+        self._arrived.set()
+        return await item.future  # cancelled while waiting: the batch skips it
+
+    def released(self) -> None:
+        """A sequence left: do not wait for its next call."""
+        self._expected = max(1, self._expected - 1)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            await self._arrived.wait()
+            self._arrived.clear()
+            if not self._pending:
+                continue
+            await self._gather_window()
+            batch = self._take()
+            if not batch:
+                continue
+            try:
+                results = await self._run(self._verify_batch, [item.call for item in batch])
+            except Exception as exc:  # noqa: BLE001 - a failed pass fails its rows, never the batcher
+                results = [exc] * len(batch)
+            for item, result in zip(batch, results):
+                if item.future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    item.future.set_exception(result)
+                else:
+                    item.future.set_result(result)
+            ok = [r for r in results if isinstance(r, StepResult)]
+            self._last_compute_s = max((r.compute_seconds for r in ok), default=0.0)
+            self._expected = max(1, len(batch))
+            if self._pending:
+                self._arrived.set()
+
+    async def _gather_window(self) -> None:
+        wait_s = max(self.window_s, self._last_compute_s / 10)
+        deadline = time.monotonic() + wait_s
+        target = min(self.max_batch_size, self._expected)
+        while len(self._live()) < target:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                return
+
+    def _live(self) -> list[_Pending]:
+        self._pending = [item for item in self._pending if not item.future.done()]  # drop cancelled calls
+        return self._pending
+
+    def _take(self) -> list[_Pending]:
+        """Up to max_batch_size calls, oldest first, one per sequence (a second call for the same
+        sequence, a late retry, waits for the next batch: rows must not share a cache)."""
+        batch, seen, rest = [], set(), []
+        for item in self._live():
+            if len(batch) < self.max_batch_size and item.call.sequence_id not in seen:
+                seen.add(item.call.sequence_id)
+                batch.append(item)
+            else:
+                rest.append(item)
+        self._pending = rest
+        return batch

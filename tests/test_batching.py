@@ -1,0 +1,161 @@
+"""Batched verification gives exactly the tokens unbatched verification gives (target_service/batching.py).
+
+Rows of mixed prompt lengths and draft lengths, sequences joining and leaving between steps,
+rollback rows, rows whose sequence was lost (NOT_FOUND) next to healthy ones, and the sampling path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from specdec.errors import InvalidArgument, SequenceNotFound
+from specdec.lm import CausalLM
+from specdec.sampling import SamplingConfig
+from target_service.batcher import VerifyBatcher
+from target_service.engine import StepResult, TargetEngine, VerifyCall
+from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
+
+GREEDY = SamplingConfig()
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_pair()[0]
+
+
+def engine(model) -> TargetEngine:
+    return TargetEngine(CausalLM(model, torch.device("cpu")), max_sequences=64)
+
+
+class Decoder:
+    """One sequence decoded by speculation, with drafts that copy the reference continuation and
+    are corrupted at random, so every step mixes acceptance, rejection, bonus and draft length 0."""
+
+    def __init__(self, name: str, prompt: list[int], reference: list[int], rng: random.Random):
+        self.name, self.prompt, self.reference, self.rng = name, prompt, reference, rng
+        self.tokens = list(prompt)  # canonical: prompt + generated
+        self.known = 0  # tokens the target holds of self.tokens
+
+    @property
+    def done(self) -> bool:
+        generated = self.tokens[len(self.prompt):]
+        return len(generated) >= len(self.reference) or (bool(generated) and generated[-1] == EOS)
+
+    def call(self, sampling: SamplingConfig = GREEDY) -> VerifyCall:
+        at = len(self.tokens) - len(self.prompt)
+        gamma = self.rng.choice([0, 1, 3, 5, 8])
+        draft = list(self.reference[at:at + gamma])
+        if draft and self.rng.random() < 0.5:
+            draft[self.rng.randrange(len(draft))] = self.rng.randrange(256)  # a wrong guess somewhere
+        return VerifyCall(self.name, self.known, self.tokens[self.known:], draft, [], sampling)
+
+    def apply(self, call: VerifyCall, result: StepResult) -> None:
+        self.tokens += call.draft_tokens[:result.accepted] + [result.next_token]
+        self.known = result.cached_len
+
+
+def test_batched_greedy_equals_unbatched_and_the_target_alone(target):
+    """Sequences join and leave at every step; every step's batched verdict equals the unbatched one."""
+    rng = random.Random(0)
+    batched, single = engine(target), engine(target)
+    pool = prompts(10, seed=3)
+    refs = [reference_greedy(target, p, NEW_TOKENS) for p in pool]
+    decoders = [Decoder(f"s{i}", p, r, random.Random(i)) for i, (p, r) in enumerate(zip(pool, refs))]
+    active: list[Decoder] = []
+    waiting = list(decoders)
+    sizes = []
+    while waiting or active:
+        while waiting and (not active or rng.random() < 0.4):  # join at any step
+            active.append(waiting.pop(0))
+        step = [d for d in active if rng.random() < 0.85] or active[:1]  # some sit a step out
+        calls = [d.call() for d in step]
+        results = batched.verify_batch(calls)
+        for d, call, result in zip(step, calls, results):
+            alone = single.verify(call.sequence_id, call.known_len, call.append, call.draft_tokens, [], GREEDY)
+            assert (result.accepted, result.next_token, result.cached_len) == (alone.accepted, alone.next_token, alone.cached_len)
+            d.apply(call, result)
+        sizes.append(len(step))
+        for d in [d for d in active if d.done]:  # leave at any step
+            active.remove(d)
+            batched.release(d.name)
+    for d in decoders:
+        assert d.tokens[len(d.prompt):][:len(d.reference)] == d.reference, d.name
+    assert max(sizes) >= 4 and len(batched.store) == 0
+
+
+def test_rows_fail_alone_and_rollback_rows_match(target):
+    """A lost sequence (NOT_FOUND) and a bad field fail their own rows only; a row that rolls back
+    (known_len below what the target holds, as after a draft failure) gets the unbatched verdict."""
+    batched, single = engine(target), engine(target)
+    p = prompts(3, seed=5)
+    for eng in (batched, single):
+        for i in range(2):
+            eng.verify(f"r{i}", 0, p[i], [1, 2, 3], [], GREEDY)  # hold prompt + accepted drafts
+    calls = [
+        VerifyCall("r0", len(p[0]) - 2, p[0][-2:], [7, 8], [], GREEDY),  # roll back two tokens, re-send them
+        VerifyCall("lost", 5, [1], [2], [], GREEDY),
+        VerifyCall("r1", len(p[1]), [9], [4, 5, 6], [], GREEDY),
+        VerifyCall("bad", 0, [1, 2], [10**6], [], GREEDY),
+        VerifyCall("new", 0, p[2], [], [], GREEDY),
+    ]
+    results = batched.verify_batch(calls)
+    assert isinstance(results[1], SequenceNotFound) and isinstance(results[3], InvalidArgument)
+    assert results[3].field == "draft_tokens"
+    for index in (0, 2, 4):
+        call = calls[index]
+        alone = single.verify(call.sequence_id, call.known_len, call.append, call.draft_tokens, [], GREEDY)
+        assert results[index] == StepResult(alone.accepted, alone.next_token, alone.cached_len, results[index].compute_seconds, 3)
+
+
+def test_batched_sampling_equals_unbatched(target):
+    """Rejection sampling per row with its own seeded uniforms: same tokens in any batch."""
+    batched, single = engine(target), engine(target)
+    pool = prompts(6, seed=7)
+    rng = random.Random(1)
+    decoders = [Decoder(f"q{i}", p, reference_greedy(target, p, 12), random.Random(10 + i)) for i, p in enumerate(pool)]
+    for _ in range(6):
+        step = [d for d in decoders if not d.done and rng.random() < 0.9]
+        if not step:
+            break
+        calls = []
+        for i, d in enumerate(step):
+            sampling = SamplingConfig(temperature=0.8 + 0.1 * i, top_k=[0, 20][i % 2], top_p=[1.0, 0.9][i % 2], seed=100 + i)
+            base = d.call(sampling)
+            dists = [([t, (t + 1) % 256], [0.7, 0.3]) for t in base.draft_tokens]  # a p the draft "drew" from
+            calls.append(VerifyCall(base.sequence_id, base.known_len, base.append, base.draft_tokens, dists, sampling))
+        results = batched.verify_batch(calls)
+        for d, call, result in zip(step, calls, results):
+            alone = single.verify(call.sequence_id, call.known_len, call.append, call.draft_tokens, call.draft_dists, call.sampling)
+            assert (result.accepted, result.next_token, result.cached_len) == (alone.accepted, alone.next_token, alone.cached_len)
+            d.apply(call, result)
+
+
+def test_batcher_groups_concurrent_calls_and_keeps_rows_apart(target):
+    """Calls that wait together share one pass; a second call for a sequence already in the batch
+    waits for the next; a call cancelled while waiting is skipped."""
+    eng = engine(target)
+    p = prompts(5, seed=9)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        run = lambda fn, *args: loop.run_in_executor(None, fn, *args)  # noqa: E731
+        batcher = VerifyBatcher(run, eng.verify_batch, window_s=0.05, max_batch_size=3)
+        calls = [VerifyCall(f"b{i}", 0, p[i], [1, 2], [], GREEDY) for i in range(4)]
+        duplicate = VerifyCall("b0", 0, p[0], [3], [], GREEDY)
+        tasks = [asyncio.ensure_future(batcher.submit(c)) for c in [*calls, duplicate]]
+        doomed = asyncio.ensure_future(batcher.submit(VerifyCall("gone", 0, [1, 2], [], [], GREEDY)))
+        await asyncio.sleep(0)
+        doomed.cancel()
+        results = await asyncio.gather(*tasks)
+        batcher.close()
+        return results
+
+    results = asyncio.run(main())
+    assert [r.batch_size for r in results[:3]] == [3, 3, 3]  # capped at max_batch_size
+    assert results[3].batch_size == 2 and results[4].batch_size == 2  # the rest, and b0's second call
+    assert "gone" not in eng.store
