@@ -47,9 +47,11 @@ def error_status(exc: SpecdecError) -> status_pb2.Status:
     status = status_pb2.Status(code=exc.code.value[0], message=str(exc))
     if isinstance(exc, InvalidArgument):
         detail = any_pb2.Any()
-        detail.Pack(error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)
-        ]))
+        detail.Pack(
+            error_details_pb2.BadRequest(
+                field_violations=[error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)]
+            )
+        )
         status.details.append(detail)
     return status
 
@@ -93,16 +95,102 @@ def rpc_method(method: Callable) -> Callable:
     return unary
 
 
+CLEANUP_S = 5.0  # after the grace period, how long cancelled calls get to release what they hold
+
+# Always answered, also while draining: probes must see NOT_SERVING, not a refused connection.
+OPEN_METHODS = ("/grpc.health.", "/grpc.reflection.")
+
+
+class Drain(grpc.aio.ServerInterceptor):
+    """Counts the service's calls in flight and, once `draining`, refuses new ones with UNAVAILABLE
+    (the code clients retry on, on another replica). Health and reflection are neither counted nor
+    refused, so the server keeps answering probes while in-flight calls finish."""
+
+    def __init__(self):
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHODS):
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
+        return handler  # client-streaming methods: none in specdec.v1
+
+    def _unary(self, behaviour):
+        async def counted(request, context):
+            await self._enter(context)
+            try:
+                return await behaviour(request, context)
+            finally:
+                self._leave()
+
+        return counted
+
+    def _stream(self, behaviour):
+        async def counted(request, context):
+            await self._enter(context)
+            try:
+                async for item in behaviour(request, context):
+                    yield item
+            finally:
+                self._leave()
+
+        return counted
+
+    async def _enter(self, context) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no call is in flight; False if `timeout` seconds pass first."""
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=max(timeout, 0.0))
+            return True
+        except TimeoutError:
+            return False
+
+
 class Server:
     """A grpc.aio server with health checking, reflection and a graceful SIGTERM.
 
     Health reports NOT_SERVING until `mark_serving()` (called once the model is loaded and warmed),
     and again as soon as shutdown starts, so load balancers stop routing before requests are cut.
+    Shutdown then drains: new calls are refused with UNAVAILABLE while health keeps answering, calls
+    in flight get up to `grace` seconds to finish, and the server stops as soon as they have.
     """
 
-    def __init__(self, host: str, port: int, service_names: Iterable[str], max_concurrent_rpcs: int | None = None,
-                 interceptors=(), credentials: grpc.ServerCredentials | None = None):
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs, interceptors=list(interceptors))
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: Iterable[str],
+        max_concurrent_rpcs: int | None = None,
+        interceptors=(),
+        credentials: grpc.ServerCredentials | None = None,
+    ):
+        self.drain = Drain()
+        self.server = grpc.aio.server(
+            options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs, interceptors=[self.drain, *interceptors]
+        )
         self.http = None  # an HTTP server to stop with this one (the coordinator's API)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -116,6 +204,7 @@ class Server:
         if self.port == 0:
             raise OSError(f"cannot bind {host}:{port}")
         self._stopped = asyncio.Event()
+        self._stopping = False
 
     async def start(self) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -131,8 +220,21 @@ class Server:
                 await result
 
     async def stop(self, grace: float) -> None:
+        """Drains (see the class), then stops. A second call while draining stops at once."""
+        if self._stopping:
+            await self.server.stop(0)
+            return
+        self._stopping = True
+        self.drain.draining = True
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.server.stop(grace)
+        started = asyncio.get_running_loop().time()
+        drained = await self.drain.wait_idle(grace)
+        left = max(0.0, grace - (asyncio.get_running_loop().time() - started))
+        log.info("draining done" if drained else "grace period over; cancelling calls in flight", in_flight=self.drain.in_flight)
+        await self.server.stop(left)
+        # Calls cut at the end of the grace period unwind now; give their cleanup (the coordinator
+        # releasing their sequences in the backends) a moment before the event loop goes away.
+        await self.drain.wait_idle(CLEANUP_S)
         if self.http is not None:
             await self.http.stop()
         self._stopped.set()
