@@ -15,12 +15,16 @@ Two levers, both per request:
 
 Seeded requests use the static cost priors instead of measured times, so the same seed gives the
 same draft lengths, hence the same random draws, hence the same tokens on every run.
+
+Under load the coordinator caps g further by the number of running requests (CostModel.draft_cap,
+coordinator/scheduler.py): a full batch has no compute to spare for positions that may be thrown away.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable
 
 
 def expected_tokens(acceptance: float, gamma: int) -> float:
@@ -77,6 +81,9 @@ class CostModel:
         self._wire = [prior.wire_per_step * w, w]  # [decayed seconds, decayed steps]
         self._verify = [[v * w, w] for v in prior.verify]  # per n: [decayed seconds, decayed count]
         self._scaled = False
+        # Most draft tokens a request may verify per step under the current load (set by the
+        # coordinator's scheduler: coordinator/scheduler.py); None: no load cap.
+        self.draft_cap: Callable[[], int] | None = None
 
     def observe(self, drafted: int, draft_seconds: float, verified: int, verify_seconds: float, wire_seconds: float) -> None:
         with self._lock:
@@ -138,8 +145,11 @@ class DraftLengthPolicy:
         """(max draft tokens, min cumulative probability) for the next step."""
         if not self.adaptive or self.max_length == 0:
             return self.max_length, 0.0
+        max_length = self.max_length
+        if self.cost_model is not None and self.cost_model.draft_cap is not None:
+            max_length = min(max_length, self.cost_model.draft_cap())  # speculation shrinks as the batch fills
         costs = self.cost_model.costs() if self.cost_model is not None else self.prior
-        gamma = best_length(self.acceptance, costs, self.max_length)
+        gamma = best_length(self.acceptance, costs, max_length)
         self.probing = False
         if gamma == 0:
             # Not drafting is best at the acceptance seen so far; draft once in a while anyway, or
@@ -149,7 +159,7 @@ class DraftLengthPolicy:
             if self.idle_steps % self.probe_every:
                 return 0, self.threshold
             self.probing = True
-            gamma = min(self.max_length, 4)
+            gamma = min(max_length, 4)
         else:
             self.probe_every = self.min_probe_every
         return gamma, self.threshold

@@ -27,6 +27,9 @@ class CoordinatorConfig:
     default_max_new_tokens: int = option(128, "max_new_tokens when a request leaves it unset.")
     max_prompt_tokens: int = option(32768, "Longest prompt accepted, in target tokens.")
     max_streams_per_client: int = option(64, "Concurrent requests one client (bearer token, else peer address) may have; past it RESOURCE_EXHAUSTED. 0: no limit.")
+    max_concurrent_requests: int = option(32, "Requests running at once (each is a row of the target's batch); more wait in the queue. 0: no limit.")
+    max_queue: int = option(64, "Requests waiting for a running slot; past it RESOURCE_EXHAUSTED at once, with a retry-after hint.")
+    verify_token_budget: int = option(16, "Verified positions per target pass the running requests share: each drafts at most budget // running - 1 tokens, none once the batch is full. 0: no load cap.")
     rpc_timeout_s: float = option(30.0, "Deadline of each call to the draft and target services.")
     startup_timeout_s: float = option(600.0, "How long to wait for the draft and target to come up.")
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
@@ -38,3 +41,8 @@ class CoordinatorConfig:
     grace_s: float = option(10.0, "Seconds in-flight requests get to finish after SIGTERM.")
     log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
     log_level: str = option("info", "debug, info, warning or error.")
+
+    def __post_init__(self):
+        for flag in ("max_concurrent_requests", "max_queue", "verify_token_budget"):
+            if getattr(self, flag) < 0:
+                raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")

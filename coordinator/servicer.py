@@ -11,17 +11,21 @@ import uuid
 
 import grpc
 import structlog
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from coordinator.adapt import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
 from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
+from coordinator.scheduler import Admission
 from coordinator.text import TextStream
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec import metrics, tls
 from specdec.errors import DeadlineExceeded, InvalidArgument, Overloaded, SpecdecError, Unavailable
-from specdec.grpcutil import Server, rpc_method
+from specdec.grpcutil import Server, error_status, rpc_method
 from specdec.logs import bind_request
 from specdec.sampling import SamplingConfig
 
@@ -91,12 +95,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.loop: SpeculativeLoop | None = None
         self.target_info = pb.ModelInfo()
         self.active: dict[str, int] = {}  # running requests per client
+        self.admission = Admission(config.max_concurrent_requests, config.max_queue, config.verify_token_budget)
 
     def attach(self, tokenizer, target: TargetClient, target_info: pb.ModelInfo, draft: DraftClient | None, draft_info: pb.ModelInfo | None) -> None:
         prior = NGRAM_DRAFT_PRIOR if draft_info is not None and draft_info.drafter == "ngram" else MODEL_DRAFT_PRIOR
         self.tokenizer = tokenizer
         self.target_info = target_info
-        self.loop = SpeculativeLoop(target, draft, CostModel(prior), prior)
+        cost_model = CostModel(prior)
+        cost_model.draft_cap = self.admission.draft_cap  # draft less as more requests share the target's batch
+        self.loop = SpeculativeLoop(target, draft, cost_model, prior)
 
     # --- request validation: every field checked here, named in the error ---
 
@@ -201,10 +208,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         m = metrics.coordinator()
         try:
             spec, stop = self._spec(request)
-            with self._admit(client):
-                REQUEST_DEADLINE.set(deadline)
-                async for item in self._run_spec(spec, stop, m):
-                    yield item
+            with self._admit(client):  # the per-client cap counts queued requests too
+                async with self.admission.slot():
+                    REQUEST_DEADLINE.set(deadline)
+                    async for item in self._run_spec(spec, stop, m):
+                        yield item
         except SpecdecError as exc:
             m.failures.labels(exc.code.name).inc()
             raise
@@ -253,19 +261,38 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context):
         token_ids: list[int] = []
         pieces: list[str] = []
-        async for spec, tokens, piece, finish, stats in self._generate(request, *client_of(context)):  # noqa: B007 - the last step's values are used below
-            token_ids.extend(tokens)
-            pieces.append(piece)
+        try:
+            async for spec, tokens, piece, finish, stats in self._generate(request, *client_of(context)):  # noqa: B007 - the last step's values are used below
+                token_ids.extend(tokens)
+                pieces.append(piece)
+        except Overloaded as exc:
+            await abort_overloaded(context, exc)
         return pb.GenerateResponse(request_id=spec.request_id, text="".join(pieces), token_ids=token_ids,
                                    finish_reason=FINISH_REASONS[finish], stats=stats_proto(stats))
 
     @rpc_method
     async def GenerateStream(self, request: pb.GenerateStreamRequest, context):
-        async for spec, tokens, piece, finish, stats in self._generate(request, *client_of(context)):
-            if tokens or piece:
-                yield pb.GenerateStreamResponse(request_id=spec.request_id, token_ids=tokens, text=piece)
-            if finish:
-                yield pb.GenerateStreamResponse(request_id=spec.request_id, finish_reason=FINISH_REASONS[finish], stats=stats_proto(stats))
+        try:
+            async for spec, tokens, piece, finish, stats in self._generate(request, *client_of(context)):
+                if tokens or piece:
+                    yield pb.GenerateStreamResponse(request_id=spec.request_id, token_ids=tokens, text=piece)
+                if finish:
+                    yield pb.GenerateStreamResponse(request_id=spec.request_id, finish_reason=FINISH_REASONS[finish], stats=stats_proto(stats))
+        except Overloaded as exc:
+            await abort_overloaded(context, exc)
+
+
+async def abort_overloaded(context, exc: Overloaded) -> None:
+    """RESOURCE_EXHAUSTED with a retry hint twice over: a google.rpc.RetryInfo detail (what gRPC
+    client libraries read) and `retry-after-ms` trailing metadata (what a person with a plain stub
+    can read). The per-client cap's hint is a second: one of that client's own requests must end."""
+    retry_s = getattr(exc, "retry_after_s", 1.0)
+    status = error_status(exc)
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=int(retry_s), nanos=int(retry_s % 1 * 1e9))))
+    status.details.append(detail)
+    rich = rpc_status.to_status(status)
+    await context.abort(rich.code, rich.details, trailing_metadata=(*rich.trailing_metadata, ("retry-after-ms", str(round(retry_s * 1000)))))
 
 
 async def _wait_for_info(client, deadline: float) -> pb.ModelInfo:

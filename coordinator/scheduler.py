@@ -1,0 +1,103 @@
+"""Admission under load: a cap on running requests, a bounded queue, and draft length by load.
+
+- At most `max_running` requests run at once (each holds a sequence in the draft and the target
+  and a row in the target's batch); up to `max_queue` more wait, first come first served. Past
+  both, a request is refused at once with RESOURCE_EXHAUSTED and a retry hint, so memory stays
+  bounded however much load is offered and a client learns promptly that it should back off.
+- Speculation spends target compute on positions that may be thrown away: the target's pass costs
+  little more for a few extra positions (the CPU forward over 16 new tokens costs ~2x one, DESIGN.md
+  §4), but once the batch's rows already fill those positions, every draft token adds its full
+  cost. So the running requests share a budget of verified positions per target pass: each may
+  draft at most budget // running - 1 tokens (the -1 is its own next token). With the default 16:
+  one request drafts up to 15 (then capped by its draft length), 4 up to 3, 8 up to 1, 16 or more
+  none at all. The adaptive policy (adapt.py) still chooses within that cap by acceptance and cost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+
+from specdec.errors import Overloaded
+
+MIN_RETRY_S, MAX_RETRY_S = 0.05, 60.0
+
+
+def busy(message: str, retry_after_s: float) -> Overloaded:
+    """RESOURCE_EXHAUSTED with how long the client should wait before trying again.
+
+    An Overloaded itself, not a subclass, so every mapping of Overloaded (HTTP 429 included) holds.
+    """
+    exc = Overloaded(message)
+    exc.retry_after_s = retry_after_s
+    return exc
+
+
+class Admission:
+    """Not thread-safe: used from the coordinator's event loop only."""
+
+    def __init__(self, max_running: int, max_queue: int, verify_token_budget: int = 16):
+        if max_running < 0 or max_queue < 0 or verify_token_budget < 0:
+            raise ValueError("max_running, max_queue and verify_token_budget must be >= 0")
+        self.max_running, self.max_queue, self.budget = max_running, max_queue, verify_token_budget
+        self.running = 0
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+        self._mean_seconds = 5.0  # decayed mean request duration, for the retry hint
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @contextlib.asynccontextmanager
+    async def slot(self):
+        """Holds a running slot for the body; waits in the queue for one, or raises Overloaded (see `busy`)."""
+        if not self.max_running or (self.running < self.max_running and not self._waiting):
+            self.running += 1
+        elif len(self._waiting) < self.max_queue:
+            await self._wait_turn()
+        else:
+            raise busy(
+                f"the coordinator is at capacity ({self.running} requests running, {len(self._waiting)} queued; "
+                f"max_concurrent_requests={self.max_running}, max_queue={self.max_queue}); retry later",
+                self.retry_after_s(),
+            )
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            self._mean_seconds = 0.9 * self._mean_seconds + 0.1 * (time.monotonic() - start)
+            self._hand_over()
+
+    async def _wait_turn(self) -> None:
+        turn = asyncio.get_running_loop().create_future()
+        self._waiting.append(turn)
+        try:
+            await turn  # the slot is handed over with `running` unchanged
+        except asyncio.CancelledError:  # the client gave up (deadline, cancel) while queued
+            if turn.done() and not turn.cancelled():
+                self._hand_over()  # the slot came just as we left: pass it on
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove(turn)
+            raise
+
+    def _hand_over(self) -> None:
+        while self._waiting:
+            turn = self._waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.running -= 1
+
+    def retry_after_s(self) -> float:
+        """Roughly when a slot frees up for one more: the queue ahead drains at running / mean duration."""
+        per_slot = self._mean_seconds / max(1, self.max_running or self.running)
+        return min(MAX_RETRY_S, max(MIN_RETRY_S, per_slot * (len(self._waiting) + 1)))
+
+    def draft_cap(self) -> int:
+        """Most draft tokens a request may verify per step now (module docstring); large when unlimited."""
+        if not self.budget:
+            return 1 << 16
+        return max(0, self.budget // max(1, self.running) - 1)

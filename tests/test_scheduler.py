@@ -1,0 +1,77 @@
+"""Admission under load (coordinator/scheduler.py): running cap, bounded queue, prompt refusal with
+a retry hint, cancellation while queued, and the draft-length cap that shrinks as the batch fills."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from coordinator.adapt import NGRAM_DRAFT_PRIOR, CostModel, DraftLengthPolicy
+from coordinator.scheduler import Admission
+from specdec.errors import Overloaded
+
+
+def test_running_cap_queue_and_prompt_refusal():
+    async def main():
+        admission = Admission(max_running=2, max_queue=1)
+        release = asyncio.Event()
+        order = []
+
+        async def request(name):
+            async with admission.slot():
+                order.append(name)
+                await release.wait()
+
+        running = [asyncio.ensure_future(request(n)) for n in ("a", "b", "c")]
+        await asyncio.sleep(0.01)
+        assert (admission.running, admission.queued, order) == (2, 1, ["a", "b"])
+        with pytest.raises(Overloaded) as refused:
+            async with admission.slot():
+                pass
+        assert 0.05 <= refused.value.retry_after_s <= 60 and "max_queue=1" in str(refused.value)
+        release.set()
+        await asyncio.gather(*running)
+        assert order == ["a", "b", "c"] and admission.running == 0 and admission.queued == 0
+
+    asyncio.run(main())
+
+
+def test_a_request_cancelled_while_queued_frees_its_place():
+    async def main():
+        admission = Admission(max_running=1, max_queue=2)
+        release = asyncio.Event()
+
+        async def request():
+            async with admission.slot():
+                await release.wait()
+
+        first, queued, second = (asyncio.ensure_future(request()) for _ in range(3))
+        await asyncio.sleep(0.01)
+        queued.cancel()
+        await asyncio.sleep(0.01)
+        assert admission.queued == 1
+        release.set()
+        await asyncio.gather(first, second)
+        assert admission.running == 0 and admission.queued == 0
+
+    asyncio.run(main())
+
+
+def test_draft_length_shrinks_as_the_batch_fills():
+    admission = Admission(max_running=0, max_queue=0, verify_token_budget=16)
+    caps = []
+    for running in (1, 2, 4, 8, 16):
+        admission.running = running
+        caps.append(admission.draft_cap())
+    assert caps == [15, 7, 3, 1, 0]
+    model = CostModel(NGRAM_DRAFT_PRIOR)
+    model.draft_cap = admission.draft_cap
+    policy = DraftLengthPolicy(max_length=8, cost_model=model, prior=NGRAM_DRAFT_PRIOR, accepted_weight=50.0)
+    admission.running = 1
+    assert policy.plan()[0] == 8  # high acceptance, alone: the full draft length
+    admission.running = 4
+    assert policy.plan()[0] == 3
+    admission.running = 16
+    assert policy.plan()[0] == 0  # full batch: no speculation, probes included
+    assert Admission(1, 1, verify_token_budget=0).draft_cap() >= 32
