@@ -5,6 +5,7 @@
     specdec generate "PROMPT" [...]                  stream a completion from a coordinator
     specdec bench [--quick] [...]                    tokens/s against transformers and the analytic model
     specdec plan --acceptance A --cost-curve ...     predicted speed-up per draft length, and the best
+    specdec loadtest [--quick] [--concurrency 1,2,4,8]  concurrent streams: throughput, TTFT/TPOT/ITL, overload
     specdec config-table                             the README's configuration tables
 """
 
@@ -265,8 +266,14 @@ def cmd_plan(argv: list[str]) -> int:
     return 0
 
 
+def cmd_loadtest(argv: list[str]) -> int:
+    from specdec.loadtest import main as loadtest_main
+
+    return loadtest_main(argv)
+
+
 COMMANDS = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "config-table": cmd_config_table,
-            "bench": cmd_bench, "plan": cmd_plan}
+            "bench": cmd_bench, "plan": cmd_plan, "loadtest": cmd_loadtest}
 
 
 def main(argv: list[str] | None = None) -> int:

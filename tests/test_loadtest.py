@@ -1,0 +1,48 @@
+"""`specdec loadtest --quick`: the whole load tester on tiny models, as CI runs it (< 60 s).
+
+Checks the JSON (vLLM's key names), that every response is token-identical to the target decoding
+alone, and the overload behaviour: 4x more concurrent requests than the coordinator's running cap
+plus queue, so the excess is refused promptly with RESOURCE_EXHAUSTED and a retry hint, the
+accepted requests all complete, and no service crashes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec import loadtest
+
+VLLM_KEYS = ["request_throughput", "output_throughput", "total_output_tokens", "completed", "duration"] + [
+    f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90", "p99")
+]
+
+
+def test_quick_loadtest(tmp_path, capsys):
+    assert loadtest.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "loadtest.json").read_text())
+    assert (tmp_path / "latency_vs_concurrency.png").stat().st_size > 0
+    assert (tmp_path / "throughput_vs_concurrency.png").stat().st_size > 0
+    assert {(r["speculation"], r["concurrency"]) for r in report["runs"]} == {(True, 1), (True, 4), (False, 1), (False, 4)}
+    for run in report["runs"]:
+        assert all(key in run for key in VLLM_KEYS)
+        assert run["failed"] == 0 and run["completed"] == run["num_requests"] == run["identical"]
+        assert run["output_throughput"] > 0 and run["p99_ttft_ms"] >= run["median_ttft_ms"] > 0
+    assert any(r["acceptance_rate"] > 0 for r in report["runs"] if r["speculation"])
+
+    overload = report["overload"]
+    offered, capacity = overload["offered_concurrency"], overload["max_concurrent_requests"] + overload["max_queue"]
+    assert offered == 4 * capacity and overload["stack_alive"]
+    assert set(overload["failures"]) == {"RESOURCE_EXHAUSTED"}  # refused, nothing else failed
+    assert overload["completed"] + overload["failures"]["RESOURCE_EXHAUSTED"] == offered
+    assert overload["completed"] >= capacity and overload["identical"] == overload["completed"]
+    assert overload["max_refusal_latency_ms"] < 2000 and overload["retry_after_ms"]  # prompt, with a hint
+    assert "overload:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--concurrency", "0"], ["--concurrency", "a,b"], ["--max-new-tokens", "0"], ["--request-rate", "-1"]])
+def test_bad_flags_are_named(argv, capsys):
+    with pytest.raises(SystemExit):
+        loadtest.parse(argv)
+    assert argv[0] in capsys.readouterr().err
