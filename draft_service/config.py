@@ -20,6 +20,7 @@ class DraftConfig:
     model: str = option("", "Draft model for --drafter model: alias, hub id, local folder or .gguf file.")
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16 or bfloat16.")
+    target_tokenizer: str = option("", "Tokenizer of the target when it differs from the draft model's (alias, hub id, folder or .gguf): the draft then maps between the two vocabularies; empty: the same vocabulary.")
     top_k: int = option(32, "When sampling, the draft draws from its top-k tokens so the sparse p it sends is exact.")
     ngram_max: int = option(4, "Longest suffix n-gram the n-gram drafter looks up.")
     ngram_min: int = option(1, "Shortest suffix n-gram it accepts as a match.")

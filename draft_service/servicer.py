@@ -80,8 +80,12 @@ def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
         loaded = load_model(config.model, config.device, config.dtype)
         lm = CausalLM(loaded.model, loaded.device)
         drafter = ModelDrafter(lm, config.top_k)
+        if config.target_tokenizer:
+            from draft_service.crossvocab import build_cross_drafter
+
+            drafter = build_cross_drafter(lm, loaded.tokenizer, config.model, config.target_tokenizer, config.top_k) or drafter
         info = pb.ModelInfo(
-            model=config.model, vocab_size=lm.vocab_size, max_context=lm.max_context,
+            model=config.model, vocab_size=drafter.vocab_size, max_context=lm.max_context,
             eos_token_ids=lm.eos_token_ids, device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."), drafter="model",
         )

@@ -77,10 +77,16 @@ def cmd_up(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     ports = {"coordinator": args.port, "target": args.port + 1, "draft": args.port + 2}
     target_flags = ["--model", args.target_model] if args.target_model else []
+    from specdec.models import DEFAULT_TARGET
+
+    # Another model may speak another vocabulary: the draft then maps its tokens to the target's
+    # (it falls back to plain drafting when the two tokenizers turn out identical).
+    target_model = args.target_model or DEFAULT_TARGET
+    cross = ["--target-tokenizer", target_model] if args.drafter == "model" and args.draft_model and args.draft_model != target_model else []
     commands = {
         "target": ["target", "--port", str(ports["target"]), "--device", args.device, *target_flags],
         "draft": ["draft", "--port", str(ports["draft"]), "--drafter", args.drafter, "--device", args.device,
-                  *(["--model", args.draft_model] if args.draft_model else [])],
+                  *(["--model", args.draft_model] if args.draft_model else []), *cross],
         "coordinator": ["coordinator", "--port", str(ports["coordinator"]), "--target", f"127.0.0.1:{ports['target']}",
                         "--draft", f"127.0.0.1:{ports['draft']}", *(["--tokenizer", args.target_model] if args.target_model else [])],
     }
