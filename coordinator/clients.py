@@ -40,8 +40,13 @@ _SERVICE_CONFIG = json.dumps({
 })
 
 
+# gRPC's reconnect back-off grows to two minutes while a service is down, so a restarted draft
+# could sit unused (and a restarted target refuse work) for that long; cap it at two seconds.
+_RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
-    options = [*CHANNEL_OPTIONS, ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+    options = [*CHANNEL_OPTIONS, *_RECONNECT_OPTIONS, ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
     if credentials is not None:
         return grpc.aio.secure_channel(address, credentials, options=options)
     return grpc.aio.insecure_channel(address, options=options)
