@@ -18,7 +18,6 @@ on the exact bytes a token adds mid-sequence (`TokenText.pieces`), with the toke
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from typing import Any
 
@@ -114,8 +113,8 @@ class TokenText:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ValueError(f"{type(tokenizer).__name__} is not a fast (Rust) tokenizer; cross-vocabulary drafting needs one")
-        spec = json.loads(backend.to_str())
-        decoder = json.dumps(spec.get("decoder"))
+        # The decoder alone says how pieces are spelled (serialising the whole tokenizer costs seconds).
+        decoder = backend.decoder.__getstate__().decode() if backend.decoder is not None else "null"
         byte_level = '"ByteLevel"' in decoder
         metaspace = '"Metaspace"' in decoder or "\u2581" in decoder or "\\u2581" in decoder
         if not (byte_level or metaspace):
