@@ -7,6 +7,7 @@ prefix it builds on, so a repeated call crops to it and computes the same thing 
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import time
@@ -77,12 +78,21 @@ def _sampling_proto(sampling: SamplingConfig) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed)
 
 
+# A target that restarts (a crash, a rolling update) answers UNAVAILABLE until it is back. Verify is
+# retried for up to this long after the first such failure (never past the request's deadline), so
+# requests ride through a quick restart instead of failing; the channel's retry policy above only
+# covers a blip (three attempts within a second). A target down for longer still fails requests
+# with UNAVAILABLE, after this bound.
+TARGET_RETRY_S = 10.0
+
+
 class TargetClient:
-    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None, retry_s: float = TARGET_RETRY_S):
         self.address = address
         self.channel = open_channel(address, credentials)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout_s = timeout_s
+        self.retry_s = retry_s
 
     async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
         response = await self.stub.GetInfo(pb.TargetServiceGetInfoRequest(), timeout=timeout_s or self.timeout_s, wait_for_ready=True)
@@ -97,15 +107,30 @@ class TargetClient:
                 ids, probs = dist if dist is not None else ([], [])
                 request.draft_dists.add(token_ids=ids, probs=probs)
         start = time.perf_counter()
-        try:
-            response = await self.stub.Verify(request, timeout=call_timeout(self.timeout_s), metadata=_metadata())
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise SequenceNotFound(sequence_id, exc.details() or "") from exc
-            raise
+        response = await self._verify_call(sequence_id, request)
         wall = time.perf_counter() - start
         return VerifyOutcome(response.accepted, response.next_token, response.compute_seconds, wall,
                              request.ByteSize() + response.ByteSize())
+
+    async def _verify_call(self, sequence_id: str, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        """One Verify, retried while the target is UNAVAILABLE (see TARGET_RETRY_S). Safe to repeat:
+        the request names the prefix it builds on, and a restarted target answers NOT_FOUND, which
+        the loop answers by re-sending the sequence."""
+        give_up, pause = None, 0.1
+        while True:
+            try:
+                return await self.stub.Verify(request, timeout=call_timeout(self.timeout_s), metadata=_metadata())
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    raise SequenceNotFound(sequence_id, exc.details() or "") from exc
+                now = time.monotonic()
+                give_up = give_up or now + self.retry_s
+                deadline = REQUEST_DEADLINE.get()
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or now + pause > min(give_up, deadline or give_up):
+                    raise
+                log.info("target unavailable; retrying", reason=exc.details(), pause_s=pause)
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 1.0)
 
     async def release(self, sequence_id: str) -> None:
         await self.stub.Release(pb.TargetServiceReleaseRequest(sequence_id=sequence_id), timeout=RELEASE_TIMEOUT_S, metadata=_metadata())
