@@ -6,6 +6,7 @@
     specdec bench [--quick] [...]                    tokens/s against transformers and the analytic model
     specdec plan --acceptance A --cost-curve ...     predicted speed-up per draft length, and the best
     specdec loadtest [--quick] [--concurrency 1,2,4,8]  concurrent streams: throughput, TTFT/TPOT/ITL, overload
+    specdec distill --out FOLDER [...]               train a pruned-vocabulary draft for a target (CPU)
     specdec config-table                             the README's configuration tables
 """
 
@@ -278,7 +279,13 @@ def cmd_loadtest(argv: list[str]) -> int:
     return loadtest_main(argv)
 
 
-COMMANDS = {"serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "config-table": cmd_config_table,
+def cmd_distill(argv: list[str]) -> int:
+    from specdec.distill import main as distill_main
+
+    return distill_main(argv)
+
+
+COMMANDS = {"distill": cmd_distill, "serve": cmd_serve, "up": cmd_up, "generate": cmd_generate, "config-table": cmd_config_table,
             "bench": cmd_bench, "plan": cmd_plan, "loadtest": cmd_loadtest}
 
 
