@@ -12,7 +12,8 @@ cache is kept for the stable prefix.
 
 - Greedy: the draft decodes greedily in its own vocabulary; its text is re-tokenized into target
   ids (with a little canonical look-behind so the first boundary lines up), and only settled target
-  tokens are proposed: the trailing one may still grow with more text, so it is dropped. Any guess
+  tokens are proposed: the trailing one may still grow with more text (" Ber" -> " Berlin"), so it
+  is dropped and the draft looks one token further instead. Any guess
   is safe: the target keeps only what equals its own argmax.
 - Sampling: lossless by the intersection rule. The draft samples only among its tokens that map one
   to one to a target token (the rest masked, renormalised, then top-k as ModelDrafter does), so the

@@ -263,6 +263,15 @@ def _reference(model, prompt: list[int], eos: int) -> list[int]:
     return new[: new.index(eos) + 1] if eos in new else new
 
 
+def test_seeded_sampling_through_grpc_repeats_exactly(env):
+    client = env["clients"]["bpe_drafts_bytes"]
+    prompt = tiny.prompts()[1]
+    sampling = pb.SamplingParams(temperature=1.0, top_k=20, seed=7)
+    first = generate(client, prompt, sampling=sampling, draft_length=4, adaptive=False)
+    second = generate(client, prompt, sampling=sampling, draft_length=4, adaptive=False)
+    assert list(first.token_ids) == list(second.token_ids) and first.stats.draft_tokens > 0
+
+
 def test_draft_service_frees_sequences_and_speaks_target_ids(env):
     servers = env["stack"].servers
     for server in servers[2:4]:
