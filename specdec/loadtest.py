@@ -352,6 +352,8 @@ def run(args: argparse.Namespace) -> dict:
                                                               args.request_rate or None, args.seed, progress))
                     report["runs"].append({"speculation": speculation, "concurrency": level, "request_rate": args.request_rate or None,
                                            "num_requests": n, **summarise(results, duration), "_results": results})
+                    save_partial(report, args.out)  # a long run killed later still leaves its numbers
+                    progress.console.print(format_report({"runs": report["runs"][-1:]}).splitlines()[-1])
             if args.overload and stack:
                 offered = 4 * (args.max_concurrent_requests + args.max_queue)
                 results, duration = asyncio.run(run_level(address, prompts, offered, args.max_new_tokens, True, offered, None,
@@ -372,6 +374,13 @@ def run(args: argparse.Namespace) -> dict:
         entry.pop("_results")
     report["summary"] = headline(report["runs"])
     return report
+
+
+def save_partial(report: dict, out: str) -> None:
+    folder = pathlib.Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = [{k: v for k, v in r.items() if k != "_results"} for r in report["runs"]]
+    (folder / "loadtest.partial.json").write_text(json.dumps({**report, "runs": runs, "overload": None}, indent=2, default=str))
 
 
 def headline(runs: list[dict]) -> dict:
@@ -440,7 +449,7 @@ def format_report(report: dict) -> str:
         lines.append(f"overload: {o['offered_concurrency']} concurrent offered to max_concurrent_requests={o['max_concurrent_requests']} + "
                      f"max_queue={o['max_queue']}: {o['completed']} completed, refused {o['failures']}, slowest refusal "
                      f"{o['max_refusal_latency_ms']:.0f} ms, retry-after-ms {o['retry_after_ms'][:3]}, stack alive: {o['stack_alive']}")
-    for key, value in report["summary"].items():
+    for key, value in report.get("summary", {}).items():
         lines.append(f"{key}: {value:.2f}x")
     return "\n".join(lines)
 
