@@ -215,6 +215,16 @@ def test_draft_state_is_the_draft_tokenization_and_keeps_its_cache(pair):
     assert len(ids) < len(" the fox")  # the BPE really merges: the state is not byte tokens in disguise
 
 
+def test_target_ids_without_text_add_nothing_to_the_draft_context(pair):
+    """Padding rows past the target's tokenizer (and ids no tokenizer knows) are valid target output."""
+    engine = cross_engine(pair)
+    a, b, c = (tiny.byte_tokenizer().convert_tokens_to_ids(ch) for ch in "ABC")
+    list(engine.propose("z", 0, [a, b], DraftSettings(3, 0.0, 0.0, 0)))
+    list(engine.propose("z", 2, [tiny.VOCAB - 1, -5, 10**6, c], DraftSettings(3, 0.0, 1.0, 1)))
+    state = engine.drafter.state(engine.store._sequences["z"])
+    assert bytes(state.text).startswith(b"AB") and bytes(state.text)[2:3] == b"C"
+
+
 # -- greedy through gRPC -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
