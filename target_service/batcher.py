@@ -30,12 +30,12 @@ class _Pending:
 
 
 class VerifyBatcher:
-    def __init__(self, run, verify_batch, window_s: float = 0.002, max_batch_size: int = 16):
+    def __init__(self, run, verify_batch, window_s: float = 0.002, max_batch_size: int = 16, max_batch_tokens: int = 256):
         """`run(fn, *args)` awaits fn on the engine's worker; `verify_batch(calls)` is the engine's."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self._run, self._verify_batch = run, verify_batch
-        self.window_s, self.max_batch_size = window_s, max_batch_size
+        self.window_s, self.max_batch_size, self.max_batch_tokens = window_s, max_batch_size, max_batch_tokens
         self._pending: list[_Pending] = []
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -106,12 +106,21 @@ class VerifyBatcher:
 
     def _take(self) -> list[_Pending]:
         """Up to max_batch_size calls, oldest first, one per sequence (a second call for the same
-        sequence, a late retry, waits for the next batch: rows must not share a cache)."""
-        batch, seen, rest = [], set(), []
+        sequence, a late retry, waits for the next batch: rows must not share a cache).
+
+        Rows are padded to the longest row's new tokens, so the batch costs rows x longest; past
+        max_batch_tokens a row waits for the next batch (the oldest always goes). That keeps a
+        700-token prefill from padding seven one-token decode rows to 700 each: prefill is
+        compute-bound anyway, so batching it gains nothing on a CPU and could overrun deadlines.
+        """
+        batch, seen, rest, longest = [], set(), [], 0
         for item in self._live():
-            if len(batch) < self.max_batch_size and item.call.sequence_id not in seen:
+            new = len(item.call.append) + len(item.call.draft_tokens)
+            fits = not batch or (len(batch) + 1) * max(longest, new) <= self.max_batch_tokens
+            if len(batch) < self.max_batch_size and item.call.sequence_id not in seen and fits:
                 seen.add(item.call.sequence_id)
                 batch.append(item)
+                longest = max(longest, new)
             else:
                 rest.append(item)
         self._pending = rest

@@ -24,6 +24,7 @@ class TargetConfig:
     idle_timeout_s: float = option(600.0, "Free a sequence untouched this long (a coordinator that vanished); 0 disables.")
     batch_window_ms: float = option(2.0, "How long a Verify waits for the other sequences' calls to share its forward pass (continuous batching); 0: no wait.")
     max_batch_size: int = option(16, "Most sequences verified in one forward pass; 1 turns batching off.")
+    max_batch_tokens: int = option(256, "Most padded positions (rows x longest row's new tokens) in one pass: long prefills run alone.")
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
     tls_key: str = option("", "PEM private key of --tls-cert.")
     tls_ca: str = option("", "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).")
@@ -36,3 +37,5 @@ class TargetConfig:
             raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_ms}")
         if self.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")

@@ -29,10 +29,10 @@ def sampling_from_proto(params: pb.SamplingParams) -> SamplingConfig:
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
-    def __init__(self, batch_window_ms: float = 2.0, max_batch_size: int = 16):
+    def __init__(self, batch_window_ms: float = 2.0, max_batch_size: int = 16, max_batch_tokens: int = 256):
         # One worker: the model runs one forward at a time; Verify calls that wait together share it.
         self.host = EngineHost("target")
-        self.batcher = VerifyBatcher(self.host.run, self._verify_batch, batch_window_ms / 1000, max_batch_size)
+        self.batcher = VerifyBatcher(self.host.run, self._verify_batch, batch_window_ms / 1000, max_batch_size, max_batch_tokens)
 
     def _verify_batch(self, calls):
         return self.engine.verify_batch(calls)
@@ -86,7 +86,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     from specdec.lm import CausalLM
     from specdec.models import load_model
 
-    servicer = TargetServicer(config.batch_window_ms, config.max_batch_size)
+    servicer = TargetServicer(config.batch_window_ms, config.max_batch_size, config.max_batch_tokens)
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
     server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], credentials=credentials)
     metrics.target()

@@ -159,3 +159,22 @@ def test_batcher_groups_concurrent_calls_and_keeps_rows_apart(target):
     assert [r.batch_size for r in results[:3]] == [3, 3, 3]  # capped at max_batch_size
     assert results[3].batch_size == 2 and results[4].batch_size == 2  # the rest, and b0's second call
     assert "gone" not in eng.store
+
+
+def test_batcher_keeps_long_prefills_out_of_decode_batches(target):
+    """Rows are padded to the longest row: a long prefill runs alone instead of padding the others."""
+    eng = engine(target)
+    p = prompts(4, seed=11)
+    long_prompt = (p[0] * 20)[:200]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        run = lambda fn, *args: loop.run_in_executor(None, fn, *args)  # noqa: E731
+        batcher = VerifyBatcher(run, eng.verify_batch, window_s=0.05, max_batch_size=8, max_batch_tokens=64)
+        calls = [VerifyCall("long", 0, long_prompt, [1], [], GREEDY)] + [VerifyCall(f"d{i}", 0, p[i][:8], [1, 2], [], GREEDY) for i in range(1, 4)]
+        results = await asyncio.gather(*(batcher.submit(c) for c in calls))
+        batcher.close()
+        return results
+
+    results = asyncio.run(main())
+    assert [r.batch_size for r in results] == [1, 3, 3, 3]
