@@ -252,7 +252,8 @@ class GrpcStack:
         self.target_address = self._spawn("target", "--model", target, "--device", device)
         self.coordinators: dict[str, str] = {}
         for drafter in drafters:
-            flags = ["--drafter", "ngram"] if drafter == "ngram" else ["--drafter", "model", "--model", drafter, "--device", device]
+            flags = (["--drafter", "ngram"] if drafter == "ngram"
+                     else ["--drafter", "model", "--model", drafter, "--device", device, "--target-tokenizer", target])
             draft_address = self._spawn("draft", *flags)
             self.coordinators[drafter] = self._spawn("coordinator", "--target", self.target_address, "--draft", draft_address,
                                                      "--tokenizer", target, "--http-port", "-1")
@@ -300,8 +301,8 @@ def short_name(drafter: str) -> str:
     return "ngram" if drafter == "ngram" else pathlib.Path(drafter.rstrip("/")).name or drafter
 
 
-def build_configurations(opts: Options, target_loaded, lm, drafters: tuple[str, ...], stack: GrpcStack | None,
-                         notes: dict) -> tuple[list[Configuration], dict]:
+def build_configurations(opts: Options, target_spec: str, target_loaded, lm, drafters: tuple[str, ...],
+                         stack: GrpcStack | None, notes: dict) -> tuple[list[Configuration], dict]:
     """Every configuration with its runner; also the draft engines (for measuring their cost)."""
     from coordinator.adapt import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
     from coordinator.local import LocalProposer, LocalVerifier
@@ -321,7 +322,9 @@ def build_configurations(opts: Options, target_loaded, lm, drafters: tuple[str, 
     engines = {}
     for drafter in drafters:
         name = short_name(drafter)
-        config = DraftConfig(drafter="ngram", device="cpu") if drafter == "ngram" else DraftConfig(drafter="model", model=drafter, device="cpu")
+        # target_tokenizer: a draft of another vocabulary maps between the two (same vocabulary: no-op)
+        config = (DraftConfig(drafter="ngram", device="cpu") if drafter == "ngram"
+                  else DraftConfig(drafter="model", model=drafter, device="cpu", target_tokenizer=target_spec))
         engine, _ = build_engine(config)
         engines[drafter] = engine
         prior = NGRAM_DRAFT_PRIOR if drafter == "ngram" else MODEL_DRAFT_PRIOR
@@ -333,7 +336,12 @@ def build_configurations(opts: Options, target_loaded, lm, drafters: tuple[str, 
                                              note=f"prompt_lookup_num_tokens={opts.prompt_lookup}"))
             else:
                 try:
-                    assistant = load_model(drafter, "cpu").model
+                    assistant_loaded = load_model(drafter, "cpu")
+                    theirs, ours = assistant_loaded.tokenizer, target_loaded.tokenizer
+                    if theirs is not None and ours is not None and theirs.get_vocab() != ours.get_vocab():
+                        raise ValueError("its vocabulary differs from the target's (specdec maps it; transformers would "
+                                         "need universal assisted decoding)")
+                    assistant = assistant_loaded.model
                     configs.append(Configuration(f"hf-assisted[{name}]", "hf-assisted", drafter,
                                                  runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos, assistant_model=assistant),
                                                  note="assistant_model= the same draft"))
@@ -393,7 +401,7 @@ def run(opts: Options, argv: list[str]) -> dict:
         notes: dict[str, str] = {}
         stack = GrpcStack(target, drafters, opts.out / "logs") if opts.grpc else None
         try:
-            configs, engines = build_configurations(opts, loaded, lm, drafters, stack, notes)
+            configs, engines = build_configurations(opts, target, loaded, lm, drafters, stack, notes)
             context = next(iter(prompts.values()))[0][1]
             longest = max([opts.max_draft, *opts.draft_lengths]) + 1
             print("specdec bench: measuring the target's cost curve V(n) and the drafts' cost", file=sys.stderr, flush=True)
