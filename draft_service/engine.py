@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from draft_service.ngram import ngram_propose
+from draft_service.ngram import NgramIndex
 from specdec.errors import InvalidArgument
 from specdec.kvcache import Sequence, SequenceStore
 from specdec.lm import CausalLM
@@ -79,19 +79,45 @@ class ModelDrafter:
 
 
 class NgramDrafter:
-    """Prompt lookup over the sequence's own tokens (prompt and output). p is one-hot."""
+    """Prompt lookup over the sequence's own tokens (prompt and output). p is one-hot.
+
+    Each sequence keeps an incremental NgramIndex in its `cache` slot: the store's rollback crops it
+    like a KV cache (Sequence.crop_cache), and a step only indexes the tokens that arrived since the
+    last one, so drafting costs microseconds however long the sequence grows.
+    """
 
     kind = "ngram"
     vocab_size = 0
 
     def __init__(self, max_n: int = 4, min_n: int = 1):
+        NgramIndex(max_n, min_n)  # validates the pair at start-up rather than on the first call
         self.max_n, self.min_n = max_n, min_n
 
     def draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
-        for token in ngram_propose(seq.tokens, settings.max_tokens, self.max_n, self.min_n):
+        if not isinstance(seq.cache, NgramIndex) or len(seq.cache) != seq.cached:
+            seq.cache, seq.cached = NgramIndex(self.max_n, self.min_n), 0  # first call, or a state we cannot trust
+        seq.cache.extend(seq.tokens[seq.cached:])
+        seq.cached = len(seq.tokens)  # drafted tokens below are not indexed; a rejection crops nothing
+        proposal, _ = seq.cache.propose(settings.max_tokens)
+        for token in proposal:
             seq.tokens.append(token)
             one_hot = ([token], [1.0]) if settings.temperature > 0 else (None, None)
             yield Proposal(token, *one_hot, 1.0, time.perf_counter() - start)
+
+
+def load_pruned_drafter(folder, device: str = "auto", dtype: str = "auto", top_k: int = 32) -> ModelDrafter:
+    """A ModelDrafter over a distilled pruned-vocabulary draft (specdec/pruned.py).
+
+    Its logits come back in the target's vocabulary with -inf outside the kept ids, so greedy
+    drafting and top-k sampling are the plain ModelDrafter's, and tokens off the head get p = 0.
+    """
+    from specdec.models import resolve_device, resolve_dtype
+    from specdec.pruned import PrunedCausalLM, load_draft
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    model, meta = load_draft(folder, dev, dt)
+    return ModelDrafter(PrunedCausalLM(model, dev, meta.get("eos_token_ids")), top_k)
 
 
 class DraftEngine:

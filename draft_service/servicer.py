@@ -7,7 +7,7 @@ import asyncio
 import structlog
 
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter, NgramDrafter
+from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter, NgramDrafter, load_pruned_drafter
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec import metrics, tls
@@ -68,9 +68,17 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
 def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
     """Loads the drafter named by the config (blocking: call it off the event loop)."""
+    from specdec.models import pruned_draft_folder
+
+    pruned = pruned_draft_folder(config.model) if config.drafter == "model" and config.model else None
     if config.drafter == "ngram":
         drafter = NgramDrafter(config.ngram_max, config.ngram_min)
         info = pb.ModelInfo(model="ngram", drafter="ngram")
+    elif pruned is not None:  # a distilled draft in its target's own vocabulary (specdec/pruned.py)
+        drafter = load_pruned_drafter(pruned, config.device, config.dtype, config.top_k)
+        info = pb.ModelInfo(model=config.model, vocab_size=drafter.vocab_size, max_context=drafter.lm.max_context,
+                            eos_token_ids=drafter.lm.eos_token_ids, device=str(drafter.lm.device), dtype=drafter.lm.dtype_name,
+                            drafter="model")
     else:
         if not config.model:
             raise ValueError("--drafter model needs --model (alias, hub id, folder or .gguf)")

@@ -231,3 +231,25 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
     log.info("model loaded", spec=spec, path=str(folder), device=str(dev), dtype=str(dt).removeprefix("torch."),
              seconds=round(time.perf_counter() - start, 2), converted=converted)
     return LoadedModel(model=model, tokenizer=tokenizer, name=spec, path=str(folder), device=dev, dtype=dt)
+
+
+# Distilled drafts committed in this repository (specdec/pruned.py format), by alias.
+_REPO_DRAFTS = pathlib.Path(__file__).resolve().parent.parent / "models"
+DRAFT_ALIASES = {"smollm2-135m-draft": "smollm2-135m-draft"}
+
+
+def pruned_draft_folder(spec: str) -> pathlib.Path | None:
+    """The folder of a pruned-vocabulary draft named by alias or path; None for any other model spec.
+
+    Such drafts are not transformers checkpoints (no embedding of their own, a head over a subset of
+    the target's vocabulary), so the draft service loads them with specdec.pruned, not load_model.
+    """
+    from specdec.pruned import is_pruned_draft
+
+    if spec in DRAFT_ALIASES:
+        folder = _REPO_DRAFTS / DRAFT_ALIASES[spec]
+        if not is_pruned_draft(folder):
+            raise FileNotFoundError(f"draft {spec!r}: {folder} is missing or incomplete (a checkout without models/?)")
+        return folder
+    path = pathlib.Path(spec).expanduser()
+    return path.resolve() if path.is_dir() and is_pruned_draft(path) else None

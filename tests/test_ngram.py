@@ -1,4 +1,11 @@
-from draft_service.ngram import ngram_propose
+"""The n-gram drafter: the lookup rule, and its incremental index with rollback."""
+
+import random
+
+import pytest
+
+from draft_service.engine import DraftEngine, DraftSettings, NgramDrafter
+from draft_service.ngram import NgramIndex, ngram_propose
 
 
 def test_proposes_continuation_of_most_recent_longest_match():
@@ -20,3 +27,64 @@ def test_no_match_or_nothing_asked_gives_nothing():
 def test_min_n_rejects_short_matches():
     assert ngram_propose([3, 8, 1, 3], 2, max_n=3, min_n=2) == []
     assert ngram_propose([3, 8, 1, 3], 2, max_n=3, min_n=1) == [8, 1]
+
+
+# --- the incremental index the draft service uses -------------------------------------------
+
+
+def brute_force(tokens: list[int], max_tokens: int, max_n: int, min_n: int) -> list[int]:
+    """The rule spelled out as a rescan: longest suffix first, most recent earlier occurrence, periodic tail."""
+    length = len(tokens)
+    for n in range(min(max_n, length), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        for end in range(length - 1, n - 1, -1):  # `end`: where the occurrence's continuation starts
+            if tokens[end - n: end] == suffix:
+                out = tokens[end: end + max_tokens]
+                while len(out) < max_tokens:
+                    out.append(out[len(out) - (length - end)])
+                return out
+    return []
+
+
+def test_index_matches_a_rescan_through_appends_and_rollbacks():
+    rng = random.Random(0)
+    index = NgramIndex(max_n=4, min_n=1)
+    shadow: list[int] = []
+    for _ in range(3000):
+        if shadow and rng.random() < 0.2:
+            drop = rng.randint(1, min(6, len(shadow)))
+            index.crop(-drop)
+            del shadow[-drop:]
+        else:
+            token = rng.randrange(6)  # a small alphabet: many matches at every n
+            index.append(token)
+            shadow.append(token)
+        assert len(index) == len(shadow)
+        assert index.propose(5)[0] == brute_force(shadow, 5, 4, 1)
+
+
+def test_periodic_tail_drafts_a_loop_at_full_length():
+    assert ngram_propose([5, 1, 2, 1, 2], 5, max_n=2) == [1, 2, 1, 2, 1]
+    assert ngram_propose([3, 3, 3], 4) == [3, 3, 3, 3]
+
+
+def test_bad_n_range_is_refused():
+    with pytest.raises(ValueError):
+        NgramIndex(max_n=2, min_n=3)
+    with pytest.raises(ValueError):
+        NgramIndex(max_n=2, min_n=0)
+
+
+def test_engine_rolls_the_index_back_with_the_sequence():
+    engine = DraftEngine(NgramDrafter(max_n=3, min_n=1))
+    settings = DraftSettings(4, 0.0, 0.0, 0)
+    prompt = [1, 2, 3, 4, 9, 1, 2, 3]
+    assert [p.token for p in engine.propose("s", 0, prompt, settings)] == [4, 9, 1, 2]
+    # The target accepted 1 draft token (4) and corrected the next to 7: known_len = 9, append [7].
+    got = [p.token for p in engine.propose("s", 9, [7], settings)]
+    assert got == brute_force(prompt + [4, 7], 4, 3, 1)
+    seq = engine.store._sequences["s"]
+    assert seq.cache.tokens == prompt + [4, 7]  # the index holds the canonical tokens, no draft tokens
+    # A restart of the sequence from scratch re-indexes from nothing.
+    assert [p.token for p in engine.propose("s", 0, [8, 8], settings)] == [8, 8, 8, 8]
+
