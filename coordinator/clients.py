@@ -82,7 +82,7 @@ def _sampling_proto(sampling: SamplingConfig) -> pb.SamplingParams:
 # retried for up to this long after the first such failure (never past the request's deadline), so
 # requests ride through a quick restart instead of failing; the channel's retry policy above only
 # covers a blip (three attempts within a second). A target down for longer still fails requests
-# with UNAVAILABLE, after this bound.
+# with UNAVAILABLE, after this bound (the coordinator's --target-retry-s; this is its default).
 TARGET_RETRY_S = 10.0
 
 

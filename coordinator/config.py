@@ -31,6 +31,7 @@ class CoordinatorConfig:
     max_queue: int = option(64, "Requests waiting for a running slot; past it RESOURCE_EXHAUSTED at once, with a retry-after hint.")
     verify_token_budget: int = option(16, "Verified positions per target pass the running requests share: each drafts at most budget // running - 1 tokens, none once the batch is full. 0: no load cap.")
     rpc_timeout_s: float = option(30.0, "Deadline of each call to the draft and target services.")
+    target_retry_s: float = option(10.0, "How long Verify is retried while the target answers UNAVAILABLE (a restart), never past the request's deadline; then the request fails UNAVAILABLE.")
     startup_timeout_s: float = option(600.0, "How long to wait for the draft and target to come up.")
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
     tls_key: str = option("", "PEM private key of --tls-cert.")
@@ -43,6 +44,6 @@ class CoordinatorConfig:
     log_level: str = option("info", "debug, info, warning or error.")
 
     def __post_init__(self):
-        for flag in ("max_concurrent_requests", "max_queue", "verify_token_budget"):
+        for flag in ("max_concurrent_requests", "max_queue", "verify_token_budget", "target_retry_s"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")

@@ -113,8 +113,15 @@ def build_app(servicer, model_name: str, api_token: str = "") -> FastAPI:
                 return _error(403, "invalid bearer token", kind="permission_error")
         return await call_next(request)
 
+    def draining() -> bool:
+        drain = getattr(servicer, "drain", None)  # the gRPC server's Drain, set by serve()
+        return bool(drain is not None and drain.draining)
+
     @app.get("/health")
     async def health():
+        """503 while loading and from SIGTERM on, like gRPC health: a load balancer stops sending here."""
+        if draining():
+            return JSONResponse({"status": "draining"}, status_code=503)
         ready = servicer.loop is not None
         return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
 
@@ -127,6 +134,8 @@ def build_app(servicer, model_name: str, api_token: str = "") -> FastAPI:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specdec"}]}
 
     async def run(raw: Request, chat: bool):
+        if draining():  # as the gRPC Drain interceptor refuses new calls with UNAVAILABLE
+            return _error(503, "the coordinator is shutting down; retry on another replica", kind="service_unavailable")
         try:
             body = json.loads(await raw.body() or b"null")
         except json.JSONDecodeError as exc:

@@ -312,7 +312,7 @@ async def connect_backends(config: CoordinatorConfig):
     """Waits (up to startup_timeout_s) for the target and the draft, and checks they fit together."""
     deadline = asyncio.get_running_loop().time() + config.startup_timeout_s
     credentials = tls.channel_credentials(config.backend_tls_ca, config.backend_tls_cert, config.backend_tls_key)
-    target = TargetClient(config.target, config.rpc_timeout_s, credentials)
+    target = TargetClient(config.target, config.rpc_timeout_s, credentials, retry_s=config.target_retry_s)
     target_info = await _wait_for_info(target, deadline)
     draft = draft_info = None
     if config.draft:
@@ -331,6 +331,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, 
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
     server = Server(config.host, config.port, [service_name], interceptors=interceptors, credentials=credentials)
     pb_grpc.add_CoordinatorServiceServicer_to_server(servicer, server.server)
+    servicer.drain = server.drain  # the HTTP API answers 503 while the gRPC server drains
     await server.start()
     metrics.coordinator()
     http = await start_http(servicer, config) if config.http_port >= 0 else None

@@ -91,6 +91,22 @@ def test_models_and_health(env):
     assert json.loads(urllib.request.urlopen(f"{env['base']}/health", timeout=10).read())["status"] == "ok"
 
 
+def test_health_and_new_requests_answer_503_while_draining(env):
+    """SIGTERM flips the gRPC server's Drain; HTTP must agree, or a load balancer keeps sending here."""
+    drain = env["stack"].servers[-1].drain
+    drain.draining = True
+    try:
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"{env['base']}/health", timeout=10)
+        assert health.value.code == 503 and json.loads(health.value.read())["status"] == "draining"
+        with pytest.raises(openai.APIStatusError) as call:
+            env["client"].completions.create(model="m", prompt="hi", max_tokens=2)
+        assert call.value.status_code == 503
+    finally:
+        drain.draining = False
+    assert json.loads(urllib.request.urlopen(f"{env['base']}/health", timeout=10).read())["status"] == "ok"
+
+
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x", "max_tokens": -1}, "max_new_tokens"),
     ({"prompt": "x", "temperature": -1}, "sampling.temperature"),
