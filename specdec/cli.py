@@ -67,23 +67,46 @@ def _health_ok(address: str, timeout: float = 1.0) -> bool:
     return response.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def default_drafter(target_model: str, draft_model: str = "") -> tuple[str, str]:
+    """(drafter, draft model) for `specdec up --drafter auto`.
+
+    A named draft model wins; the default target gets the draft distilled for it and committed in
+    models/ (when the checkout has it); any other target gets the n-gram drafter, which needs no
+    weights and is never slower than the target alone by more than its microseconds.
+    """
+    from specdec.models import DEFAULT_TARGET, DRAFT_ALIASES, _REPO_DRAFTS
+    from specdec.pruned import is_pruned_draft
+
+    if draft_model:
+        return "model", draft_model
+    alias = next(iter(DRAFT_ALIASES))
+    if target_model == DEFAULT_TARGET and is_pruned_draft(_REPO_DRAFTS / DRAFT_ALIASES[alias]):
+        return "model", alias
+    return "ngram", ""
+
+
 def cmd_up(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specdec up", description="Start draft, target and coordinator on loopback, wait until all are healthy, and keep them running until Ctrl-C.")
     parser.add_argument("--target-model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
-    parser.add_argument("--drafter", default="ngram", choices=("ngram", "model"))
-    parser.add_argument("--draft-model", default="", help="Draft model for --drafter model.")
+    parser.add_argument("--drafter", default="auto", choices=("auto", "ngram", "model"),
+                        help="auto: the distilled draft committed for the default target (models/), else n-gram.")
+    parser.add_argument("--draft-model", default="", help="Draft model for --drafter model (default with auto: smollm2-135m-draft).")
     parser.add_argument("--port", type=int, default=50051, help="Coordinator port; the target takes port+1, the draft port+2.")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds to wait for all three to be healthy.")
     args = parser.parse_args(argv)
     ports = {"coordinator": args.port, "target": args.port + 1, "draft": args.port + 2}
     target_flags = ["--model", args.target_model] if args.target_model else []
-    from specdec.models import DEFAULT_TARGET
+    from specdec.models import DEFAULT_TARGET, pruned_draft_folder
 
     # Another model may speak another vocabulary: the draft then maps its tokens to the target's
     # (it falls back to plain drafting when the two tokenizers turn out identical).
     target_model = args.target_model or DEFAULT_TARGET
-    cross = ["--target-tokenizer", target_model] if args.drafter == "model" and args.draft_model and args.draft_model != target_model else []
+    if args.drafter == "auto":
+        args.drafter, args.draft_model = default_drafter(target_model, args.draft_model)
+    # A pruned distilled draft is built on its target's vocabulary: no mapping between tokenizers.
+    cross = ["--target-tokenizer", target_model] if (args.drafter == "model" and args.draft_model and args.draft_model != target_model
+                                                     and pruned_draft_folder(args.draft_model) is None) else []
     commands = {
         "target": ["target", "--port", str(ports["target"]), "--device", args.device, *target_flags],
         "draft": ["draft", "--port", str(ports["draft"]), "--drafter", args.drafter, "--device", args.device,

@@ -398,6 +398,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="Stored weight dtype.")
+    p.add_argument("--evaluate", action="store_true",
+                   help="Train nothing: measure the draft already in --out (held-out acceptance, cost per token) and print it.")
     return p.parse_args(argv)
 
 
@@ -446,6 +448,32 @@ def run(args: argparse.Namespace, command: str = "") -> dict:
     return report
 
 
+def evaluate(args: argparse.Namespace) -> dict:
+    """Held-out acceptance and cost of an existing draft folder, as it is stored (its dtype, its head)."""
+    from specdec.models import load_model
+    from specdec.pruned import load_draft
+
+    torch.set_num_threads(args.threads)
+    passages = load_corpus(args.corpus)
+    loaded = load_model(args.target, "cpu", "float32")
+    draft, _meta = load_draft(args.out, "cpu", torch.float32, target_override=args.target)
+    eos_cfg = getattr(loaded.model.generation_config, "eos_token_id", None)
+    eos = set([eos_cfg] if isinstance(eos_cfg, int) else (eos_cfg or [loaded.tokenizer.eos_token_id]))
+    heldout = make_prompts(passages, args.heldout_prompts, args.seed, heldout=True)
+    acc = measure_acceptance(loaded.model, draft, loaded.tokenizer, heldout, args.eval_tokens, args.draft_length, eos)
+    return {**acc, **measure_cost(loaded.model, draft), "layers": draft.config.num_hidden_layers, "kept_vocab": len(draft.kept_ids)}
+
+
+def format_evaluation(r: dict) -> str:
+    return "\n".join([
+        f"draft: {r['layers']} layers, {r['kept_vocab']}-token head",
+        f"held-out ({r['prompts']} prompts, {r['target_tokens']} target tokens, greedy, draft length {r['draft_length']}):",
+        f"  acceptance {r['acceptance']:.3f}, accepted per step {r['accepted_per_step']:.2f}, "
+        f"tokens per target pass {r['tokens_per_target_pass']:.2f}, per-token agreement {r['per_token_agreement']:.3f}",
+        f"cost: draft {r['draft_ms']:.2f} ms vs target {r['target_ms']:.2f} ms per token -> c = {r['draft_cost_c']:.3f}",
+    ])
+
+
 def format_report(r: dict) -> str:
     return "\n".join([
         f"draft: {r['layers']} layers, {r['kept_vocab']}-token head; target top-k mass kept by the head: {r['target_topk_mass_kept']:.3f}",
@@ -464,6 +492,9 @@ def main(argv: list[str]) -> int:
 
     args = parse_args(argv)
     try:
+        if args.evaluate:
+            print(format_evaluation(evaluate(args)))
+            return 0
         report = run(args, "specdec distill " + shlex.join(argv))
     except (FileNotFoundError, ValueError) as e:
         print(f"specdec distill: error: {e}", file=sys.stderr)

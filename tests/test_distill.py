@@ -150,3 +150,10 @@ def test_cli_is_registered():
 
     assert "distill" in COMMANDS
     assert isinstance(distill.parse_args(["--out", "x"]), argparse.Namespace)
+
+
+def test_evaluate_remeasures_the_stored_draft(run, capsys):
+    """--evaluate re-reads the folder: same held-out prompts, same fp32 weights -> the training report's acceptance."""
+    assert distill.main([*run["argv"], "--evaluate"]) == 0
+    out = capsys.readouterr().out
+    assert f"acceptance {run['report']['acceptance']:.3f}" in out and "c = " in out
