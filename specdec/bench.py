@@ -309,7 +309,8 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
     from coordinator.loop import SpeculativeLoop
     from draft_service.config import DraftConfig
     from draft_service.servicer import build_engine
-    from specdec.models import load_model
+    from specdec.models import load_model, pruned_draft_folder
+    from specdec.pruned import hf_assistant
     from target_service.engine import TargetEngine
 
     eos = lm.eos_token_ids
@@ -336,12 +337,16 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
                                              note=f"prompt_lookup_num_tokens={opts.prompt_lookup}"))
             else:
                 try:
-                    assistant_loaded = load_model(drafter, "cpu")
-                    theirs, ours = assistant_loaded.tokenizer, target_loaded.tokenizer
-                    if theirs is not None and ours is not None and theirs.get_vocab() != ours.get_vocab():
-                        raise ValueError("its vocabulary differs from the target's (specdec maps it; transformers would "
-                                         "need universal assisted decoding)")
-                    assistant = assistant_loaded.model
+                    pruned = pruned_draft_folder(drafter)
+                    if pruned is not None:  # a distilled pruned-head draft, wrapped as a transformers model
+                        assistant = hf_assistant(pruned, target_spec)
+                    else:
+                        assistant_loaded = load_model(drafter, "cpu")
+                        theirs, ours = assistant_loaded.tokenizer, target_loaded.tokenizer
+                        if theirs is not None and ours is not None and theirs.get_vocab() != ours.get_vocab():
+                            raise ValueError("its vocabulary differs from the target's (specdec maps it; transformers would "
+                                             "need universal assisted decoding)")
+                        assistant = assistant_loaded.model
                     configs.append(Configuration(f"hf-assisted[{name}]", "hf-assisted", drafter,
                                                  runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos, assistant_model=assistant),
                                                  note="assistant_model= the same draft"))

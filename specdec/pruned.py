@@ -168,3 +168,38 @@ class PrunedCausalLM:
         seq.cache = out.past_key_values
         seq.cached += len(pending)
         return self.model.to_target_logits(out.logits[0, -keep:].float().cpu())  # [keep, V]
+
+
+def hf_assistant(folder: str | pathlib.Path, target_override: str | None = None):
+    """The draft as a transformers model that `generate(assistant_model=...)` accepts.
+
+    Why: `specdec bench` compares specdec with transformers' assisted generation using the SAME
+    draft. Transformers has no notion of a pruned head, so this is a LlamaForCausalLM whose forward
+    scores the kept rows only and scatters them into -inf logits over the full vocabulary: the same
+    arithmetic, and the same cost, as the draft service's PrunedCausalLM.
+    """
+    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    draft, meta = load_draft(folder, "cpu", torch.float32, target_override)
+
+    class PrunedAssistant(LlamaForCausalLM):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                    use_cache=None, logits_to_keep=0, **kwargs):
+            kwargs.pop("labels", None)
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+            hidden = out.last_hidden_state
+            if isinstance(logits_to_keep, int) and logits_to_keep:
+                hidden = hidden[:, -logits_to_keep:]
+            return CausalLMOutputWithPast(logits=draft.to_target_logits(draft.head(hidden)), past_key_values=out.past_key_values)
+
+    config = LlamaConfig(**{**draft.config.to_dict(), "tie_word_embeddings": False})
+    with torch.device("meta"):  # the full-vocabulary lm_head is never used: do not allocate it
+        assistant = PrunedAssistant(config)
+    assistant.model = draft.body
+    assistant.lm_head = torch.nn.Identity()
+    assistant.eval()
+    eos = meta.get("eos_token_ids") or None
+    assistant.generation_config = GenerationConfig(eos_token_id=eos)
+    return assistant

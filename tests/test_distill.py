@@ -157,3 +157,20 @@ def test_evaluate_remeasures_the_stored_draft(run, capsys):
     assert distill.main([*run["argv"], "--evaluate"]) == 0
     out = capsys.readouterr().out
     assert f"acceptance {run['report']['acceptance']:.3f}" in out and "c = " in out
+
+
+def test_hf_assistant_wrapper_drafts_for_transformers_generate(run):
+    """bench's hf-assisted[draft] runs transformers' assisted generation with this very draft."""
+    from specdec.pruned import hf_assistant
+
+    assistant = hf_assistant(run["draft"])
+    calls = []
+    assistant.register_forward_hook(lambda *_: calls.append(1))
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    target = run["target"]
+    ours = target.generate(input_ids=ids, max_new_tokens=16, do_sample=False, assistant_model=assistant)
+    alone = target.generate(input_ids=ids, max_new_tokens=16, do_sample=False)
+    assert ours.tolist() == alone.tolist() and calls  # lossless, and the draft really drafted
+    logits = assistant(input_ids=ids).logits[0, -1]
+    kept = set(json.loads((run["draft"] / "kept_vocab.json").read_text()))
+    assert all((logits[t] == float("-inf")) == (t not in kept) for t in range(logits.shape[0]))
