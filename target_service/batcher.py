@@ -115,7 +115,7 @@ class VerifyBatcher:
         """
         batch, seen, rest, longest = [], set(), [], 0
         for item in self._live():
-            new = len(item.call.append) + len(item.call.draft_tokens)
+            new = item.call.new_positions
             fits = not batch or (len(batch) + 1) * max(longest, new) <= self.max_batch_tokens
             if len(batch) < self.max_batch_size and item.call.sequence_id not in seen and fits:
                 seen.add(item.call.sequence_id)

@@ -18,12 +18,15 @@ from specdec.errors import InvalidArgument, SpecdecError
 from specdec.kvcache import Sequence, SequenceStore
 from specdec.lm import CausalLM
 from specdec.sampling import SamplingConfig, generator_for, target_probs
+from specdec.treeforward import forward_tree, keep_path, supports_trees
 from target_service.batching import batchable, forward_batch
+from target_service.tree import check_parents, depths, verify_tree_greedy, verify_tree_rejection, without_replacement_probs
 from target_service.verify import verify_greedy, verify_rejection
 
 log = structlog.get_logger(__name__)
 
 MAX_DRAFT_TOKENS = 32  # matches the proto's documented bound on a proposal
+MAX_TREE_NODES = 64  # matches the proto's documented bound on a draft tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +36,21 @@ class StepResult:
     cached_len: int
     compute_seconds: float
     batch_size: int = 1  # rows in the forward pass this result came from
+    path: tuple[int, ...] = ()  # tree drafts: the accepted nodes, root to leaf (accepted == len(path))
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    """A tree proposal (target_service/tree.py): node i continues parents[i] (-1: the root).
+
+    child_dists: empty, or one per position (0: the root, i + 1: node i): the sparse distribution
+    that position's children were drawn from, in index order without replacement; an empty one
+    means its children were chosen deterministically (one-hot p each).
+    """
+
+    parents: list[int]
+    tokens: list[int]
+    child_dists: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +63,12 @@ class VerifyCall:
     draft_tokens: list[int]
     draft_dists: list[tuple[list[int], list[float]]]
     sampling: SamplingConfig
+    tree: DraftTree | None = None  # a tree proposal instead of draft_tokens
+
+    @property
+    def new_positions(self) -> int:
+        """Positions this call feeds the target (what batching pads to)."""
+        return len(self.append) + len(self.draft_tokens) + (len(self.tree.tokens) if self.tree else 0)
 
 
 class TargetEngine:
@@ -54,6 +78,7 @@ class TargetEngine:
         self.lm = lm
         self.store = SequenceStore(max_sequences, idle_timeout_s)
         self.batchable = batchable(lm)
+        self.trees = supports_trees(lm)
 
     def verify(
         self,
@@ -86,7 +111,10 @@ class TargetEngine:
         rows: list[tuple[int, Sequence]] = []
         for index, call in enumerate(calls):
             try:
-                rows.append((index, self._prepare(call)))
+                if call.tree is not None:  # a tree has its own mask: verified in a pass of its own
+                    results[index] = self.verify_tree(call)
+                else:
+                    rows.append((index, self._prepare(call)))
             except SpecdecError as exc:
                 results[index] = exc
         if len(rows) == 1 or (rows and not self.batchable):
@@ -104,10 +132,64 @@ class TargetEngine:
                 state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
         return results
 
+    def verify_tree(self, call: VerifyCall) -> StepResult:
+        """Verifies a draft tree in ONE forward pass (tree attention, positions by depth) and keeps
+        only the accepted path in the cache, as if that path had been fed as a chain.
+
+        A model whose cache cannot be gathered by position (sliding-window layers) verifies the
+        chain of first children instead: each first child was drawn from its parent's distribution
+        itself, so that chain is an ordinary lossless proposal.
+        """
+        start = time.perf_counter()
+        tree = call.tree
+        seq = self._prepare(call)
+        parents, tokens = list(tree.parents), list(tree.tokens)
+        p = self._tree_draft_probs(tree, call.sampling)  # [N, V] or None (greedy)
+        nodes = list(range(len(tokens)))
+        if not self.trees:
+            nodes, parent = [], -1
+            while (kids := [i for i, par in enumerate(parents) if par == parent]):
+                nodes.append(kids[0])
+                parent = kids[0]
+            tokens = [tokens[i] for i in nodes]
+            parents = list(range(-1, len(nodes) - 1))  # a chain: each node continues the one before
+            p = p[nodes] if p is not None else None
+        length = len(seq.tokens)
+        logits = forward_tree(self.lm, seq, tokens, parents)  # [N+1, V]
+        token_t, parent_t = torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
+        if call.sampling.greedy:
+            verdict = verify_tree_greedy(logits, token_t, parent_t)
+        else:
+            q = target_probs(logits, call.sampling)  # [N+1, V]
+            gen = generator_for(call.sampling.seed, length, "target")  # keyed by position, as for chains
+            accept_u, sample_u = torch.rand(len(tokens), generator=gen), torch.rand(1, generator=gen)
+            verdict = verify_tree_rejection(q, token_t, parent_t, p.to(q.device), accept_u, sample_u)
+        keep_path(seq, verdict.path)
+        seq.tokens.extend(tokens[i] for i in verdict.path)
+        path = tuple(nodes[i] for i in verdict.path)  # in the caller's node numbering
+        return StepResult(len(path), verdict.next_token, len(seq.tokens), time.perf_counter() - start, 1, path)
+
+    def _tree_draft_probs(self, tree: DraftTree, sampling: SamplingConfig) -> torch.Tensor | None:
+        if sampling.greedy:
+            return None
+        vocab = self.lm.vocab_size
+        positions = len(tree.tokens) + 1
+        dists = torch.zeros(positions, vocab)
+        has = [False] * positions
+        for j, (ids, probs) in enumerate(tree.child_dists):
+            if ids:
+                dists[j, torch.tensor(ids, dtype=torch.long)] = torch.tensor(probs, dtype=torch.float32)
+                has[j] = True
+        return without_replacement_probs(list(tree.parents), list(tree.tokens), dists, has)
+
     def _prepare(self, call: VerifyCall) -> Sequence:
         self._validate(call.append, call.draft_tokens, call.draft_dists, call.sampling)
+        if call.tree is not None:
+            self._validate_tree(call)
         seq = self.store.sync(call.sequence_id, call.known_len, call.append)
         total = len(seq.tokens) + len(call.draft_tokens)
+        if call.tree is not None and call.tree.tokens:
+            total = len(seq.tokens) + int(depths(torch.tensor(call.tree.parents)).max())
         if self.lm.max_context and total > self.lm.max_context:
             raise InvalidArgument("draft_tokens", f"sequence would hold {total} tokens, past the target's context of {self.lm.max_context}")
         return seq
@@ -168,6 +250,26 @@ class TargetEngine:
             raise InvalidArgument("sampling.top_k", f"must be >= 0, got {sampling.top_k}")
         if not 0 < sampling.top_p <= 1:
             raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
+
+    def _validate_tree(self, call: VerifyCall) -> None:
+        tree, vocab = call.tree, self.lm.vocab_size
+        if call.draft_tokens:
+            raise InvalidArgument("draft_tree", "send draft_tokens or draft_tree, not both")
+        if len(tree.tokens) > MAX_TREE_NODES:
+            raise InvalidArgument("draft_tree.tokens", f"at most {MAX_TREE_NODES} nodes per call, got {len(tree.tokens)}")
+        if len(tree.parents) != len(tree.tokens):
+            raise InvalidArgument("draft_tree.parents", f"one per node: got {len(tree.parents)} for {len(tree.tokens)} tokens")
+        check_parents(list(tree.parents), "draft_tree.parents")
+        bad = [t for t in tree.tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidArgument("draft_tree.tokens", f"token id {bad[0]} outside the target's vocabulary [0, {vocab})")
+        if tree.child_dists and len(tree.child_dists) != len(tree.tokens) + 1:
+            raise InvalidArgument("draft_tree.child_dists", f"one per position (root + nodes): got {len(tree.child_dists)} for {len(tree.tokens) + 1}")
+        for j, (ids, probs) in enumerate(tree.child_dists):
+            if (ids or probs) and not _is_distribution(ids, probs, vocab):
+                raise InvalidArgument(f"draft_tree.child_dists[{j}]", "needs distinct in-vocabulary ids, one prob each, in [0, 1], summing to 1")
+        if not call.sampling.greedy:
+            self._tree_draft_probs(tree, call.sampling)  # raises for a child its distribution could not have drawn
 
     @staticmethod
     def _dense_draft_probs(tokens: list[int], dists: list[tuple[list[int], list[float]]], vocab: int) -> torch.Tensor:

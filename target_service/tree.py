@@ -47,7 +47,7 @@ class TreeVerdict:
     next_token: int
 
 
-def check_parents(parents: list[int], field: str = "tree.parents") -> None:
+def check_parents(parents: list[int], field: str = "draft_tree.parents") -> None:
     """Raises InvalidArgument unless every parent is -1 (the root) or an earlier node."""
     for i, parent in enumerate(parents):
         if not ROOT <= parent < i:
@@ -127,7 +127,7 @@ def without_replacement_probs(parents: list[int], tokens: list[int], child_dists
             row[removed.get(position, [])] = 0.0
             total = float(row.sum())
             if total <= 0 or row[token] <= 0:
-                raise InvalidArgument(f"tree.child_dists[{position}]", f"node {i} (token {token}) has probability 0 "
+                raise InvalidArgument(f"draft_tree.child_dists[{position}]", f"node {i} (token {token}) has probability 0 "
                                       "once its earlier siblings are drawn without replacement")
             p[i] = row / total
         else:

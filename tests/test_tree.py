@@ -46,7 +46,7 @@ def test_malformed_parents_are_rejected_naming_the_node(bad):
     with pytest.raises(InvalidArgument) as info:
         check_parents(bad)
     first_bad = next(i for i, p in enumerate(bad) if not -1 <= p < i)
-    assert info.value.field == f"tree.parents[{first_bad}]"
+    assert info.value.field == f"draft_tree.parents[{first_bad}]"
 
 
 def _logits_from_argmax(argmax: list[int], vocab: int = 10) -> torch.Tensor:
@@ -93,7 +93,7 @@ def test_without_replacement_probs_renormalise_after_earlier_siblings():
     assert torch.allclose(p[0], torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64))
     assert torch.allclose(p[1], torch.tensor([0.0, 0.6, 0.4, 0.0], dtype=torch.float64))  # 0 removed
     assert p[2].tolist() == [0, 0, 1, 0] and p[4].tolist() == [0, 0, 0, 1]  # deterministic: one-hot
-    with pytest.raises(InvalidArgument, match=r"tree.child_dists\[0\]"):
+    with pytest.raises(InvalidArgument, match=r"draft_tree.child_dists\[0\]"):
         without_replacement_probs([-1, -1], [0, 0], dists[:3], [True, False, False])  # 0 drawn twice
 
 
