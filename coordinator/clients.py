@@ -15,7 +15,7 @@ import time
 import grpc
 import structlog
 
-from coordinator.loop import DraftOutcome, Dist, VerifyOutcome
+from coordinator.loop import DraftOutcome, Dist, TreeSpec, VerifyOutcome
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import DeadlineExceeded, SequenceNotFound
@@ -112,6 +112,22 @@ class TargetClient:
         return VerifyOutcome(response.accepted, response.next_token, response.compute_seconds, wall,
                              request.ByteSize() + response.ByteSize())
 
+    async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
+                          tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:
+        request = pb.VerifyRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append,
+                                   sampling=_sampling_proto(sampling))
+        request.draft_tree.parents.extend(parents)
+        request.draft_tree.tokens.extend(tokens)
+        if not sampling.greedy and any(d is not None for d in child_dists):
+            for dist in child_dists:
+                ids, probs = dist if dist is not None else ([], [])
+                request.draft_tree.child_dists.add(token_ids=ids, probs=probs)
+        start = time.perf_counter()
+        response = await self._verify_call(sequence_id, request)
+        wall = time.perf_counter() - start
+        return VerifyOutcome(response.accepted, response.next_token, response.compute_seconds, wall,
+                             request.ByteSize() + response.ByteSize(), tuple(response.accepted_path))
+
     async def _verify_call(self, sequence_id: str, request: pb.VerifyRequest) -> pb.VerifyResponse:
         """One Verify, retried while the target is UNAVAILABLE (see TARGET_RETRY_S). Safe to repeat:
         the request names the prefix it builds on, and a restarted target answers NOT_FOUND, which
@@ -171,6 +187,24 @@ class DraftClient:
             raise
         wall = time.perf_counter() - start
         return DraftOutcome(tokens, dists, compute, wall, size)
+
+    async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
+                           max_depth: int, temperature: float, seed: int) -> DraftOutcome:
+        request = pb.ProposeTreeRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append,
+                                        tree=pb.TreeParams(budget=tree.budget, top_k=tree.top_k, shape=tree.shape, max_depth=max_depth),
+                                        temperature=temperature, seed=seed)
+        start = time.perf_counter()
+        try:
+            response = await self.stub.ProposeTree(request, timeout=call_timeout(self.timeout_s), metadata=_metadata())
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise SequenceNotFound(sequence_id, exc.details() or "") from exc
+            raise
+        wall = time.perf_counter() - start
+        tree_pb = response.tree
+        dists: list[Dist] = [(list(d.token_ids), list(d.probs)) if d.token_ids else None for d in tree_pb.child_dists]
+        return DraftOutcome(list(tree_pb.tokens), dists, response.compute_seconds, wall,
+                            request.ByteSize() + response.ByteSize(), parents=list(tree_pb.parents))
 
     async def release(self, sequence_id: str) -> None:
         await self.stub.Release(pb.DraftServiceReleaseRequest(sequence_id=sequence_id), timeout=RELEASE_TIMEOUT_S, metadata=_metadata())

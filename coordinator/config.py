@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from draft_service.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 from specdec.config import option
 from specdec.models import DEFAULT_TARGET
 
@@ -23,6 +24,9 @@ class CoordinatorConfig:
     tokenizer: str = option(DEFAULT_TARGET, "Tokenizer of the target model: alias, hub id, folder or .gguf file.")
     draft_length: int = option(8, "Default upper bound on draft tokens per step (requests may ask for another, up to 32).")
     adaptive: bool = option(True, "Adapt the draft length per request unless the request says otherwise.")
+    tree_budget: int = option(0, "Default draft tree budget: most nodes the target verifies per step, the draft length capping their depth (requests may ask for another, up to 64); 0: chains.")
+    tree_top_k: int = option(4, "Children per expanded node, and nodes expanded per level, of a dynamic draft tree (1 to 16).")
+    tree_shape: str = option("", "A static draft tree instead: children per node at each depth, comma-separated (e.g. 4,2,2,1); empty: dynamic.")
     max_new_tokens: int = option(4096, "Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = option(128, "max_new_tokens when a request leaves it unset.")
     max_prompt_tokens: int = option(32768, "Longest prompt accepted, in target tokens.")
@@ -47,3 +51,17 @@ class CoordinatorConfig:
         for flag in ("max_concurrent_requests", "max_queue", "verify_token_budget", "target_retry_s"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
+        if not 0 <= self.tree_budget <= MAX_TREE_NODES:
+            raise ValueError(f"--tree-budget must be in [0, {MAX_TREE_NODES}], got {self.tree_budget}")
+        if not 1 <= self.tree_top_k <= MAX_TREE_TOP_K:
+            raise ValueError(f"--tree-top-k must be in [1, {MAX_TREE_TOP_K}], got {self.tree_top_k}")
+        self.parsed_tree_shape()  # raises for a malformed shape
+
+    def parsed_tree_shape(self) -> tuple[int, ...]:
+        try:
+            shape = tuple(int(part) for part in self.tree_shape.split(",") if part.strip())
+        except ValueError:
+            raise ValueError(f"--tree-shape must be comma-separated integers, got {self.tree_shape!r}") from None
+        if len(shape) > MAX_TREE_DEPTH or any(not 1 <= width <= MAX_TREE_TOP_K for width in shape):
+            raise ValueError(f"--tree-shape: at most {MAX_TREE_DEPTH} levels of 1 to {MAX_TREE_TOP_K} children, got {self.tree_shape!r}")
+        return shape

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 
-from coordinator.loop import DraftOutcome, Dist, VerifyOutcome
+from coordinator.loop import DraftOutcome, Dist, TreeSpec, VerifyOutcome
 from draft_service.engine import DraftEngine, DraftSettings
+from draft_service.tree import TreeSettings
 from specdec.sampling import SamplingConfig
-from target_service.engine import TargetEngine
+from target_service.engine import DraftTree, TargetEngine, VerifyCall
 
 
 class LocalVerifier:
@@ -24,6 +25,14 @@ class LocalVerifier:
         dists = [d if d is not None else ([], []) for d in draft_dists] if any(d is not None for d in draft_dists) else []
         result = self.engine.verify(sequence_id, known_len, append, draft_tokens, dists, sampling)
         return VerifyOutcome(result.accepted, result.next_token, result.compute_seconds, time.perf_counter() - start)
+
+    async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
+                          tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:
+        start = time.perf_counter()
+        dists = [d if d is not None else ([], []) for d in child_dists] if any(d is not None for d in child_dists) else []
+        call = VerifyCall(sequence_id, known_len, append, [], [], sampling, DraftTree(parents, tokens, dists))
+        result = self.engine.verify_tree(call)
+        return VerifyOutcome(result.accepted, result.next_token, result.compute_seconds, time.perf_counter() - start, path=result.path)
 
     async def release(self, sequence_id: str) -> None:
         self.engine.release(sequence_id)
@@ -41,6 +50,15 @@ class LocalProposer:
         dists: list[Dist] = [(p.dist_ids, p.dist_probs) if p.dist_ids is not None else None for p in proposals]
         wall = time.perf_counter() - start
         return DraftOutcome([p.token for p in proposals], dists, wall, wall)
+
+    async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
+                           max_depth: int, temperature: float, seed: int) -> DraftOutcome:
+        start = time.perf_counter()
+        settings = TreeSettings(tree.budget, tree.top_k, tuple(tree.shape), max_depth, temperature, seed)
+        drafted = self.engine.propose_tree(sequence_id, known_len, append, settings)
+        dists: list[Dist] = [d if d[0] else None for d in drafted.child_dists]
+        wall = time.perf_counter() - start
+        return DraftOutcome(drafted.tokens, dists, drafted.compute_seconds, wall, parents=drafted.parents)
 
     async def release(self, sequence_id: str) -> None:
         self.engine.release(sequence_id)

@@ -30,10 +30,31 @@ Dist = tuple[list[int], list[float]] | None  # sparse distribution a draft token
 @dataclasses.dataclass(frozen=True)
 class DraftOutcome:
     tokens: list[int]
-    dists: list[Dist]
+    dists: list[Dist]  # chains: per token; trees: per position (root, then nodes), the children's p
     compute_seconds: float
     wall_seconds: float
     wire_bytes: int = 0
+    parents: list[int] | None = None  # a tree: node i continues parents[i] (-1: the last canonical token)
+
+    @property
+    def depth(self) -> int:
+        """Draft positions the longest branch spans (a chain's length)."""
+        if self.parents is None:
+            return len(self.tokens)
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 + (depths[parent] if parent >= 0 else 0))
+        return max(depths, default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """How a request drafts trees: at most `budget` nodes, `top_k` children per expanded node
+    (dynamic), or `shape[d]` children per node at depth d (static)."""
+
+    budget: int
+    top_k: int = 4
+    shape: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +64,15 @@ class VerifyOutcome:
     compute_seconds: float
     wall_seconds: float
     wire_bytes: int = 0
+    path: tuple[int, ...] = ()  # a tree's accepted nodes, root to leaf
 
 
 class Proposer(Protocol):
     async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
                       min_cumulative_prob: float, temperature: float, seed: int) -> DraftOutcome: ...
+
+    async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
+                           max_depth: int, temperature: float, seed: int) -> DraftOutcome: ...
 
     async def release(self, sequence_id: str) -> None: ...
 
@@ -55,6 +80,9 @@ class Proposer(Protocol):
 class Verifier(Protocol):
     async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
                      draft_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome: ...
+
+    async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
+                          tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome: ...
 
     async def release(self, sequence_id: str) -> None: ...
 
@@ -72,6 +100,7 @@ class GenerationSpec:
     eos_token_ids: frozenset[int]
     seeded: bool = False  # the client chose the seed: keep the run reproducible (see adapt.py)
     max_context: int = 0  # 0: unbounded
+    tree: TreeSpec | None = None  # draft trees instead of chains (the draft length caps their depth)
 
 
 @dataclasses.dataclass
@@ -149,7 +178,10 @@ class SpeculativeLoop:
                 draft = DraftOutcome([], [], 0.0, 0.0)
                 if self.proposer is not None and gamma > 0 and stats.steps >= skip_draft_until:
                     try:
-                        draft = await self._propose(sequence_id, tokens, draft_known, gamma, min_prob, spec.sampling)
+                        if spec.tree is not None:
+                            draft = await self._propose_tree(sequence_id, tokens, draft_known, spec.tree, gamma, spec.sampling)
+                        else:
+                            draft = await self._propose(sequence_id, tokens, draft_known, gamma, min_prob, spec.sampling)
                         draft_known = len(tokens)
                     except Exception as exc:  # noqa: BLE001 - a failing draft only costs speed
                         stats.draft_failures += 1
@@ -160,9 +192,13 @@ class SpeculativeLoop:
                 verdict = await self._verify(sequence_id, tokens, target_known, draft, spec.sampling)
                 accepted = verdict.accepted
                 target_known = len(tokens) + accepted
-                if draft.tokens:
+                if draft.tokens and draft.parents is None:
                     draft_known = len(tokens) + accepted  # the draft holds its accepted tokens already
-                new = draft.tokens[:accepted] + [verdict.next_token]
+                # (after a tree the draft holds the canonical tokens only: it gets the path next time)
+                if draft.parents is not None:
+                    new = [draft.tokens[i] for i in verdict.path] + [verdict.next_token]
+                else:
+                    new = draft.tokens[:accepted] + [verdict.next_token]
                 self._account(stats, policy, draft, verdict, appended)
 
                 finish = None
@@ -192,15 +228,32 @@ class SpeculativeLoop:
             log.info("draft lost the sequence; re-sending it whole")
             return await self.proposer.propose(sequence_id, 0, list(tokens), gamma, min_prob, sampling.temperature, seed)
 
+    async def _propose_tree(self, sequence_id, tokens, known, tree: TreeSpec, max_depth: int, sampling: SamplingConfig) -> DraftOutcome:
+        seed = derive_seed(sampling.seed, len(tokens), "draft")
+        if self.cost_model is not None and self.cost_model.draft_cap is not None:
+            # Under load a tree's nodes count against the verify token budget as a chain's tokens do.
+            tree = dataclasses.replace(tree, budget=max(1, min(tree.budget, self.cost_model.draft_cap())))
+        try:
+            return await self.proposer.propose_tree(sequence_id, known, tokens[known:], tree, max_depth, sampling.temperature, seed)
+        except SequenceNotFound:
+            log.info("draft lost the sequence; re-sending it whole")
+            return await self.proposer.propose_tree(sequence_id, 0, list(tokens), tree, max_depth, sampling.temperature, seed)
+
     async def _verify(self, sequence_id, tokens, known, draft: DraftOutcome, sampling) -> VerifyOutcome:
         try:
-            return await self.verifier.verify(sequence_id, known, tokens[known:], draft.tokens, draft.dists, sampling)
+            return await self._verify_call(sequence_id, known, tokens[known:], draft, sampling)
         except SequenceNotFound:
             log.info("target lost the sequence; re-filling it from the canonical tokens")
-            return await self.verifier.verify(sequence_id, 0, list(tokens), draft.tokens, draft.dists, sampling)
+            return await self._verify_call(sequence_id, 0, list(tokens), draft, sampling)
+
+    async def _verify_call(self, sequence_id, known, append, draft: DraftOutcome, sampling) -> VerifyOutcome:
+        if draft.parents is not None and draft.tokens:
+            return await self.verifier.verify_tree(sequence_id, known, append, draft.parents, draft.tokens, draft.dists, sampling)
+        return await self.verifier.verify(sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [], sampling)
 
     def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyOutcome, appended: int) -> None:
         drafted, accepted = len(draft.tokens), verdict.accepted
+        depth = draft.depth  # a tree's deepest branch plays the chain's length in the policy
         stats.steps += 1
         stats.draft_tokens += drafted
         stats.draft_steps += 1 if drafted else 0
@@ -210,14 +263,14 @@ class SpeculativeLoop:
         wire = max(0.0, draft.wall_seconds - draft.compute_seconds) + max(0.0, verdict.wall_seconds - verdict.compute_seconds)
         stats.wire_seconds += wire
         stats.wire_bytes += draft.wire_bytes + verdict.wire_bytes
-        if len(stats.accepted_per_position) < drafted:
-            stats.accepted_per_position.extend([0] * (drafted - len(stats.accepted_per_position)))
+        if len(stats.accepted_per_position) < depth:
+            stats.accepted_per_position.extend([0] * (depth - len(stats.accepted_per_position)))
         for i in range(accepted):
             stats.accepted_per_position[i] += 1
-        policy.observe(drafted, accepted)
+        policy.observe(depth, accepted)
         # Only steady-state steps (one catch-up token) describe the per-step costs; a prefill does not.
         if self.cost_model is not None and appended <= 1:
-            self.cost_model.observe(drafted, draft.compute_seconds, drafted + 1, verdict.compute_seconds, wire)
+            self.cost_model.observe(depth, draft.compute_seconds, drafted + 1, verdict.compute_seconds, wire)
 
     async def _release(self, sequence_id: str) -> None:
         """Releases the sequence in both services, in a task a second cancellation cannot stop.

@@ -18,7 +18,7 @@ from grpc_status import rpc_status
 from coordinator.adapt import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
 from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
+from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, TreeSpec
 from coordinator.scheduler import Admission
 from coordinator.text import TextStream
 from protos import specdec_pb2 as pb
@@ -28,6 +28,7 @@ from specdec.errors import DeadlineExceeded, InvalidArgument, Overloaded, Specde
 from specdec.grpcutil import Server, error_status, rpc_method
 from specdec.logs import bind_request
 from specdec.sampling import SamplingConfig
+from draft_service.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 
 log = structlog.get_logger(__name__)
 
@@ -165,6 +166,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         if not 0 <= draft_length <= MAX_DRAFT_LENGTH:
             raise InvalidArgument("speculation.draft_length", f"must be in [0, {MAX_DRAFT_LENGTH}], got {draft_length}")
         adaptive = sp.adaptive if sp.HasField("adaptive") else config.adaptive
+        tree = self._tree_spec(sp, draft_length)
         for i, stop in enumerate(request.stop):
             if not stop:
                 raise InvalidArgument(f"stop[{i}]", "stop strings must not be empty")
@@ -182,8 +184,25 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             eos_token_ids=frozenset(self.target_info.eos_token_ids),
             seeded=seeded,
             max_context=context,
+            tree=tree,
         )
         return spec, list(request.stop)
+
+    def _tree_spec(self, sp: pb.SpeculationParams, draft_length: int) -> TreeSpec | None:
+        config = self.config
+        budget = sp.tree_budget if sp.HasField("tree_budget") else config.tree_budget
+        if not 0 <= budget <= MAX_TREE_NODES:
+            raise InvalidArgument("speculation.tree_budget", f"must be in [0, {MAX_TREE_NODES}], got {budget}")
+        top_k = sp.tree_top_k if sp.HasField("tree_top_k") else config.tree_top_k
+        if not 1 <= top_k <= MAX_TREE_TOP_K:
+            raise InvalidArgument("speculation.tree_top_k", f"must be in [1, {MAX_TREE_TOP_K}], got {top_k}")
+        shape = tuple(sp.tree_shape) or config.parsed_tree_shape()
+        if len(shape) > MAX_TREE_DEPTH:
+            raise InvalidArgument("speculation.tree_shape", f"at most {MAX_TREE_DEPTH} levels, got {len(shape)}")
+        for d, width in enumerate(shape):
+            if not 1 <= width <= MAX_TREE_TOP_K:
+                raise InvalidArgument(f"speculation.tree_shape[{d}]", f"must be in [1, {MAX_TREE_TOP_K}], got {width}")
+        return TreeSpec(budget, top_k, shape) if budget and draft_length else None
 
     @contextlib.contextmanager
     def _admit(self, client: str):

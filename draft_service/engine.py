@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from draft_service.ngram import NgramIndex
+from draft_service.tree import TreeBuilder, TreeDraft, TreeSettings, check_tree_settings
 from specdec.errors import InvalidArgument
 from specdec.kvcache import Sequence, SequenceStore
 from specdec.lm import CausalLM
@@ -146,6 +147,30 @@ class DraftEngine:
         if settings.max_tokens == 0:
             return iter(())
         return self.drafter.draft(seq, settings, start)
+
+    def propose_tree(self, sequence_id: str, known_len: int, append: list[int], settings: TreeSettings) -> TreeDraft:
+        """Syncs the sequence, then drafts a tree (draft_service/tree.py). The sequence keeps only
+        its canonical tokens afterwards: the next call's known_len is len(canonical) at this call.
+
+        A drafter that cannot branch (n-gram, another vocabulary) sends its chain as a one-branch tree.
+        """
+        start = time.perf_counter()
+        check_tree_settings(settings)
+        vocab = self.drafter.vocab_size
+        if vocab and any(not 0 <= t < vocab for t in append):
+            raise InvalidArgument("append_tokens", f"token ids must be in the draft's vocabulary [0, {vocab})")
+        seq = self.store.sync(sequence_id, known_len, append)
+        if type(self.drafter) is ModelDrafter:
+            tree = TreeBuilder(self.drafter.lm, seq, settings, self.drafter.top_k).build()
+        else:
+            # The drafted tokens stay in the sequence until the next call's known_len crops them,
+            # exactly as after a chain the target rejected.
+            chain = DraftSettings(min(settings.budget, settings.max_depth), 0.0, settings.temperature, settings.seed)
+            proposals = list(self.drafter.draft(seq, chain, start))
+            dists = [(p.dist_ids, p.dist_probs) for p in proposals if p.dist_ids is not None]
+            child_dists = dists + [([], [])] if len(dists) == len(proposals) and dists else []
+            tree = TreeDraft(list(range(-1, len(proposals) - 1)), [p.token for p in proposals], child_dists)
+        return dataclasses.replace(tree, compute_seconds=time.perf_counter() - start)
 
     def release(self, sequence_id: str) -> bool:
         return self.store.release(sequence_id)

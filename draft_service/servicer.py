@@ -8,6 +8,7 @@ import structlog
 
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter, NgramDrafter, load_pruned_drafter
+from draft_service.tree import TreeSettings
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec import metrics, tls
@@ -59,6 +60,25 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 message.dist.token_ids.extend(proposal.dist_ids)
                 message.dist.probs.extend(proposal.dist_probs)
             yield message
+
+    @rpc_method
+    async def ProposeTree(self, request: pb.ProposeTreeRequest, context):
+        t = request.tree
+        settings = TreeSettings(t.budget, t.top_k, tuple(t.shape), t.max_depth, request.temperature, request.seed)
+        self.engine  # noqa: B018 - raises UNAVAILABLE while loading
+        tree = await self.host.run(
+            self.engine.propose_tree, request.sequence_id, request.known_len, list(request.append_tokens), settings
+        )
+        m = metrics.draft()
+        m.proposed_tokens.inc(len(tree.tokens))
+        m.propose_seconds.observe(tree.compute_seconds)
+        m.sequences.set(len(self.engine.store))
+        response = pb.ProposeTreeResponse(compute_seconds=tree.compute_seconds)
+        response.tree.parents.extend(tree.parents)
+        response.tree.tokens.extend(tree.tokens)
+        for ids, probs in tree.child_dists:
+            response.tree.child_dists.add(token_ids=ids, probs=probs)
+        return response
 
     @rpc_method
     async def Release(self, request, context):

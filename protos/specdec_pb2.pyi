@@ -51,12 +51,18 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("draft_length", "adaptive")
+    __slots__ = ("draft_length", "adaptive", "tree_budget", "tree_top_k", "tree_shape")
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    TREE_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TREE_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TREE_SHAPE_FIELD_NUMBER: _ClassVar[int]
     draft_length: int
     adaptive: bool
-    def __init__(self, draft_length: _Optional[int] = ..., adaptive: _Optional[bool] = ...) -> None: ...
+    tree_budget: int
+    tree_top_k: int
+    tree_shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, draft_length: _Optional[int] = ..., adaptive: _Optional[bool] = ..., tree_budget: _Optional[int] = ..., tree_top_k: _Optional[int] = ..., tree_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "steps", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "draft_seconds", "verify_seconds", "wire_seconds", "total_seconds", "time_to_first_token_seconds", "accepted_per_position", "wire_bytes", "draft_steps")
@@ -237,32 +243,82 @@ class ProposeResponse(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., dist: _Optional[_Union[SparseDistribution, _Mapping]] = ..., cumulative_prob: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("sequence_id", "known_len", "append_tokens", "draft_tokens", "draft_dists", "sampling")
+    __slots__ = ("sequence_id", "known_len", "append_tokens", "draft_tokens", "draft_dists", "sampling", "draft_tree")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TREE_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     known_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_dists: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     sampling: SamplingParams
-    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    draft_tree: DraftTree
+    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("parents", "tokens", "child_dists")
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHILD_DISTS_FIELD_NUMBER: _ClassVar[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    child_dists: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
+    def __init__(self, parents: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., child_dists: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ...) -> None: ...
+
+class TreeParams(_message.Message):
+    __slots__ = ("budget", "top_k", "shape", "max_depth")
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    budget: int
+    top_k: int
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    max_depth: int
+    def __init__(self, budget: _Optional[int] = ..., top_k: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., max_depth: _Optional[int] = ...) -> None: ...
+
+class ProposeTreeRequest(_message.Message):
+    __slots__ = ("sequence_id", "known_len", "append_tokens", "tree", "temperature", "seed")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_LEN_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    known_len: int
+    append_tokens: _containers.RepeatedScalarFieldContainer[int]
+    tree: TreeParams
+    temperature: float
+    seed: int
+    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[TreeParams, _Mapping]] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ProposeTreeResponse(_message.Message):
+    __slots__ = ("tree", "compute_seconds")
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tree: DraftTree
+    compute_seconds: float
+    def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len")
+    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len", "accepted_path")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     compute_seconds: float
     cached_len: int
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ...) -> None: ...
+    accepted_path: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftServiceReleaseRequest(_message.Message):
     __slots__ = ("sequence_id",)

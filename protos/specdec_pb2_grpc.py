@@ -166,6 +166,11 @@ class DraftServiceStub:
                 request_serializer=protos_dot_specdec__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=protos_dot_specdec__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeTree = channel.unary_unary(
+                '/specdec.v1.DraftService/ProposeTree',
+                request_serializer=protos_dot_specdec__pb2.ProposeTreeRequest.SerializeToString,
+                response_deserializer=protos_dot_specdec__pb2.ProposeTreeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.DraftService/Release',
                 request_serializer=protos_dot_specdec__pb2.DraftServiceReleaseRequest.SerializeToString,
@@ -192,6 +197,17 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeTree(self, request, context):
+        """Rolls the sequence back to `known_len`, appends `append_tokens`, then drafts a tree of
+        candidate continuations shaped by `tree` and returns it whole. The draft keeps only the
+        canonical tokens afterwards: the next call's `known_len` is this call's known_len +
+        len(append_tokens), and its `append_tokens` carry the accepted path and the target's token.
+        A drafter without a model (n-gram) returns its chain as a one-branch tree.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees the sequence's cache and retires its id: a later call naming it with known_len = 0 (one
         that was in flight when the sequence was released) fails with FAILED_PRECONDITION instead of
@@ -213,6 +229,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=protos_dot_specdec__pb2.ProposeRequest.FromString,
                     response_serializer=protos_dot_specdec__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeTree': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProposeTree,
+                    request_deserializer=protos_dot_specdec__pb2.ProposeTreeRequest.FromString,
+                    response_serializer=protos_dot_specdec__pb2.ProposeTreeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -275,6 +296,33 @@ class DraftService:
             '/specdec.v1.DraftService/Propose',
             protos_dot_specdec__pb2.ProposeRequest.SerializeToString,
             protos_dot_specdec__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeTree(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.DraftService/ProposeTree',
+            protos_dot_specdec__pb2.ProposeTreeRequest.SerializeToString,
+            protos_dot_specdec__pb2.ProposeTreeResponse.FromString,
             options,
             channel_credentials,
             insecure,

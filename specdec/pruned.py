@@ -63,9 +63,10 @@ class PrunedDraft(torch.nn.Module):
         return int(self.config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, past_key_values: DynamicCache | None = None, use_cache: bool = False,
-                logits_to_keep: int = 0, attention_mask: torch.Tensor | None = None) -> DraftOutput:
+                logits_to_keep: int = 0, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> DraftOutput:
         out = self.body(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache,
-                        attention_mask=attention_mask)
+                        attention_mask=attention_mask, position_ids=position_ids)  # explicit: tree drafts
         hidden = out.last_hidden_state  # [B, T, H]
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]

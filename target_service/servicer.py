@@ -13,7 +13,7 @@ from specdec.grpcutil import EngineHost, Server, rpc_method
 from specdec.sampling import SamplingConfig
 from target_service.config import TargetConfig
 from target_service.batcher import VerifyBatcher
-from target_service.engine import TargetEngine, VerifyCall
+from target_service.engine import DraftTree, TargetEngine, VerifyCall
 
 log = structlog.get_logger(__name__)
 
@@ -49,6 +49,10 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     @rpc_method
     async def Verify(self, request: pb.VerifyRequest, context):
         dists = [(list(d.token_ids), list(d.probs)) for d in request.draft_dists]
+        tree = None
+        if request.HasField("draft_tree"):
+            t = request.draft_tree
+            tree = DraftTree(list(t.parents), list(t.tokens), [(list(d.token_ids), list(d.probs)) for d in t.child_dists])
         self.engine  # noqa: B018 - raises UNAVAILABLE while loading
         result = await self.batcher.submit(VerifyCall(
             request.sequence_id,
@@ -57,11 +61,12 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             list(request.draft_tokens),
             dists,
             sampling_from_proto(request.sampling),
+            tree,
         ))
         m = metrics.target()
         m.verify_seconds.observe(result.compute_seconds)
         m.batch_size.observe(result.batch_size)
-        m.draft_tokens.inc(len(request.draft_tokens))
+        m.draft_tokens.inc(len(request.draft_tokens) + len(request.draft_tree.tokens))
         m.accepted_tokens.inc(result.accepted)
         m.sequences.set(len(self.engine.store))
         return pb.VerifyResponse(
@@ -69,6 +74,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             next_token=result.next_token,
             compute_seconds=result.compute_seconds,
             cached_len=result.cached_len,
+            accepted_path=result.path,
         )
 
     @rpc_method
