@@ -24,6 +24,7 @@ class DraftConfig:
     top_k: int = option(32, "When sampling, the draft draws from its top-k tokens so the sparse p it sends is exact.")
     ngram_max: int = option(4, "Longest suffix n-gram the n-gram drafter looks up.")
     ngram_min: int = option(1, "Shortest suffix n-gram it accepts as a match.")
+    staged: bool = option(False, "Staged drafting for --drafter model, greedy: an n-gram index guesses the draft model's own next tokens and one draft forward checks them (same tokens, fewer draft passes).")
     max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted.")
     idle_timeout_s: float = option(600.0, "Free a sequence untouched this long; 0 disables.")
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")

@@ -46,19 +46,31 @@ class ModelDrafter:
     """Drafts with a small causal LM, sampling from its top-k truncated distribution.
 
     Truncating to top-k is what makes the sparse p on the wire exact (see sampling.truncated_probs);
-    with temperature 0 it proposes the argmax and sends no distribution.
+    with temperature 0 it proposes the argmax and sends no distribution. `staged`: greedy drafts
+    are themselves speculated by an n-gram index (draft_service/staged.py), the same tokens in
+    fewer draft forwards.
     """
 
     kind = "model"
 
-    def __init__(self, lm: CausalLM, top_k: int = 32):
+    def __init__(self, lm: CausalLM, top_k: int = 32, staged: bool = False):
         self.lm = lm
         self.top_k = top_k
         self.vocab_size = lm.vocab_size
+        self.staged = staged
+        self.forwards = 0  # draft-model forward passes so far (staged drafting saves some)
 
     def draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+        if self.staged and settings.temperature == 0:
+            from draft_service.staged import draft_staged
+
+            return draft_staged(self, seq, settings, start)
+        return self._draft(seq, settings, start)
+
+    def _draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
         generator = torch.Generator().manual_seed(settings.seed)
         cumulative = 1.0
+        self.forwards += 1
         logits = self.lm.forward(seq, keep=1)[0]  # [V]; feeds the catch-up tokens
         for i in range(settings.max_tokens):
             if settings.temperature == 0:
@@ -76,6 +88,7 @@ class ModelDrafter:
             seq.tokens.append(token)
             yield Proposal(token, ids, probs, cumulative, time.perf_counter() - start)
             if i + 1 < settings.max_tokens:
+                self.forwards += 1
                 logits = self.lm.forward(seq, keep=1)[0]
 
 

@@ -96,6 +96,7 @@ def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
         info = pb.ModelInfo(model="ngram", drafter="ngram")
     elif pruned is not None:  # a distilled draft in its target's own vocabulary (specdec/pruned.py)
         drafter = load_pruned_drafter(pruned, config.device, config.dtype, config.top_k)
+        drafter.staged = config.staged
         info = pb.ModelInfo(model=config.model, vocab_size=drafter.vocab_size, max_context=drafter.lm.max_context,
                             eos_token_ids=drafter.lm.eos_token_ids, device=str(drafter.lm.device), dtype=drafter.lm.dtype_name,
                             drafter="model")
@@ -107,7 +108,7 @@ def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
 
         loaded = load_model(config.model, config.device, config.dtype)
         lm = CausalLM(loaded.model, loaded.device)
-        drafter = ModelDrafter(lm, config.top_k)
+        drafter = ModelDrafter(lm, config.top_k, staged=config.staged)
         if config.target_tokenizer:
             from draft_service.crossvocab import build_cross_drafter
 

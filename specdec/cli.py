@@ -168,6 +168,9 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--draft-length", type=int, default=None, help="0 turns speculation off.")
     parser.add_argument("--no-adaptive", action="store_true")
+    parser.add_argument("--tree-budget", type=int, default=None, help="Draft trees of at most this many nodes per step (0: chains); unset: the coordinator's default.")
+    parser.add_argument("--tree-top-k", type=int, default=None, help="Children per expanded node of a dynamic tree.")
+    parser.add_argument("--tree-shape", default=None, help="A static tree: children per node at each depth, e.g. 4,2,2,1.")
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--compare", action="store_true", help="Also generate with speculation off and report whether the tokens are identical.")
     parser.add_argument("--wait", type=float, default=60.0, help="Seconds to wait for the coordinator to come up.")
@@ -192,6 +195,12 @@ def cmd_generate(argv: list[str]) -> int:
             request.speculation.draft_length = draft_length
         if args.no_adaptive:
             request.speculation.adaptive = False
+        if args.tree_budget is not None:
+            request.speculation.tree_budget = args.tree_budget
+        if args.tree_top_k is not None:
+            request.speculation.tree_top_k = args.tree_top_k
+        if args.tree_shape:
+            request.speculation.tree_shape.extend(int(part) for part in args.tree_shape.split(","))
         return request
 
     def run(stub, request, echo: bool):

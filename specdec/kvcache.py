@@ -39,6 +39,7 @@ class Sequence:
     tokens: list[int] = dataclasses.field(default_factory=list)
     cache: Any = None  # a transformers Cache, or None for drafters without a model
     cached: int = 0  # leading positions of `tokens` (plus fed drafts) whose keys/values are in `cache`
+    side: Any = None  # a drafter's own per-sequence state beside the cache (staged drafting's n-gram index)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
 
     def crop_cache(self, length: int) -> None:
