@@ -6,6 +6,11 @@ Configurations, all on the same prompts, models and machine (see BENCHMARKS in t
   specdec-off     the target alone through specdec's own engine (speculation off)
   specdec-local   specdec's speculative loop in one process (no gRPC), adaptive and at fixed lengths
   specdec-grpc    the three gRPC services as separate processes on loopback
+  tree            a model draft's dynamic tree (EAGLE-2 style, --tree-budgets nodes, depth --max-draft)
+                  verified in one target pass, in one process
+  staged          the model draft at fixed lengths, itself speculated by an n-gram index (--staged)
+After the main table, "chain vs tree vs staged" puts each model draft's best chain (the most tokens
+per target pass of its fixed-length and adaptive chains) beside its trees and staged runs.
 Repetitions are interleaved (rep 1 of every configuration, then rep 2, ...) so drift on a shared
 machine hits every configuration alike. Every configuration's tokens are checked against the
 baseline's: greedy speculation that changes the output is a bug, and the report says so.
@@ -54,12 +59,15 @@ class Options:
     out: pathlib.Path
     quick: bool
     prompt_lookup: int
+    tree_budgets: tuple[int, ...] = (16, 32)
+    tree_top_k: int = 4
+    staged: bool = True
 
 
 @dataclasses.dataclass
 class Configuration:
     name: str
-    kind: str  # hf | hf-assisted | specdec-off | specdec-local | specdec-grpc
+    kind: str  # hf | hf-assisted | specdec-off | specdec-local | specdec-grpc | tree | staged
     drafter: str | None = None
     draft_length: int = 0
     adaptive: bool = False
@@ -185,14 +193,14 @@ def hf_runner(model, max_new: int, eos: list[int], **generate_kwargs):
     return run
 
 
-def local_runner(loop, max_new: int, eos: list[int], draft_length: int, adaptive: bool):
+def local_runner(loop, max_new: int, eos: list[int], draft_length: int, adaptive: bool, tree=None):
     from coordinator.loop import GenerationSpec, Stats
     from specdec.sampling import SamplingConfig
 
     def run(prompt: list[int]) -> Sample:
         spec = GenerationSpec(request_id=uuid.uuid4().hex[:12], prompt_ids=list(prompt), max_new_tokens=max_new,
                               sampling=SamplingConfig(), draft_length=draft_length, adaptive=adaptive,
-                              eos_token_ids=frozenset(eos))
+                              eos_token_ids=frozenset(eos), tree=tree)
         stats = Stats()
 
         async def collect() -> list[int]:
@@ -306,7 +314,7 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
     """Every configuration with its runner; also the draft engines (for measuring their cost)."""
     from coordinator.adapt import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
     from coordinator.local import LocalProposer, LocalVerifier
-    from coordinator.loop import SpeculativeLoop
+    from coordinator.loop import SpeculativeLoop, TreeSpec
     from draft_service.config import DraftConfig
     from draft_service.servicer import build_engine
     from specdec.models import load_model, pruned_draft_folder
@@ -359,6 +367,20 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
             fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior)
             configs.append(Configuration(f"specdec-local[{name},g={g}]", "specdec-local", drafter, g, False,
                                          runner=local_runner(fixed, opts.max_new_tokens, eos, g, False)))
+        if drafter != "ngram":  # an n-gram drafter has one guess per position: its tree is its chain
+            for budget in opts.tree_budgets:
+                fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior)
+                configs.append(Configuration(f"tree[{name},n={budget},g={opts.max_draft}]", "tree", drafter, opts.max_draft, False,
+                                             runner=local_runner(fixed, opts.max_new_tokens, eos, opts.max_draft, False,
+                                                                 TreeSpec(budget, opts.tree_top_k)),
+                                             note=f"dynamic tree: {budget} nodes, top-{opts.tree_top_k}, depth <= {opts.max_draft}"))
+            if opts.staged and hasattr(engine.drafter, "staged"):
+                staged_engine, _ = build_engine(dataclasses.replace(config, staged=True))
+                for g in opts.draft_lengths:
+                    fixed = SpeculativeLoop(verifier, LocalProposer(staged_engine), None, prior)
+                    configs.append(Configuration(f"staged[{name},g={g}]", "staged", drafter, g, False,
+                                                 runner=local_runner(fixed, opts.max_new_tokens, eos, g, False),
+                                                 note="n-gram guesses checked by the draft model"))
         if stack is not None:
             configs.append(Configuration(f"specdec-grpc[{name}]", "specdec-grpc", drafter, opts.max_draft, True, hops=2,
                                          runner=grpc_runner(stack.coordinators[drafter], opts.max_new_tokens, opts.max_draft, True),
@@ -465,6 +487,9 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--prompt-lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens (its documented value).")
     parser.add_argument("--no-grpc", action="store_true", help="Skip the three-process gRPC configuration.")
     parser.add_argument("--no-hf", action="store_true", help="Skip transformers' generate() and assisted generation.")
+    parser.add_argument("--tree-budgets", default="16,32", help="Node budgets of the dynamic-tree configurations of each model draft ('' for none).")
+    parser.add_argument("--tree-top-k", type=int, default=4, help="Children per expanded node of those trees.")
+    parser.add_argument("--no-staged", action="store_true", help="Skip the staged-drafting configurations.")
     parser.add_argument("--out", default="benchmarks/results", help="Folder for results.json and the PNG plots.")
     parser.add_argument("--quick", action="store_true",
                         help="Tiny random models, 2 prompts per set, 16 tokens, 1 repetition: checks the pipeline in about a minute.")
@@ -473,6 +498,12 @@ def parse(argv: list[str]) -> Options:
         lengths = tuple(int(x) for x in args.draft_lengths.split(",") if x.strip())
     except ValueError:
         parser.error(f"--draft-lengths: expected comma-separated integers, got {args.draft_lengths!r}")
+    try:
+        budgets = tuple(int(x) for x in args.tree_budgets.split(",") if x.strip())
+    except ValueError:
+        parser.error(f"--tree-budgets: expected comma-separated integers, got {args.tree_budgets!r}")
+    if any(not 1 <= b <= 64 for b in budgets) or not 1 <= args.tree_top_k <= 16:
+        parser.error("--tree-budgets must be in 1..64 and --tree-top-k in 1..16")
     sets = tuple(s.strip() for s in args.prompts.split(",") if s.strip())
     for name in sets:
         if not (PROMPTS_DIR / f"{name}.jsonl").is_file():
@@ -484,14 +515,56 @@ def parse(argv: list[str]) -> Options:
     opts = Options(target=args.target, drafters=tuple(args.drafter or ["ngram"]), prompt_sets=sets, limit=args.limit,
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats, max_draft=args.max_draft, draft_lengths=lengths,
                    grpc=not args.no_grpc, hf=not args.no_hf, out=pathlib.Path(args.out), quick=args.quick,
-                   prompt_lookup=args.prompt_lookup)
+                   prompt_lookup=args.prompt_lookup, tree_budgets=budgets, tree_top_k=args.tree_top_k, staged=not args.no_staged)
     if opts.quick:
         opts = dataclasses.replace(opts, limit=opts.limit or 2, max_new_tokens=min(opts.max_new_tokens, 16), repeats=1,
-                                   draft_lengths=lengths[:1])
+                                   draft_lengths=lengths[:1], tree_budgets=budgets[:1])
     return opts
+
+
+def chain_tree_staged(document: dict) -> list[dict]:
+    """Per prompt set and model draft: its best chain beside its trees and staged runs."""
+    rows = []
+    for set_name in document["prompts"]:
+        records = [r for r in document["results"] if r["prompt_set"] == set_name and "mean_accepted_length" in r]
+        for drafter in sorted({r["drafter"] for r in records if r["kind"] in ("tree", "staged")}):
+            chains = [r for r in records if r["drafter"] == drafter and r["kind"] == "specdec-local"]
+            if not chains:
+                continue
+            best = max(chains, key=lambda r: r["mean_accepted_length"])
+            for r in [best] + [r for r in records if r["drafter"] == drafter and r["kind"] in ("tree", "staged")]:
+                rows.append({"prompt_set": set_name, "configuration": r["configuration"], "kind": "chain (best)" if r is best else r["kind"],
+                             "tokens_per_step": r["mean_accepted_length"], "tokens_per_second": r["tokens_per_second"]["median"],
+                             "tokens_per_step_vs_best_chain": r["mean_accepted_length"] / best["mean_accepted_length"],
+                             "tokens_per_second_vs_best_chain": r["tokens_per_second"]["median"] / best["tokens_per_second"]["median"],
+                             "identical": r.get("identical_to_baseline")})
+    return rows
+
+
+def print_chain_tree_staged(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    if not rows:
+        return
+    table = Table(title="chain vs tree vs staged (mean accepted tokens per target pass = tokens/step)")
+    for column in ("prompt set", "configuration", "kind", "tokens/step", "vs best chain", "tok/s", "vs best chain ", "identical"):
+        table.add_column(column, justify="left" if column in ("prompt set", "configuration", "kind") else "right")
+    for r in rows:
+        ident = r["identical"]
+        table.add_row(r["prompt_set"], escape(r["configuration"]), r["kind"], f"{r['tokens_per_step']:.2f}",
+                      f"{r['tokens_per_step_vs_best_chain']:.2f}x", f"{r['tokens_per_second']:.1f}",
+                      f"{r['tokens_per_second_vs_best_chain']:.2f}x", f"{ident['identical']}/{ident['runs']}" if ident else "")
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
 
 
 def main(argv: list[str]) -> int:
     opts = parse(argv)
-    run(opts, argv)
+    document = run(opts, argv)
+    rows = chain_tree_staged(document)
+    print_chain_tree_staged(rows)
+    if rows:
+        document["chain_tree_staged"] = rows
+        (opts.out / "results.json").write_text(json.dumps(document, indent=2))
     return 0

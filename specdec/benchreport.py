@@ -57,7 +57,8 @@ def summarise(result, baseline_tokens: dict[int, list[int]] | None, ctx: dict) -
             "overhead_share": max(0.0, wall - draft_s - verify_s) / wall,
             "wire_bytes_per_step": _sum(flat, "wire_bytes") / steps if steps else 0.0,
         })
-        record.update(predict(record, flat, config, ctx))
+        if config.kind != "tree":  # the analytic model describes chains
+            record.update(predict(record, flat, config, ctx))
     return record
 
 

@@ -55,3 +55,15 @@ def test_plots_are_written(document):
     _, out, _ = document
     for name in ("tokens_per_second.png", "speedup_vs_draft_length.png", "acceptance_by_position.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chain_tree_and_staged_side_by_side(document):
+    doc, _, stdout = document
+    names = {r["configuration"] for r in doc["results"]}
+    assert {"tree[draft,n=16,g=8]", "staged[draft,g=2]"} <= names
+    rows = doc["chain_tree_staged"]
+    assert {r["kind"] for r in rows} == {"chain (best)", "tree", "staged"}
+    for r in rows:
+        assert r["tokens_per_step"] >= 1.0 and r["tokens_per_second"] > 0
+        assert r["identical"]["identical"] == r["identical"]["runs"] > 0
+    assert "chain vs tree vs staged" in stdout
