@@ -73,7 +73,8 @@ def forward_tree(lm, seq: Sequence, tree_tokens: list[int], parents: list[int]) 
     """Feeds the pending canonical tokens and the whole tree in one pass.
 
     Returns the logits of the root and of every node, [N + 1, V]. Afterwards the cache holds the
-    canonical tokens (len(seq.tokens) positions) followed by the N nodes; `keep_path` trims it.
+    canonical tokens (len(seq.tokens) positions) followed by the N nodes; `keep_positions` trims it
+    to the canonical tokens and the accepted path.
     """
     cached, length = seq.cached, len(seq.tokens)
     pending = seq.tokens[cached:]
@@ -94,9 +95,3 @@ def keep_positions(seq: Sequence, prefix: int, extra: list[int]) -> None:
         layer.keys = layer.keys.index_select(-2, idx)
         layer.values = layer.values.index_select(-2, idx)
     seq.cached = prefix + len(extra)
-
-
-def keep_path(seq: Sequence, path: list[int]) -> None:
-    """After forward_tree: keeps the canonical positions and the accepted path's nodes only."""
-    length = len(seq.tokens)
-    keep_positions(seq, length, [length + node for node in path])

@@ -9,6 +9,11 @@ plus its g_i draft tokens; P = max c_i, N = max n_i):
     input_ids, position_ids [B, N]              row i's tokens at positions c_i, c_i + 1, ...
     attention_mask          [B, P + N]          1 exactly on row i's real positions
 
+A row may carry a draft tree (target_service/tree.py): its nodes follow its pending tokens, sit at
+position c_i + m_i - 1 + depth, and see the row's cache, its pending tokens and their own ancestors;
+then the mask is given per query as [B, 1, N, P + N] instead of [B, P + N], and write_back gathers
+the accepted path after the canonical positions.
+
 Padding is masked out of every softmax (exp(-inf) = 0 exactly), positions are per row, so a row
 sees exactly what it would see alone; only the floating-point order of the matmuls differs, which
 tests/test_batching.py checks never flips a greedy token on the test models.
@@ -32,6 +37,8 @@ from transformers.cache_utils import DynamicLayer
 
 from specdec.kvcache import Sequence
 from specdec.lm import CausalLM
+from specdec.treeforward import tree_attention
+from target_service.tree import depths
 
 
 class _BatchLayer(DynamicLayer):
@@ -71,8 +78,11 @@ def _layer_kv(seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor] | 
 
 
 @torch.inference_mode()
-def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], keeps: list[int]) -> tuple[list[torch.Tensor], "BatchState"]:
+def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], keeps: list[int],
+                  trees: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], "BatchState"]:
     """Feeds every row's seq.tokens[seq.cached:] + extras[i] in one pass.
+
+    trees[i]: the parents of extras[i] when row i's extras are a draft tree's nodes (None: a chain).
 
     Returns the float32 logits of each row's last keeps[i] positions ([keeps[i], V] each) and the
     batch's cache, from which `BatchState.write_back` gives each sequence its own cache again.
@@ -91,6 +101,19 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
         input_ids[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
         mask[i, width_p - past[i]:width_p + len(tokens)] = 1
     position_ids = torch.tensor(past)[:, None] + torch.arange(width_n)[None, :]  # [B, N]
+    if trees is not None and any(t is not None for t in trees):
+        attend = torch.zeros(batch, width_n, width_p + width_n, dtype=torch.bool)  # [B, N, P+N]
+        for i, tokens in enumerate(pending):
+            n = len(tokens)
+            parents = torch.tensor(trees[i] if trees[i] is not None else [], dtype=torch.long)
+            m = n - parents.shape[0]  # the row's pending canonical tokens, then its nodes
+            attend[i, :n, width_p - past[i]:width_p] = True  # its own cache
+            attend[i, :n, width_p:width_p + n] = tree_attention(0, m, parents)  # causal, then tree
+            attend[i, n:, width_p + n:].fill_diagonal_(True)  # padding queries see themselves: no empty softmax
+            if parents.numel():
+                position_ids[i, m:n] = past[i] + m - 1 + depths(parents)
+        dtype = next(lm.model.parameters()).dtype
+        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)[:, None]  # [B, 1, N, P+N]
 
     config = lm.model.config
     cache = DynamicCache(config=config)
@@ -144,21 +167,24 @@ class BatchState:
     def __init__(self, cache: DynamicCache, past: list[int], new: list[int], width_p: int):
         self.cache, self.past, self.new, self.width_p = cache, past, new, width_p
 
-    def write_back(self, i: int, seq: Sequence, lm: CausalLM, length: int) -> None:
-        """Gives row i's sequence its own cache over its first `length` positions (the accepted ones).
+    def write_back(self, i: int, seq: Sequence, lm: CausalLM, length: int, extra: list[int] = ()) -> None:
+        """Gives row i's sequence its own cache over its first `length` positions (the accepted ones),
+        followed by the row's positions `extra` (a tree's accepted path, gathered by index).
 
         Cloned, not viewed: a view would pin the whole batch buffer for as long as any of its rows
         stays idle, so memory would no longer be bounded by the sequences' own lengths.
         """
         start = self.width_p - self.past[i]
         length = min(length, self.past[i] + self.new[i])
-        if length <= 0:
+        if length <= 0 and not extra:
             seq.cache, seq.cached = None, 0
             return
+        index = start + torch.cat([torch.arange(max(length, 0)), torch.tensor(list(extra), dtype=torch.long)])
         own = lm.new_cache()
         for layer_idx, layer in enumerate(self.cache.layers):
+            idx = index.to(layer.keys.device)
             # update() copies (torch.cat, or into a buffer layer), whatever cache class lm uses.
-            own.layers[layer_idx].update(layer.keys[i:i + 1, :, start:start + length],  # [1, H, length, D]
-                                         layer.values[i:i + 1, :, start:start + length])
+            own.layers[layer_idx].update(layer.keys[i:i + 1].index_select(-2, idx),  # [1, H, length + len(extra), D]
+                                         layer.values[i:i + 1].index_select(-2, idx))
         seq.cache = own
-        seq.cached = length
+        seq.cached = max(length, 0) + len(extra)

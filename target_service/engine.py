@@ -18,9 +18,10 @@ from specdec.errors import InvalidArgument, SpecdecError
 from specdec.kvcache import Sequence, SequenceStore
 from specdec.lm import CausalLM
 from specdec.sampling import SamplingConfig, generator_for, target_probs
-from specdec.treeforward import forward_tree, keep_path, supports_trees
+from specdec.treeforward import forward_tree, keep_positions, supports_trees
 from target_service.batching import batchable, forward_batch
-from target_service.tree import check_parents, depths, verify_tree_greedy, verify_tree_rejection, without_replacement_probs
+from target_service.tree import check_parents, depths
+from target_service.treestep import TreePlan, draft_probs, plan_tree, tree_verdict
 from target_service.verify import verify_greedy, verify_rejection
 
 log = structlog.get_logger(__name__)
@@ -111,23 +112,30 @@ class TargetEngine:
         rows: list[tuple[int, Sequence]] = []
         for index, call in enumerate(calls):
             try:
-                if call.tree is not None:  # a tree has its own mask: verified in a pass of its own
-                    results[index] = self.verify_tree(call)
-                else:
-                    rows.append((index, self._prepare(call)))
+                rows.append((index, self._prepare(call)))
             except SpecdecError as exc:
                 results[index] = exc
         if len(rows) == 1 or (rows and not self.batchable):
             for index, seq in rows:  # row by row: one row, or a model whose cache cannot be padded
                 call = calls[index]
+                if call.tree is not None:
+                    results[index] = self._tree_row(call, seq, start, len(rows))
+                    continue
                 logits = self.lm.forward(seq, call.draft_tokens, keep=len(call.draft_tokens) + 1)
                 results[index] = self._finish(call, seq, logits, start, len(rows))
                 seq.crop_cache(len(seq.tokens))
         elif rows:
             seqs = [seq for _, seq in rows]
-            extras = [calls[index].draft_tokens for index, _ in rows]
-            logits, state = forward_batch(self.lm, seqs, extras, [len(extra) + 1 for extra in extras])
-            for row, (index, seq) in enumerate(rows):
+            plans = [self._plan(calls[index]) if calls[index].tree is not None else None for index, _ in rows]
+            extras = [plan.tokens if plan else calls[index].draft_tokens for plan, (index, _) in zip(plans, rows)]
+            trees = [plan.parents if plan else None for plan in plans]
+            logits, state = forward_batch(self.lm, seqs, extras, [len(extra) + 1 for extra in extras], trees)
+            for row, ((index, seq), plan) in enumerate(zip(rows, plans)):
+                if plan is not None:
+                    length = len(seq.tokens)  # the canonical tokens, before the accepted path joins them
+                    results[index], path = self._finish_tree(calls[index], seq, plan, logits[row], start, len(rows))
+                    state.write_back(row, seq, self.lm, length, [length + node for node in path])
+                    continue
                 results[index] = self._finish(calls[index], seq, logits[row], start, len(rows))
                 state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
         return results
@@ -137,50 +145,35 @@ class TargetEngine:
         only the accepted path in the cache, as if that path had been fed as a chain.
 
         A model whose cache cannot be gathered by position (sliding-window layers) verifies the
-        chain of first children instead: each first child was drawn from its parent's distribution
-        itself, so that chain is an ordinary lossless proposal.
+        chain of first children instead (target_service/treestep.py).
         """
         start = time.perf_counter()
-        tree = call.tree
-        seq = self._prepare(call)
-        parents, tokens = list(tree.parents), list(tree.tokens)
-        p = self._tree_draft_probs(tree, call.sampling)  # [N, V] or None (greedy)
-        nodes = list(range(len(tokens)))
-        if not self.trees:
-            nodes, parent = [], -1
-            while (kids := [i for i, par in enumerate(parents) if par == parent]):
-                nodes.append(kids[0])
-                parent = kids[0]
-            tokens = [tokens[i] for i in nodes]
-            parents = list(range(-1, len(nodes) - 1))  # a chain: each node continues the one before
-            p = p[nodes] if p is not None else None
-        length = len(seq.tokens)
-        logits = forward_tree(self.lm, seq, tokens, parents)  # [N+1, V]
-        token_t, parent_t = torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
-        if call.sampling.greedy:
-            verdict = verify_tree_greedy(logits, token_t, parent_t)
-        else:
-            q = target_probs(logits, call.sampling)  # [N+1, V]
-            gen = generator_for(call.sampling.seed, length, "target")  # keyed by position, as for chains
-            accept_u, sample_u = torch.rand(len(tokens), generator=gen), torch.rand(1, generator=gen)
-            verdict = verify_tree_rejection(q, token_t, parent_t, p.to(q.device), accept_u, sample_u)
-        keep_path(seq, verdict.path)
-        seq.tokens.extend(tokens[i] for i in verdict.path)
-        path = tuple(nodes[i] for i in verdict.path)  # in the caller's node numbering
-        return StepResult(len(path), verdict.next_token, len(seq.tokens), time.perf_counter() - start, 1, path)
+        return self._tree_row(call, self._prepare(call), start, 1)
 
-    def _tree_draft_probs(self, tree: DraftTree, sampling: SamplingConfig) -> torch.Tensor | None:
-        if sampling.greedy:
-            return None
-        vocab = self.lm.vocab_size
-        positions = len(tree.tokens) + 1
-        dists = torch.zeros(positions, vocab)
-        has = [False] * positions
-        for j, (ids, probs) in enumerate(tree.child_dists):
-            if ids:
-                dists[j, torch.tensor(ids, dtype=torch.long)] = torch.tensor(probs, dtype=torch.float32)
-                has[j] = True
-        return without_replacement_probs(list(tree.parents), list(tree.tokens), dists, has)
+    def _tree_row(self, call: VerifyCall, seq: Sequence, start: float, batch_size: int) -> StepResult:
+        plan = self._plan(call)
+        if not self.trees:  # the chain of first children, fed as a chain (sliding windows stay intact)
+            logits = self.lm.forward(seq, plan.tokens, keep=len(plan.tokens) + 1)
+            result, _ = self._finish_tree(call, seq, plan, logits, start, batch_size)
+            seq.crop_cache(len(seq.tokens))
+            return result
+        length = len(seq.tokens)  # the canonical tokens, before the accepted path joins them
+        logits = forward_tree(self.lm, seq, plan.tokens, plan.parents)  # [N+1, V]
+        result, path = self._finish_tree(call, seq, plan, logits, start, batch_size)
+        keep_positions(seq, length, [length + node for node in path])
+        return result
+
+    def _plan(self, call: VerifyCall) -> TreePlan:
+        return plan_tree(call.tree, call.sampling, self.lm.vocab_size, self.trees)
+
+    def _finish_tree(self, call: VerifyCall, seq: Sequence, plan: TreePlan, logits: torch.Tensor, start: float,
+                     batch_size: int) -> tuple[StepResult, list[int]]:
+        """The verdict; appends the accepted tokens. Returns the result and the accepted plan nodes
+        (the caller trims the cache to the canonical tokens + those nodes)."""
+        path, next_token = tree_verdict(plan, call.sampling, logits, len(seq.tokens))
+        seq.tokens.extend(plan.tokens[i] for i in path)
+        caller_path = tuple(plan.nodes[i] for i in path)
+        return StepResult(len(path), next_token, len(seq.tokens), time.perf_counter() - start, batch_size, caller_path), path
 
     def _prepare(self, call: VerifyCall) -> Sequence:
         self._validate(call.append, call.draft_tokens, call.draft_dists, call.sampling)
@@ -268,8 +261,8 @@ class TargetEngine:
         for j, (ids, probs) in enumerate(tree.child_dists):
             if (ids or probs) and not _is_distribution(ids, probs, vocab):
                 raise InvalidArgument(f"draft_tree.child_dists[{j}]", "needs distinct in-vocabulary ids, one prob each, in [0, 1], summing to 1")
-        if not call.sampling.greedy:
-            self._tree_draft_probs(tree, call.sampling)  # raises for a child its distribution could not have drawn
+        if not call.sampling.greedy:  # raises for a child its distribution could not have drawn
+            draft_probs(tree.parents, tree.tokens, tree.child_dists, call.sampling, vocab)
 
     @staticmethod
     def _dense_draft_probs(tokens: list[int], dists: list[tuple[list[int], list[float]]], vocab: int) -> torch.Tensor:

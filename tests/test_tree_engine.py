@@ -158,3 +158,69 @@ def test_a_sibling_its_distribution_could_not_have_drawn_is_rejected(target):
     with pytest.raises(InvalidArgument) as info:
         engine(target).verify_tree(VerifyCall("s", 0, [1, 2], [], [], SamplingConfig(temperature=1.0), tree))
     assert info.value.field == "draft_tree.child_dists[0]"
+
+
+def test_batched_tree_rows_equal_unbatched_and_the_target_alone(target):
+    """Tree rows and chain rows share one padded pass (per-row 4D masks); each row's verdict and
+    cache equal those of verifying it alone, and decoding gives the target's own output."""
+    rng = random.Random(5)
+    batched, single = engine(target), engine(target)
+    pool = prompts(6, seed=6)
+    refs = [reference_greedy(target, p, NEW_TOKENS) for p in pool]
+    state = [{"tokens": list(p), "known": 0} for p in pool]
+    sizes = []
+    for _ in range(40):
+        live = [i for i, s in enumerate(state) if len(s["tokens"]) - len(pool[i]) < len(refs[i]) and s["tokens"][-1:] != [EOS]]
+        if not live:
+            break
+        step = [i for i in live if rng.random() < 0.8] or live[:1]
+        calls = []
+        for i in step:
+            s, at = state[i], len(state[i]["tokens"]) - len(pool[i])
+            if rng.random() < 0.6:
+                call = VerifyCall(f"s{i}", s["known"], s["tokens"][s["known"]:], [], [], GREEDY, random_tree(rng, rng.choice([1, 4, 9, 16]), refs[i][at:]))
+            else:
+                call = VerifyCall(f"s{i}", s["known"], s["tokens"][s["known"]:], refs[i][at:at + rng.choice([0, 2, 5])], [], GREEDY)
+            calls.append(call)
+        results = batched.verify_batch(calls)
+        for i, call, result in zip(step, calls, results):
+            alone = single.verify_tree(call) if call.tree is not None else single.verify_batch([call])[0]
+            assert (result.path, result.accepted, result.next_token, result.cached_len) == (alone.path, alone.accepted, alone.next_token, alone.cached_len)
+            drafted = [call.tree.tokens[j] for j in result.path] if call.tree is not None else call.draft_tokens[:result.accepted]
+            state[i]["tokens"] += drafted + [result.next_token]
+            state[i]["known"] = result.cached_len
+        sizes.append(len(step))
+    for i, p in enumerate(pool):
+        assert state[i]["tokens"][len(p):][:len(refs[i])] == refs[i], f"prompt {i}"
+    assert max(sizes) >= 3
+    # the caches the batch wrote back equal the ones built alone
+    for i in range(len(pool)):
+        a, b = batched.store.sync(f"s{i}", state[i]["known"], []), single.store.sync(f"s{i}", state[i]["known"], [])
+        for layer_a, layer_b in zip(a.cache.layers, b.cache.layers):
+            torch.testing.assert_close(layer_a.keys, layer_b.keys, rtol=1e-4, atol=1e-4)
+
+
+def test_batched_sampling_tree_rows_equal_unbatched(target):
+    sampling = [SamplingConfig(temperature=0.9, seed=s) for s in (1, 2, 3)]
+    gen = torch.Generator().manual_seed(3)
+    calls = []
+    for i, prompt in enumerate(prompts(3, seed=10)):
+        parents = [-1, -1, 0, 0, 1, 2][: 2 + 2 * i]
+        probs = torch.softmax(torch.randn(len(parents) + 1, 256, generator=gen) * 3, -1)
+        top = probs.topk(6).indices
+        dists, tokens = [], []
+        for j in range(len(parents) + 1):
+            p = probs[j, top[j]] / probs[j, top[j]].sum()
+            dists.append((top[j].tolist(), p.tolist()))
+        seen: dict[int, int] = {}
+        for parent in parents:  # the k-th child of a position takes its k-th top token (distinct siblings)
+            k = seen.get(parent, 0)
+            seen[parent] = k + 1
+            tokens.append(int(top[parent + 1, k]))
+        calls.append(VerifyCall(f"t{i}", 0, prompt, [], [], sampling[i], DraftTree(parents, tokens, dists)))
+    calls.append(VerifyCall("chain", 0, prompts(4, seed=10)[3], [5, 6], [([5, 9], [0.5, 0.5]), ([6], [1.0])], sampling[0]))
+    batched = engine(target).verify_batch(calls)
+    for call, result in zip(calls, batched):
+        alone = engine(target).verify_batch([call])[0]
+        assert result.batch_size == 4
+        assert (result.path, result.accepted, result.next_token, result.cached_len) == (alone.path, alone.accepted, alone.next_token, alone.cached_len)
