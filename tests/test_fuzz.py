@@ -130,7 +130,9 @@ def generate_request(cls):
             "prompt": BAD_PROMPT,
             "max_new_tokens": INT32,
             "speculation": st.builds(
-                lambda **kw: pb.SpeculationParams(**fields(**kw)), draft_length=st.none() | INT32, adaptive=st.none() | st.booleans()
+                lambda **kw: pb.SpeculationParams(**fields(**kw)), draft_length=st.none() | INT32, adaptive=st.none() | st.booleans(),
+                tree_budget=st.none() | st.integers(0, 12) | INT32, tree_top_k=st.none() | st.integers(1, 4) | INT32,
+                tree_shape=st.none() | st.lists(st.integers(1, 3), max_size=3) | st.lists(INT32, max_size=40),
             ),
             "stop": st.lists(STRING, max_size=3),
             "request_id": STRING,
@@ -192,6 +194,63 @@ def verify_call(draw):
         values["append_tokens"] = draw(st.just([]) | TOKENS)  # a new sequence without its tokens
     values["draft_dists"] = draw(distributions(values["draft_tokens"]))
     return prefix, pb.VerifyRequest(**values)
+
+
+@st.composite
+def draft_tree(draw) -> pb.DraftTree:
+    """A well-formed tree (parents before children; with sampling, each position's children drawn
+    without replacement from its sparse p), or one with its parents, tokens or p mangled."""
+    n = draw(st.integers(0, 12))
+    parents = [draw(st.integers(-1, i - 1)) for i in range(n)]
+    tokens = [0] * n
+    dists = [pb.SparseDistribution() for _ in range(n + 1)]
+    for position in range(n + 1):
+        kids = [i for i, parent in enumerate(parents) if parent == position - 1]
+        if not kids:
+            continue
+        support = sorted(set(draw(st.lists(VALID_TOKEN, min_size=len(kids) + 2, max_size=len(kids) + 6))))
+        if len(support) < len(kids):
+            support = list(range(len(kids) + 2))
+        for kid, token in zip(kids, draw(st.permutations(support))):
+            tokens[kid] = token
+        weights = draw(st.lists(st.floats(0.01, 1.0), min_size=len(support), max_size=len(support)))
+        dists[position] = pb.SparseDistribution(token_ids=support, probs=[w / sum(weights) for w in weights])
+    tree = pb.DraftTree(parents=parents, tokens=tokens, child_dists=dists if draw(st.booleans()) else [])
+    mangle = draw(st.sampled_from(["none", "none", "parents", "tokens", "dists", "sizes"]))
+    if mangle == "parents":
+        tree = pb.DraftTree(parents=draw(st.lists(INT32, min_size=n, max_size=n)), tokens=tokens, child_dists=tree.child_dists)
+    elif mangle == "tokens":
+        tree = pb.DraftTree(parents=parents, tokens=draw(st.lists(TOKEN, min_size=n, max_size=n)), child_dists=tree.child_dists)
+    elif mangle == "dists":
+        bad = st.builds(lambda ids, probs: pb.SparseDistribution(token_ids=ids, probs=probs),
+                        st.lists(TOKEN, max_size=5), st.lists(st.floats(0, 1, width=32) | FLOAT32, max_size=5))
+        tree = pb.DraftTree(parents=parents, tokens=tokens, child_dists=draw(st.lists(bad, max_size=n + 2)))
+    elif mangle == "sizes":
+        tree = pb.DraftTree(parents=draw(st.lists(st.integers(-1, 0), max_size=70)), tokens=draw(st.lists(VALID_TOKEN, max_size=70)))
+    return tree
+
+
+@st.composite
+def verify_tree_call(draw):
+    """(prefix, a VerifyRequest carrying a draft tree, sometimes with draft tokens too)."""
+    prefix, request = draw(verify_call())
+    request.ClearField("draft_tokens")
+    request.ClearField("draft_dists")
+    request.draft_tree.CopyFrom(draw(draft_tree()))
+    if draw(st.sampled_from([False] * 9 + [True])):  # hypothesis favours the first value: mostly False
+        request.draft_tokens.append(1)  # both kinds of proposal: refused
+    return prefix, request
+
+
+@st.composite
+def propose_tree_call(draw):
+    prefix, base = draw(propose_call())
+    valid = {"budget": st.integers(1, 12), "top_k": st.integers(1, 4), "shape": st.just([]) | st.lists(st.integers(1, 3), max_size=4),
+             "max_depth": st.integers(1, 6)}
+    extreme = {"budget": INT32, "top_k": INT32, "shape": st.lists(INT32, max_size=40), "max_depth": INT32}
+    params = pb.TreeParams(**mutated(draw, valid, extreme))
+    return prefix, pb.ProposeTreeRequest(sequence_id=base.sequence_id, known_len=base.known_len, append_tokens=base.append_tokens,
+                                         tree=params, temperature=base.temperature, seed=base.seed)
 
 
 @st.composite
@@ -347,6 +406,46 @@ def test_fuzz_verify(env, case):
         assert 0 <= response.next_token < tiny.VOCAB, response
         assert response.cached_len == request.known_len + len(request.append_tokens) + response.accepted
         assert math.isfinite(response.compute_seconds)
+
+
+def check_tree(tree: pb.DraftTree, path=None) -> None:
+    assert len(tree.parents) == len(tree.tokens) and all(-1 <= p < i for i, p in enumerate(tree.parents))
+    if path is not None:
+        assert all(tree.parents[b] == a for a, b in zip([-1, *path], path)), "not a root-to-node path"
+
+
+@settings(FUZZ, max_examples=200)
+@given(case=verify_tree_call())
+def test_fuzz_verify_tree(env, case):
+    prefix, request = case
+    USED_IDS["target"].add(request.sequence_id)
+    if prefix:
+        setup(lambda: env["target"].Verify(pb.VerifyRequest(sequence_id=request.sequence_id, append_tokens=prefix), timeout=CALL_TIMEOUT))
+    response = call("Verify(tree)", request, env["target"].Verify)
+    if response is not None:
+        check_tree(request.draft_tree, list(response.accepted_path))
+        assert response.accepted == len(response.accepted_path) <= len(request.draft_tree.tokens)
+        assert 0 <= response.next_token < tiny.VOCAB
+        assert response.cached_len == request.known_len + len(request.append_tokens) + response.accepted
+
+
+@settings(FUZZ, max_examples=120)
+@given(case=propose_tree_call(), service=st.sampled_from(["draft", "ngram"]))
+def test_fuzz_propose_tree(env, case, service):
+    prefix, request = case
+    USED_IDS[service].add(request.sequence_id)
+    if prefix:
+        setup(lambda: list(env[service].Propose(pb.ProposeRequest(sequence_id=request.sequence_id, append_tokens=prefix), timeout=CALL_TIMEOUT)))
+    response = call(f"ProposeTree({service})", request, env[service].ProposeTree)
+    if response is not None:
+        tree = response.tree
+        check_tree(tree)
+        assert len(tree.tokens) <= request.tree.budget
+        assert not tree.child_dists or len(tree.child_dists) == len(tree.tokens) + 1
+        for d in tree.child_dists:
+            assert len(d.token_ids) == len(d.probs) and all(math.isfinite(p) and p >= 0 for p in d.probs)
+        if service == "draft":
+            assert all(0 <= t < tiny.VOCAB for t in tree.tokens)
 
 
 def propose(env, service: str, case) -> None:
