@@ -179,7 +179,7 @@ class SpeculativeLoop:
                 if self.proposer is not None and gamma > 0 and stats.steps >= skip_draft_until:
                     try:
                         if spec.tree is not None:
-                            draft = await self._propose_tree(sequence_id, tokens, draft_known, spec.tree, gamma, spec.sampling)
+                            draft = await self._propose_tree(sequence_id, tokens, draft_known, spec.tree, gamma, spec.sampling, spec.seeded)
                         else:
                             draft = await self._propose(sequence_id, tokens, draft_known, gamma, min_prob, spec.sampling)
                         draft_known = len(tokens)
@@ -228,10 +228,12 @@ class SpeculativeLoop:
             log.info("draft lost the sequence; re-sending it whole")
             return await self.proposer.propose(sequence_id, 0, list(tokens), gamma, min_prob, sampling.temperature, seed)
 
-    async def _propose_tree(self, sequence_id, tokens, known, tree: TreeSpec, max_depth: int, sampling: SamplingConfig) -> DraftOutcome:
+    async def _propose_tree(self, sequence_id, tokens, known, tree: TreeSpec, max_depth: int, sampling: SamplingConfig,
+                            seeded: bool = False) -> DraftOutcome:
         seed = derive_seed(sampling.seed, len(tokens), "draft")
-        if self.cost_model is not None and self.cost_model.draft_cap is not None:
-            # Under load a tree's nodes count against the verify token budget as a chain's tokens do.
+        if not seeded and self.cost_model is not None and self.cost_model.draft_cap is not None:
+            # Under load a tree's nodes count against the verify token budget as a chain's tokens do
+            # (not for seeded requests: the load must not change their draws, as for chains).
             tree = dataclasses.replace(tree, budget=max(1, min(tree.budget, self.cost_model.draft_cap())))
         try:
             return await self.proposer.propose_tree(sequence_id, known, tokens[known:], tree, max_depth, sampling.temperature, seed)

@@ -201,3 +201,24 @@ def test_sampled_trees_through_both_engines_follow_the_target_distribution(pair)
     assert counts[~support].sum() == 0
     pvalue = scipy_stats.chisquare(counts[support].numpy(), (q[support] / q[support].sum() * trials).numpy()).pvalue
     assert pvalue > 1e-4
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_the_load_cap_bounds_tree_nodes_except_for_seeded_requests(pair, seeded):
+    from coordinator.adapt import CostModel
+
+    target, draft = pair
+    cost_model = CostModel(MODEL_DRAFT_PRIOR)
+    cost_model.draft_cap = lambda: 3  # the verify token budget left per request under load
+    loop = SpeculativeLoop(LocalVerifier(TargetEngine(CausalLM(target, CPU))),
+                           LocalProposer(DraftEngine(ModelDrafter(CausalLM(draft, CPU)))), cost_model, MODEL_DRAFT_PRIOR)
+    prompt = prompts(1, seed=15)[0]
+    spec = GenerationSpec("r", list(prompt), 12, GREEDY, 4, False, frozenset({EOS}), seeded=seeded, tree=TreeSpec(12, 4))
+    stats = Stats()
+
+    async def collect():
+        return [t for step in [s async for s in loop.run(spec, stats)] for t in step.tokens]
+
+    assert asyncio.run(collect()) == reference_greedy(target, prompt, 12)
+    per_step = stats.draft_tokens / stats.draft_steps
+    assert per_step <= 3 if not seeded else per_step > 3
