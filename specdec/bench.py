@@ -60,7 +60,7 @@ class Options:
     quick: bool
     prompt_lookup: int
     tree_budgets: tuple[int, ...] = (16, 32)
-    tree_top_k: int = 4
+    tree_top_k: int = 8
     staged: bool = True
 
 
@@ -488,7 +488,7 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--no-grpc", action="store_true", help="Skip the three-process gRPC configuration.")
     parser.add_argument("--no-hf", action="store_true", help="Skip transformers' generate() and assisted generation.")
     parser.add_argument("--tree-budgets", default="16,32", help="Node budgets of the dynamic-tree configurations of each model draft ('' for none).")
-    parser.add_argument("--tree-top-k", type=int, default=4, help="Children per expanded node of those trees.")
+    parser.add_argument("--tree-top-k", type=int, default=8, help="Children per expanded node of those trees (8 beat 4 on tokens per pass with the 75-step distilled SmolLM2 draft).")
     parser.add_argument("--no-staged", action="store_true", help="Skip the staged-drafting configurations.")
     parser.add_argument("--out", default="benchmarks/results", help="Folder for results.json and the PNG plots.")
     parser.add_argument("--quick", action="store_true",
