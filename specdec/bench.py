@@ -7,7 +7,7 @@ Configurations, all on the same prompts, models and machine (see BENCHMARKS in t
   specdec-local   specdec's speculative loop in one process (no gRPC), adaptive and at fixed lengths
   specdec-grpc    the three gRPC services as separate processes on loopback
   tree            a model draft's dynamic tree (EAGLE-2 style, --tree-budgets nodes, depth --max-draft)
-                  verified in one target pass, in one process
+                  verified in one target pass, in one process; tree-grpc[...]: the first budget over gRPC
   staged          the model draft at fixed lengths, itself speculated by an n-gram index (--staged)
 After the main table, "chain vs tree vs staged" puts each model draft's best chain (the most tokens
 per target pass of its fixed-length and adaptive chains) beside its trees and staged runs.
@@ -250,7 +250,9 @@ def stats_dict(s) -> dict:
 class GrpcStack:
     """`specdec serve` target, draft(s) and coordinator(s) as child processes on loopback ports."""
 
-    def __init__(self, target: str, drafters: tuple[str, ...], logs: pathlib.Path, device: str = "cpu"):
+    def __init__(self, target: str, drafters: tuple[str, ...], logs: pathlib.Path, device: str = "cpu",
+                 tree: tuple[int, int] | None = None):
+        """`tree` (budget, top-k): model drafts also get a coordinator that drafts trees."""
         from specdec.cli import _health_ok
 
         self._health_ok = _health_ok
@@ -259,12 +261,17 @@ class GrpcStack:
         self.children: list[subprocess.Popen] = []
         self.target_address = self._spawn("target", "--model", target, "--device", device)
         self.coordinators: dict[str, str] = {}
+        self.tree_coordinators: dict[str, str] = {}
         for drafter in drafters:
             flags = (["--drafter", "ngram"] if drafter == "ngram"
                      else ["--drafter", "model", "--model", drafter, "--device", device, "--target-tokenizer", target])
             draft_address = self._spawn("draft", *flags)
             self.coordinators[drafter] = self._spawn("coordinator", "--target", self.target_address, "--draft", draft_address,
                                                      "--tokenizer", target, "--http-port", "-1")
+            if tree is not None and drafter != "ngram":
+                self.tree_coordinators[drafter] = self._spawn(
+                    "coordinator", "--target", self.target_address, "--draft", draft_address, "--tokenizer", target,
+                    "--http-port", "-1", "--tree-budget", str(tree[0]), "--tree-top-k", str(tree[1]))
         self.wait()
 
     def _spawn(self, role: str, *flags: str) -> str:
@@ -282,7 +289,7 @@ class GrpcStack:
 
     def wait(self, timeout: float = 600.0) -> None:
         deadline = time.monotonic() + timeout
-        addresses = [self.target_address, *self.coordinators.values()]
+        addresses = [self.target_address, *self.coordinators.values(), *self.tree_coordinators.values()]
         while not all(self._health_ok(a) for a in addresses):
             if any(c.poll() is not None for c in self.children):
                 self.stop()
@@ -385,6 +392,11 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
             configs.append(Configuration(f"specdec-grpc[{name}]", "specdec-grpc", drafter, opts.max_draft, True, hops=2,
                                          runner=grpc_runner(stack.coordinators[drafter], opts.max_new_tokens, opts.max_draft, True),
                                          note="adaptive; 3 processes on loopback"))
+            if drafter in stack.tree_coordinators:
+                budget = opts.tree_budgets[0]
+                configs.append(Configuration(f"tree-grpc[{name},n={budget},g={opts.max_draft}]", "tree", drafter, opts.max_draft, False, hops=2,
+                                             runner=grpc_runner(stack.tree_coordinators[drafter], opts.max_new_tokens, opts.max_draft, False),
+                                             note=f"dynamic tree over gRPC: {budget} nodes, top-{opts.tree_top_k}; 3 processes on loopback"))
     return configs, engines
 
 
@@ -426,7 +438,8 @@ def run(opts: Options, argv: list[str]) -> dict:
             room = lm.max_context - opts.max_new_tokens - opts.max_draft - 2
             prompts = {k: [(pid, ids[-room:]) for pid, ids in v] for k, v in prompts.items()}
         notes: dict[str, str] = {}
-        stack = GrpcStack(target, drafters, opts.out / "logs") if opts.grpc else None
+        tree = (opts.tree_budgets[0], opts.tree_top_k) if opts.tree_budgets else None
+        stack = GrpcStack(target, drafters, opts.out / "logs", tree=tree) if opts.grpc else None
         try:
             configs, engines = build_configurations(opts, target, loaded, lm, drafters, stack, notes)
             context = next(iter(prompts.values()))[0][1]

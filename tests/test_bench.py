@@ -60,7 +60,9 @@ def test_plots_are_written(document):
 def test_chain_tree_and_staged_side_by_side(document):
     doc, _, stdout = document
     names = {r["configuration"] for r in doc["results"]}
-    assert {"tree[draft,n=16,g=8]", "staged[draft,g=2]"} <= names
+    assert {"tree[draft,n=16,g=8]", "tree-grpc[draft,n=16,g=8]", "staged[draft,g=2]"} <= names
+    grpc_tree = next(r for r in doc["results"] if r["configuration"] == "tree-grpc[draft,n=16,g=8]")
+    assert grpc_tree["wire_bytes_per_step"] > 0 and grpc_tree["draft_tokens"] > grpc_tree["steps"]  # trees crossed the wire
     rows = doc["chain_tree_staged"]
     assert {r["kind"] for r in rows} == {"chain (best)", "tree", "staged"}
     for r in rows:
