@@ -62,7 +62,7 @@ def load_corpus(paths: list[str]) -> list[str]:
     if not paths:
         if not FORTUNES.is_dir():
             raise FileNotFoundError(f"no --corpus given and the default corpus {FORTUNES} is missing: "
-                                    "apt-get install fortunes (scripts/setup.sh does), or pass --corpus FILE_OR_DIR")
+                                    "install it (Debian: apt-get install fortunes) or pass --corpus FILE_OR_DIR")
         paths = [str(FORTUNES)]
     files: list[pathlib.Path] = []
     for p in map(pathlib.Path, paths):
