@@ -95,11 +95,12 @@ class Result:
 
 # --- models and prompts ---------------------------------------------------------------------------
 
-def quick_models(folder: pathlib.Path) -> tuple[str, str]:
-    """Tiny random target and draft (byte tokenizer with a chat template) saved as model folders."""
+def quick_models(folder: pathlib.Path, noise: float = 0.08) -> tuple[str, str]:
+    """Tiny random target and draft (byte tokenizer with a chat template) saved as model folders;
+    the draft is the target plus relative noise `noise`."""
     from specdec.tinymodels import save, tiny_pair
 
-    target, draft = tiny_pair(seed=0)
+    target, draft = tiny_pair(seed=0, noise=noise)
     return save(target, folder / "target"), save(draft, folder / "draft")
 
 
