@@ -25,6 +25,9 @@ class DraftConfig:
     ngram_max: int = option(4, "Longest suffix n-gram the n-gram drafter looks up.")
     ngram_min: int = option(1, "Shortest suffix n-gram it accepts as a match.")
     staged: bool = option(False, "Staged drafting for --drafter model, greedy: an n-gram index guesses the draft model's own next tokens and one draft forward checks them (same tokens, fewer draft passes).")
+    batch_window_ms: float = option(2.0, "How long a drafting step waits for the other streams' steps to share its forward pass (continuous batching of model drafts); 0: no wait.")
+    max_batch_size: int = option(16, "Most sequences drafted in one forward pass; 1 turns draft batching off.")
+    max_batch_tokens: int = option(256, "Most padded positions (rows x longest row's new tokens) in one draft pass: long catch-ups run alone.")
     max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted.")
     idle_timeout_s: float = option(600.0, "Free a sequence untouched this long; 0 disables.")
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
@@ -33,3 +36,11 @@ class DraftConfig:
     grace_s: float = option(10.0, "Seconds in-flight calls get to finish after SIGTERM.")
     log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
     log_level: str = option("info", "debug, info, warning or error.")
+
+    def __post_init__(self):
+        if not self.batch_window_ms >= 0:
+            raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_ms}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")

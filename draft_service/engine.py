@@ -15,6 +15,7 @@ import torch
 
 from draft_service.ngram import NgramIndex
 from draft_service.tree import TreeBuilder, TreeDraft, TreeSettings, check_tree_settings
+from specdec.batching import batchable, forward_batch
 from specdec.errors import InvalidArgument
 from specdec.kvcache import Sequence, SequenceStore
 from specdec.lm import CausalLM
@@ -68,28 +69,54 @@ class ModelDrafter:
         return self._draft(seq, settings, start)
 
     def _draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
-        generator = torch.Generator().manual_seed(settings.seed)
-        cumulative = 1.0
+        state = self.begin(settings, start)
         self.forwards += 1
         logits = self.lm.forward(seq, keep=1)[0]  # [V]; feeds the catch-up tokens
-        for i in range(settings.max_tokens):
-            if settings.temperature == 0:
-                token = int(logits.argmax())
-                prob = float(torch.softmax(logits.float(), dim=-1)[token])  # the draft's confidence
-                ids = probs = None
-            else:
-                top_ids, top_probs = truncated_probs(logits, settings.temperature, self.top_k)
-                choice = int(torch.multinomial(top_probs, 1, generator=generator))
-                token, prob = int(top_ids[choice]), float(top_probs[choice])
-                ids, probs = top_ids.tolist(), top_probs.tolist()
-            cumulative *= prob
-            if cumulative < settings.min_cumulative_prob:
-                return  # not confident enough: verifying this token would likely waste the slot
-            seq.tokens.append(token)
-            yield Proposal(token, ids, probs, cumulative, time.perf_counter() - start)
-            if i + 1 < settings.max_tokens:
-                self.forwards += 1
-                logits = self.lm.forward(seq, keep=1)[0]
+        while (proposal := self.choose(logits, state)) is not None:
+            seq.tokens.append(proposal.token)
+            yield proposal
+            if state.drafted == settings.max_tokens:
+                return
+            self.forwards += 1
+            logits = self.lm.forward(seq, keep=1)[0]
+
+    def begin(self, settings: DraftSettings, start: float) -> ChainState:
+        return ChainState(settings, start, torch.Generator().manual_seed(settings.seed))
+
+    def choose(self, logits: torch.Tensor, state: ChainState) -> Proposal | None:
+        """The next draft token from the logits [V] that follow the chain so far; None: stop here.
+
+        Split from the forward so the batched path (draft_service/batcher.py) draws exactly what
+        the one-sequence path draws: the same generator, the same order of draws.
+        """
+        settings = state.settings
+        if state.drafted >= settings.max_tokens:
+            return None
+        if settings.temperature == 0:
+            token = int(logits.argmax())
+            prob = float(torch.softmax(logits.float(), dim=-1)[token])  # the draft's confidence
+            ids = probs = None
+        else:
+            top_ids, top_probs = truncated_probs(logits, settings.temperature, self.top_k)
+            choice = int(torch.multinomial(top_probs, 1, generator=state.generator))
+            token, prob = int(top_ids[choice]), float(top_probs[choice])
+            ids, probs = top_ids.tolist(), top_probs.tolist()
+        state.cumulative *= prob
+        if state.cumulative < settings.min_cumulative_prob:
+            return None  # not confident enough: verifying this token would likely waste the slot
+        state.drafted += 1
+        return Proposal(token, ids, probs, state.cumulative, time.perf_counter() - state.start)
+
+
+@dataclasses.dataclass
+class ChainState:
+    """One Propose call's drafting state between forwards."""
+
+    settings: DraftSettings
+    start: float
+    generator: torch.Generator
+    cumulative: float = 1.0
+    drafted: int = 0
 
 
 class NgramDrafter:
@@ -140,6 +167,7 @@ class DraftEngine:
     def __init__(self, drafter: ModelDrafter | NgramDrafter, max_sequences: int = 256, idle_timeout_s: float = 600.0):
         self.drafter = drafter
         self.store = SequenceStore(max_sequences, idle_timeout_s)
+        self._batchable: bool | None = None  # known after the first look at the model's cache layout
 
     def propose(self, sequence_id: str, known_len: int, append: list[int], settings: DraftSettings) -> Iterator[Proposal]:
         """Syncs the sequence (rollback + catch-up), then yields proposals lazily.
@@ -149,6 +177,21 @@ class DraftEngine:
         next call's known_len crops the ones the target rejected.
         """
         start = time.perf_counter()
+        seq = self.open(sequence_id, known_len, append, settings)
+        if settings.max_tokens == 0:
+            return iter(())
+        return self.drafter.draft(seq, settings, start)
+
+    def batches(self, settings: DraftSettings) -> bool:
+        """Whether this chain can draft in forwards shared with other sequences (draft_service/
+        batcher.py): a plain model draft (not another vocabulary's, not staged greedy, which
+        speculates its own forwards) over a model whose caches line up position by position."""
+        if self._batchable is None:
+            self._batchable = type(self.drafter) is ModelDrafter and batchable(self.drafter.lm)
+        return self._batchable and not (self.drafter.staged and settings.temperature == 0)
+
+    def open(self, sequence_id: str, known_len: int, append: list[int], settings: DraftSettings) -> Sequence:
+        """Validates a Propose and syncs its sequence (rollback + catch-up)."""
         if not 0 <= settings.max_tokens <= MAX_PROPOSAL:
             raise InvalidArgument("max_tokens", f"must be in [0, {MAX_PROPOSAL}], got {settings.max_tokens}")
         if settings.temperature < 0:
@@ -156,10 +199,18 @@ class DraftEngine:
         vocab = self.drafter.vocab_size
         if vocab and any(not 0 <= t < vocab for t in append):
             raise InvalidArgument("append_tokens", f"token ids must be in the draft's vocabulary [0, {vocab})")
-        seq = self.store.sync(sequence_id, known_len, append)
-        if settings.max_tokens == 0:
-            return iter(())
-        return self.drafter.draft(seq, settings, start)
+        return self.store.sync(sequence_id, known_len, append)
+
+    def forward_rows(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """The next-token logits [V] of each sequence, feeding all their pending tokens in ONE pass."""
+        lm = self.drafter.lm
+        self.drafter.forwards += len(seqs)
+        if len(seqs) == 1:
+            return [lm.forward(seqs[0], keep=1)[0]]  # alone: no batch buffer to gather and copy back
+        logits, state = forward_batch(lm, seqs, [[] for _ in seqs], [1] * len(seqs))
+        for i, seq in enumerate(seqs):
+            state.write_back(i, seq, lm, len(seq.tokens))
+        return [rows[0] for rows in logits]
 
     def propose_tree(self, sequence_id: str, known_len: int, append: list[int], settings: TreeSettings) -> TreeDraft:
         """Syncs the sequence, then drafts a tree (draft_service/tree.py). The sequence keeps only

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 
+from draft_service.batcher import DraftBatcher
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter, NgramDrafter, load_pruned_drafter
 from draft_service.tree import TreeSettings
@@ -20,8 +22,12 @@ _DONE = object()
 
 
 class DraftServicer(pb_grpc.DraftServiceServicer):
-    def __init__(self):
+    def __init__(self, batch_window_ms: float = 2.0, max_batch_size: int = 16, max_batch_tokens: int = 256):
         self.host = EngineHost("draft")
+        self.batcher = DraftBatcher(self.host.run, self._forward_rows, batch_window_ms / 1000, max_batch_size, max_batch_tokens)
+
+    def _forward_rows(self, seqs):
+        return self.engine.forward_rows(seqs)
 
     @property
     def engine(self) -> DraftEngine:
@@ -37,18 +43,13 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         if not request.temperature >= 0:  # NaN passes the engine's `< 0` check, then poisons sampling
             raise InvalidArgument("temperature", f"must be >= 0, got {request.temperature}")
         settings = DraftSettings(request.max_tokens, request.min_cumulative_prob, request.temperature, request.seed)
-        proposals = await self.host.run(
-            self.engine.propose, request.sequence_id, request.known_len, list(request.append_tokens), settings
-        )
+        if self.batcher.max_batch_size > 1 and self.engine.batches(settings):
+            proposals = self._propose_batched(request, settings)
+        else:
+            proposals = self._propose_alone(request, settings)
         m = metrics.draft()
         compute = 0.0
-        while True:
-            # Each token is drafted on the worker thread and sent the moment it exists.
-            proposal = await self.host.run(next, proposals, _DONE)
-            if proposal is _DONE:
-                m.propose_seconds.observe(compute)
-                m.sequences.set(len(self.engine.store))
-                return
+        async for proposal in proposals:
             m.proposed_tokens.inc()
             compute = proposal.compute_seconds
             message = pb.ProposeResponse(
@@ -60,6 +61,35 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 message.dist.token_ids.extend(proposal.dist_ids)
                 message.dist.probs.extend(proposal.dist_probs)
             yield message
+        m.propose_seconds.observe(compute)
+        m.sequences.set(len(self.engine.store))
+
+    async def _propose_alone(self, request, settings: DraftSettings):
+        """Each token drafted on the worker thread by the drafter's own loop, sent the moment it exists."""
+        proposals = await self.host.run(
+            self.engine.propose, request.sequence_id, request.known_len, list(request.append_tokens), settings
+        )
+        while (proposal := await self.host.run(next, proposals, _DONE)) is not _DONE:
+            yield proposal
+
+    async def _propose_batched(self, request, settings: DraftSettings):
+        """The same chain, its forwards shared with the other streams drafting at the same time
+        (draft_service/batcher.py); the token choices are the drafter's own (ModelDrafter.choose)."""
+        start = time.perf_counter()
+        seq = await self.host.run(self.engine.open, request.sequence_id, request.known_len, list(request.append_tokens), settings)
+        drafter = self.engine.drafter
+        state = drafter.begin(settings, start)
+        self.batcher.opened()
+        try:
+            while state.drafted < settings.max_tokens:
+                logits = await self.batcher.logits(seq)
+                proposal = drafter.choose(logits, state)
+                if proposal is None:
+                    return
+                seq.tokens.append(proposal.token)
+                yield proposal
+        finally:
+            self.batcher.closed()
 
     @rpc_method
     async def ProposeTree(self, request: pb.ProposeTreeRequest, context):
@@ -125,7 +155,7 @@ def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
 
 async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signals: bool = True) -> None:
     """Binds at once (health NOT_SERVING), loads and warms the drafter, then reports SERVING."""
-    servicer = DraftServicer()
+    servicer = DraftServicer(config.batch_window_ms, config.max_batch_size, config.max_batch_tokens)
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
     server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["DraftService"].full_name], credentials=credentials)
     metrics.draft()
@@ -142,4 +172,7 @@ async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signal
     server.servicer = servicer  # lets tests and tools inspect the engine behind the server
     if ready is not None:
         ready.set_result(server)
-    await server.wait()
+    try:
+        await server.wait()
+    finally:
+        servicer.batcher.close()

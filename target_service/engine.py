@@ -19,7 +19,7 @@ from specdec.kvcache import Sequence, SequenceStore
 from specdec.lm import CausalLM
 from specdec.sampling import SamplingConfig, generator_for, target_probs
 from specdec.treeforward import forward_tree, keep_positions, supports_trees
-from target_service.batching import batchable, forward_batch
+from specdec.batching import batchable, forward_batch
 from target_service.tree import check_parents, depths
 from target_service.treestep import TreePlan, draft_probs, plan_tree, tree_verdict
 from target_service.verify import verify_greedy, verify_rejection
@@ -100,7 +100,7 @@ class TargetEngine:
         return StepResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start)
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[StepResult | SpecdecError]:
-        """Verifies several sequences' proposals in ONE forward pass (target_service/batching.py).
+        """Verifies several sequences' proposals in ONE forward pass (specdec/batching.py).
 
         Each row fails on its own: a row with a bad field or a lost sequence gets its error back
         and the others go ahead. Rows must name distinct sequences (the batcher sees to it). The

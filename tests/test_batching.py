@@ -1,4 +1,4 @@
-"""Batched verification gives exactly the tokens unbatched verification gives (target_service/batching.py).
+"""Batched verification gives exactly the tokens unbatched verification gives (specdec/batching.py).
 
 Rows of mixed prompt lengths and draft lengths, sequences joining and leaving between steps,
 rollback rows, rows whose sequence was lost (NOT_FOUND) next to healthy ones, and the sampling path.

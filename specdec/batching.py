@@ -1,4 +1,7 @@
-"""Batched verification: several sequences' proposals scored in ONE forward pass. No gRPC here.
+"""Batched forwards: several sequences' pending tokens in ONE forward pass. No gRPC here.
+
+The target verifies many sequences' proposals this way (target_service/engine.py), and the draft
+drafts many sequences' next tokens this way (draft_service/batcher.py).
 
 Layout of a batch of B rows (row i: c_i cached positions, n_i pending tokens = its unseen tokens
 plus its g_i draft tokens; P = max c_i, N = max n_i):
@@ -142,6 +145,9 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
         logits_to_keep=width_n,  # only the new positions; each row's own last keeps[i] are picked below
     )
     logits = [out.logits[i, len(tokens) - keep:len(tokens)].float().cpu() for i, (tokens, keep) in enumerate(zip(pending, keeps))]
+    to_vocab = getattr(lm.model, "to_target_logits", None)  # a pruned draft scores only its kept ids
+    if to_vocab is not None:
+        logits = [to_vocab(rows) for rows in logits]
     return logits, BatchState(out.past_key_values, past, [len(t) for t in pending], width_p)
 
 
