@@ -15,7 +15,7 @@ import time
 import grpc
 import structlog
 
-from coordinator.loop import DraftOutcome, Dist, TreeSpec, VerifyOutcome
+from coordinator.loop import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import DeadlineExceeded, SequenceNotFound
@@ -167,7 +167,8 @@ class DraftClient:
         return response.info
 
     async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
-                      min_cumulative_prob: float, temperature: float, seed: int) -> DraftOutcome:
+                      min_cumulative_prob: float, temperature: float, seed: int,
+                      progress: Progress | None = None) -> DraftOutcome:
         request = pb.ProposeRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append, max_tokens=max_tokens,
                                     min_cumulative_prob=min_cumulative_prob, temperature=temperature, seed=seed)
         tokens: list[int] = []
@@ -181,6 +182,8 @@ class DraftClient:
                 dists.append((list(message.dist.token_ids), list(message.dist.probs)) if message.dist.token_ids else None)
                 compute = message.compute_seconds
                 size += message.ByteSize()
+                if progress is not None:
+                    progress.arrived(message.token_id)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise SequenceNotFound(sequence_id, exc.details() or "") from exc

@@ -24,6 +24,7 @@ class CoordinatorConfig:
     tokenizer: str = option(DEFAULT_TARGET, "Tokenizer of the target model: alias, hub id, folder or .gguf file.")
     draft_length: int = option(8, "Default upper bound on draft tokens per step (requests may ask for another, up to 32).")
     adaptive: bool = option(True, "Adapt the draft length per request unless the request says otherwise.")
+    overlap: str = option("off", "Overlapped speculation: while the target verifies a step, the draft drafts the next one ahead, assuming full acceptance. on, off, or auto (per request, only while the hits it observes pay for the misses). Pays when draft and target run on separate hardware.", choices=("off", "auto", "on"))
     tree_budget: int = option(0, "Default draft tree budget: most nodes the target verifies per step, the draft length capping their depth (requests may ask for another, up to 64); 0: chains.")
     tree_top_k: int = option(4, "Children per expanded node, and nodes expanded per level, of a dynamic draft tree (1 to 16).")
     tree_shape: str = option("", "A static draft tree instead: children per node at each depth, comma-separated (e.g. 4,2,2,1); empty: dynamic.")

@@ -91,6 +91,8 @@ def speculation_json(s) -> dict:
         "accepted_per_position": list(s.accepted_per_position), "draft_seconds": round(s.draft_seconds, 6),
         "verify_seconds": round(s.verify_seconds, 6), "wire_seconds": round(s.wire_seconds, 6),
         "time_to_first_token_seconds": round(s.time_to_first_token_seconds, 6), "total_seconds": round(s.total_seconds, 6),
+        "runahead_steps": s.runahead_steps, "runahead_hits": s.runahead_hits, "runahead_tokens": s.runahead_tokens,
+        "runahead_used_tokens": s.runahead_used_tokens,
     }
 
 

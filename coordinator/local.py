@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from coordinator.loop import DraftOutcome, Dist, TreeSpec, VerifyOutcome
+from coordinator.loop import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
 from draft_service.engine import DraftEngine, DraftSettings
 from draft_service.tree import TreeSettings
 from specdec.sampling import SamplingConfig
@@ -43,10 +43,13 @@ class LocalProposer:
         self.engine = engine
 
     async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
-                      min_cumulative_prob: float, temperature: float, seed: int) -> DraftOutcome:
+                      min_cumulative_prob: float, temperature: float, seed: int,
+                      progress: Progress | None = None) -> DraftOutcome:
         start = time.perf_counter()
         settings = DraftSettings(max_tokens, min_cumulative_prob, temperature, seed)
         proposals = list(self.engine.propose(sequence_id, known_len, append, settings))
+        for p in proposals if progress is not None else ():
+            progress.arrived(p.token)
         dists: list[Dist] = [(p.dist_ids, p.dist_probs) if p.dist_ids is not None else None for p in proposals]
         wall = time.perf_counter() - start
         return DraftOutcome([p.token for p in proposals], dists, wall, wall)

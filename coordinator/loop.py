@@ -19,6 +19,7 @@ from typing import Protocol
 import structlog
 
 from coordinator.adapt import CostModel, Costs, DraftLengthPolicy
+from coordinator.overlap import RunAheadPolicy
 from specdec.errors import SequenceNotFound
 from specdec.sampling import SamplingConfig, derive_seed
 
@@ -67,9 +68,26 @@ class VerifyOutcome:
     path: tuple[int, ...] = ()  # a tree's accepted nodes, root to leaf
 
 
+@dataclasses.dataclass
+class Progress:
+    """A Propose in flight, as far as it got: a run-ahead's first token (its bonus guess) decides
+    whether the rest is worth waiting for, and the count says how much work a cancelled one did."""
+
+    first: asyncio.Future
+    tokens: int = 0
+
+    def arrived(self, token: int) -> None:
+        if self.tokens == 0 and not self.first.done():
+            self.first.set_result(token)
+        self.tokens += 1
+
+
 class Proposer(Protocol):
     async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
-                      min_cumulative_prob: float, temperature: float, seed: int) -> DraftOutcome: ...
+                      min_cumulative_prob: float, temperature: float, seed: int,
+                      progress: Progress | None = None) -> DraftOutcome:
+        """`progress`, if given, is kept up to date as tokens arrive (see Progress)."""
+        ...
 
     async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
                            max_depth: int, temperature: float, seed: int) -> DraftOutcome: ...
@@ -118,6 +136,10 @@ class Stats:
     time_to_first_token_seconds: float = 0.0
     wire_bytes: int = 0
     draft_failures: int = 0
+    runahead_steps: int = 0  # steps during whose Verify the draft ran ahead (overlap.py)
+    runahead_hits: int = 0  # ... and whose run-ahead became the next step's draft
+    runahead_tokens: int = 0  # draft tokens drafted ahead (the bonus guesses included)
+    runahead_used_tokens: int = 0  # ... of them that became canonical or the next draft
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     @property
@@ -142,11 +164,16 @@ DRAFT_RETRY_STEPS = 16
 
 
 class SpeculativeLoop:
-    def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs):
+    def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs,
+                 overlap: str = "off"):
+        """`overlap`: off, auto or on: whether the draft drafts the next step while the target
+        verifies this one (coordinator/overlap.py)."""
+        RunAheadPolicy(overlap)  # validates the mode
         self.verifier = verifier
         self.proposer = proposer
         self.cost_model = cost_model
         self.prior = prior
+        self.overlap = overlap
 
     async def run(self, spec: GenerationSpec, stats: Stats) -> AsyncIterator[Step]:
         """Yields each step's new tokens until max_new_tokens or end-of-sequence.
@@ -168,28 +195,47 @@ class SpeculativeLoop:
             adaptive=spec.adaptive,
         )
         skip_draft_until = 0
+        # Run-ahead only for chains, and not for seeded sampling: its draws come from other
+        # generator states than a sequential run's, and a seeded run must replay exactly.
+        reproducible = spec.seeded and not spec.sampling.greedy
+        ahead = RunAheadPolicy("off" if spec.tree is not None or reproducible or self.proposer is None else self.overlap)
+        ready: DraftOutcome | None = None  # the next step's draft, drafted ahead during the last Verify
         try:
             while True:
                 remaining = spec.max_new_tokens - (len(tokens) - prompt_len)
-                gamma, min_prob = policy.plan()
-                gamma = min(gamma, remaining - 1)
+                planned, min_prob = policy.plan()
+                gamma = min(planned, remaining - 1)
                 if spec.max_context:
                     gamma = min(gamma, spec.max_context - len(tokens) - 1)
                 draft = DraftOutcome([], [], 0.0, 0.0)
-                if self.proposer is not None and gamma > 0 and stats.steps >= skip_draft_until:
+                draft_wall = None
+                from_ahead = ready is not None and bool(ready.tokens) and gamma > 0
+                if from_ahead:
+                    draft = _head(ready, gamma)
+                elif self.proposer is not None and gamma > 0 and stats.steps >= skip_draft_until:
                     try:
                         if spec.tree is not None:
                             draft = await self._propose_tree(sequence_id, tokens, draft_known, spec.tree, gamma, spec.sampling, spec.seeded)
                         else:
                             draft = await self._propose(sequence_id, tokens, draft_known, gamma, min_prob, spec.sampling)
                         draft_known = len(tokens)
+                        draft_wall = draft.wall_seconds
                     except Exception as exc:  # noqa: BLE001 - a failing draft only costs speed
                         stats.draft_failures += 1
                         skip_draft_until = stats.steps + DRAFT_RETRY_STEPS
                         draft_known = 0  # its state is unknown now: re-send everything next time
                         log.warning("draft failed; decoding with the target alone for a while", error=str(exc))
+                ready = None
+                runahead = None
+                if draft.tokens and draft.parents is None and ahead.should_run_ahead():
+                    runahead = self._run_ahead(sequence_id, tokens, draft, planned, min_prob, remaining, spec)
                 appended = len(tokens) - target_known
-                verdict = await self._verify(sequence_id, tokens, target_known, draft, spec.sampling)
+                try:
+                    verdict = await self._verify(sequence_id, tokens, target_known, draft, spec.sampling)
+                except BaseException:
+                    if runahead is not None:
+                        await runahead.cancel()
+                    raise
                 accepted = verdict.accepted
                 target_known = len(tokens) + accepted
                 if draft.tokens and draft.parents is None:
@@ -200,6 +246,18 @@ class SpeculativeLoop:
                 else:
                     new = draft.tokens[:accepted] + [verdict.next_token]
                 self._account(stats, policy, draft, verdict, appended)
+                if from_ahead:
+                    stats.runahead_used_tokens += accepted
+                miss_wait = None
+                if runahead is not None:
+                    ready, miss_wait = await runahead.settle(accepted == len(draft.tokens), verdict.next_token)
+                    stats.runahead_steps += 1
+                    stats.runahead_tokens += runahead.drafted
+                    if ready is not None:
+                        stats.runahead_hits += 1
+                        stats.runahead_used_tokens += 1  # the bonus guess was the target's token
+                ahead.observe(len(draft.tokens), accepted, runahead is not None, ready is not None,
+                              verdict.wall_seconds, draft_wall, miss_wait)
 
                 finish = None
                 for i, token in enumerate(new):
@@ -209,6 +267,8 @@ class SpeculativeLoop:
                 if len(new) >= remaining:
                     new, finish = new[:remaining], finish or "length"
                 tokens.extend(new)
+                if ready is not None:
+                    draft_known = len(tokens)  # the draft holds the canonical tokens, then `ready`
                 if stats.completion_tokens == 0:
                     stats.time_to_first_token_seconds = time.perf_counter() - start
                 stats.completion_tokens += len(new)
@@ -219,6 +279,28 @@ class SpeculativeLoop:
         finally:
             stats.total_seconds = time.perf_counter() - start
             await self._release(sequence_id)
+
+    def _run_ahead(self, sequence_id: str, tokens: list[int], draft: DraftOutcome, planned: int, min_prob: float,
+                   remaining: int, spec: GenerationSpec) -> RunAhead | None:
+        """Starts drafting the step after this one, assuming the target accepts all of `draft`.
+
+        The draft still holds the chain it just proposed past the canonical tokens, so the call
+        names that whole chain as known and sends nothing: its first token is the draft's guess at
+        the target's bonus token, the rest the next step's draft (as long as this step's, within
+        the request's remaining tokens and context).
+        """
+        after = len(tokens) + len(draft.tokens) + 1  # canonical length if the bet wins
+        room = min(planned, spec.max_new_tokens - (after - len(spec.prompt_ids)) - 1)
+        if spec.max_context:
+            room = min(room, spec.max_context - after - 1)
+        if room < 1:
+            return None
+        known = len(tokens) + len(draft.tokens)
+        seed = derive_seed(spec.sampling.seed, after, "draft")
+        progress = Progress(asyncio.get_running_loop().create_future())
+        task = asyncio.get_running_loop().create_task(self.proposer.propose(
+            sequence_id, known, [], room + 1, min_prob, spec.sampling.temperature, seed, progress=progress))
+        return RunAhead(task, progress)
 
     async def _propose(self, sequence_id, tokens, known, gamma, min_prob, sampling: SamplingConfig) -> DraftOutcome:
         seed = derive_seed(sampling.seed, len(tokens), "draft")
@@ -292,6 +374,55 @@ class SpeculativeLoop:
         for service, result in zip(services, results):
             if isinstance(result, BaseException):  # the idle timeout frees it eventually
                 log.warning("release failed", service=type(service).__name__, error=str(result))
+
+
+def _head(draft: DraftOutcome, n: int) -> DraftOutcome:
+    """The first n tokens of a chain drafted ahead (its compute prorated; it spent no time on the
+    wire this step: it arrived while the last Verify ran)."""
+    if n >= len(draft.tokens):
+        return draft
+    share = n / len(draft.tokens) if draft.tokens else 0.0
+    compute = draft.compute_seconds * share
+    return DraftOutcome(draft.tokens[:n], draft.dists[:n], compute, compute, int(draft.wire_bytes * share))
+
+
+@dataclasses.dataclass
+class RunAhead:
+    """A Propose running during a Verify (coordinator/overlap.py)."""
+
+    task: asyncio.Task
+    progress: Progress
+
+    @property
+    def drafted(self) -> int:
+        return self.progress.tokens
+
+    async def settle(self, full_accept: bool, next_token: int) -> tuple[DraftOutcome | None, float | None]:
+        """After the verdict: the next step's draft if the bet won (the target accepted the whole
+        chain and added the guessed token), else None and the seconds spent stopping it."""
+        started = time.perf_counter()
+        if full_accept:
+            first = self.progress.first
+            await asyncio.wait({first, self.task}, return_when=asyncio.FIRST_COMPLETED)
+            guess = first.result() if first.done() else None
+            if guess == next_token:
+                try:
+                    outcome = await self.task
+                except Exception as exc:  # noqa: BLE001 - the draft failed while running ahead: a miss
+                    log.info("run-ahead failed", error=str(exc))
+                else:
+                    rest = outcome.tokens[1:]
+                    # The guess is canonical now; its share of the compute was this step's.
+                    share = len(rest) / len(outcome.tokens)
+                    return DraftOutcome(rest, outcome.dists[1:], outcome.compute_seconds * share,
+                                        outcome.compute_seconds * share, int(outcome.wire_bytes * share)), None
+        await self.cancel()
+        return None, time.perf_counter() - started
+
+    async def cancel(self) -> None:
+        """Stops the run-ahead and waits until it has (its tokens are only ever proposals)."""
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
 
 
 # Release tasks in flight, held so the event loop does not garbage-collect them before they finish.

@@ -58,6 +58,10 @@ def stats_proto(stats: Stats) -> pb.GenerationStats:
         accepted_per_position=stats.accepted_per_position,
         wire_bytes=stats.wire_bytes,
         draft_steps=stats.draft_steps,
+        runahead_steps=stats.runahead_steps,
+        runahead_hits=stats.runahead_hits,
+        runahead_tokens=stats.runahead_tokens,
+        runahead_used_tokens=stats.runahead_used_tokens,
     )
 
 
@@ -104,7 +108,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.target_info = target_info
         cost_model = CostModel(prior)
         cost_model.draft_cap = self.admission.draft_cap  # draft less as more requests share the target's batch
-        self.loop = SpeculativeLoop(target, draft, cost_model, prior)
+        self.loop = SpeculativeLoop(target, draft, cost_model, prior, self.config.overlap)
 
     # --- request validation: every field checked here, named in the error ---
 

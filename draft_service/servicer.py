@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import structlog
@@ -21,10 +22,33 @@ log = structlog.get_logger(__name__)
 _DONE = object()
 
 
+class _SequenceLock:
+    def __init__(self):
+        self.lock = asyncio.Lock()
+        self.users = 0  # calls holding or waiting for it; the entry goes when none is left
+
+
 class DraftServicer(pb_grpc.DraftServiceServicer):
     def __init__(self, batch_window_ms: float = 2.0, max_batch_size: int = 16, max_batch_tokens: int = 256):
         self.host = EngineHost("draft")
         self.batcher = DraftBatcher(self.host.run, self._forward_rows, batch_window_ms / 1000, max_batch_size, max_batch_tokens)
+        self._busy: dict[str, _SequenceLock] = {}  # per sequence: one Propose at a time
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, sequence_id: str):
+        """Serialises the calls on one sequence. A coordinator that drafts ahead (overlapped
+        speculation) cancels a Propose and at once sends the next for the same sequence; the
+        cancelled handler must be gone before the new one rolls the sequence back, or its last
+        drafted token could land on top of the new call's tokens."""
+        entry = self._busy.setdefault(sequence_id, _SequenceLock())
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._busy[sequence_id]
 
     def _forward_rows(self, seqs):
         return self.engine.forward_rows(seqs)
@@ -43,25 +67,26 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         if not request.temperature >= 0:  # NaN passes the engine's `< 0` check, then poisons sampling
             raise InvalidArgument("temperature", f"must be >= 0, got {request.temperature}")
         settings = DraftSettings(request.max_tokens, request.min_cumulative_prob, request.temperature, request.seed)
-        if self.batcher.max_batch_size > 1 and self.engine.batches(settings):
-            proposals = self._propose_batched(request, settings)
-        else:
-            proposals = self._propose_alone(request, settings)
-        m = metrics.draft()
-        compute = 0.0
-        async for proposal in proposals:
-            m.proposed_tokens.inc()
-            compute = proposal.compute_seconds
-            message = pb.ProposeResponse(
-                token_id=proposal.token,
-                cumulative_prob=proposal.cumulative_prob,
-                compute_seconds=proposal.compute_seconds,
-            )
-            if proposal.dist_ids is not None:
-                message.dist.token_ids.extend(proposal.dist_ids)
-                message.dist.probs.extend(proposal.dist_probs)
-            yield message
-        m.propose_seconds.observe(compute)
+        async with self._one_at_a_time(request.sequence_id):
+            if self.batcher.max_batch_size > 1 and self.engine.batches(settings):
+                proposals = self._propose_batched(request, settings)
+            else:
+                proposals = self._propose_alone(request, settings)
+            m = metrics.draft()
+            compute = 0.0
+            async for proposal in proposals:
+                m.proposed_tokens.inc()
+                compute = proposal.compute_seconds
+                message = pb.ProposeResponse(
+                    token_id=proposal.token,
+                    cumulative_prob=proposal.cumulative_prob,
+                    compute_seconds=proposal.compute_seconds,
+                )
+                if proposal.dist_ids is not None:
+                    message.dist.token_ids.extend(proposal.dist_ids)
+                    message.dist.probs.extend(proposal.dist_probs)
+                yield message
+            m.propose_seconds.observe(compute)
         m.sequences.set(len(self.engine.store))
 
     async def _propose_alone(self, request, settings: DraftSettings):
@@ -96,9 +121,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         t = request.tree
         settings = TreeSettings(t.budget, t.top_k, tuple(t.shape), t.max_depth, request.temperature, request.seed)
         self.engine  # noqa: B018 - raises UNAVAILABLE while loading
-        tree = await self.host.run(
-            self.engine.propose_tree, request.sequence_id, request.known_len, list(request.append_tokens), settings
-        )
+        async with self._one_at_a_time(request.sequence_id):
+            tree = await self.host.run(
+                self.engine.propose_tree, request.sequence_id, request.known_len, list(request.append_tokens), settings
+            )
         m = metrics.draft()
         m.proposed_tokens.inc(len(tree.tokens))
         m.propose_seconds.observe(tree.compute_seconds)
