@@ -9,6 +9,8 @@ Configurations, all on the same prompts, models and machine (see BENCHMARKS in t
   tree            a model draft's dynamic tree (EAGLE-2 style, --tree-budgets nodes, depth --max-draft)
                   verified in one target pass, in one process; tree-grpc[...]: the first budget over gRPC
   staged          the model draft at fixed lengths, itself speculated by an n-gram index (--staged)
+`specdec bench --overlap` is a separate comparison: sequential against overlapped speculation with
+the draft and the target pinned to separate cores (specdec/overlapbench.py).
 After the main table, "chain vs tree vs staged" puts each model draft's best chain (the most tokens
 per target pass of its fixed-length and adaptive chains) beside its trees and staged runs.
 Repetitions are interleaved (rep 1 of every configuration, then rep 2, ...) so drift on a shared
@@ -576,6 +578,10 @@ def print_chain_tree_staged(rows: list[dict]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if "--overlap" in argv:  # sequential vs overlapped speculation, services pinned apart
+        from specdec.overlapbench import main as overlap_main
+
+        return overlap_main(argv)
     opts = parse(argv)
     document = run(opts, argv)
     rows = chain_tree_staged(document)

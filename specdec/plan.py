@@ -108,6 +108,37 @@ def predict_mix(acceptance: float, draft_cost: float, curve: CostCurve, mean_dra
     return Prediction(mean_draft, tokens, step)
 
 
+@dataclasses.dataclass(frozen=True)
+class OverlapPrediction:
+    hit_rate: float  # steps whose run-ahead becomes the next draft
+    sequential_step: float  # seconds per step, drafting then verifying
+    overlapped_step: float  # seconds per step with the draft running ahead
+
+    @property
+    def speedup(self) -> float:
+        """Overlapped over sequential tokens/s: both schedules verify the same drafts, so they
+        make the same tokens per step and only the step time differs."""
+        return self.sequential_step / self.overlapped_step
+
+
+def predict_overlap(acceptance: float, gamma: int, draft_token_s: float, verify_s: float, wire_s: float = 0.0) -> OverlapPrediction:
+    """Overlapped speculation (coordinator/overlap.py) against the sequential schedule, with the
+    draft and the target on separate hardware.
+
+    A run-ahead is used when the target accepts all g draft tokens (a^g) and its bonus token is
+    the one the draft guessed (about one more acceptance: a), so h = a^(g+1). A step whose draft is
+    ready costs the longer of its Verify and the run-ahead beside it ((g+1) draft tokens); any other
+    step drafts first, as the sequential one does, and after a lost bet also waits for the
+    cancelled run-ahead to finish the forward it is in (half a draft token on average). `wire_s`:
+    the round trips of a sequential step (a Propose and a Verify); a ready step makes one of them.
+    """
+    h = acceptance ** (gamma + 1) if gamma > 0 else 0.0
+    sequential = gamma * draft_token_s + verify_s + wire_s
+    ready = max(verify_s, (gamma + 1) * draft_token_s) + wire_s / 2
+    fresh = sequential + 0.5 * draft_token_s
+    return OverlapPrediction(h, sequential, h * ready + (1 - h) * fresh)
+
+
 def speedup(prediction: Prediction, curve: CostCurve) -> float:
     """Over the target alone, which makes one token per V(1) (and makes no round trips)."""
     return prediction.tokens_per_second * curve.single

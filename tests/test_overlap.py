@@ -247,3 +247,24 @@ def test_draft_killed_while_running_ahead_all_complete_identical(pair, tmp_path)
     finally:
         draft.stop()
         stack.stop()
+
+
+def test_overlap_bench_quick(tmp_path):
+    """`specdec bench --overlap --quick`: both schedules, pinned apart, every run identical."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "overlap"
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--overlap", "--quick", "--draft-lengths", "1,2",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "sequential vs overlapped" in done.stdout
+    document = json.loads((out / "overlap.json").read_text())
+    assert [r["draft_length"] for r in document["rows"]] == [1, 2]
+    for row in document["rows"]:
+        for schedule in ("sequential", "overlapped"):
+            ident = row[schedule]["identical"]
+            assert ident["identical"] == ident["runs"] > 0
+        assert row["overlapped"]["runahead_steps"] > 0 and row["sequential"]["runahead_steps"] == 0
+        assert row["overlapped_vs_sequential"] > 0 and row["predicted_overlapped_vs_sequential"] > 0

@@ -78,3 +78,20 @@ def test_plan_command_names_the_best_length_and_rejects_bad_input():
     assert bad.returncode == 2 and "acceptance must be in [0, 1]" in bad.stderr
     neither = run_cli("--acceptance", "0.5")
     assert neither.returncode == 2 and "exactly one of --cost-curve and --measure" in neither.stderr
+
+
+def test_overlap_prediction_hides_drafting_only_when_bets_win():
+    # Every bet wins: a step costs the longer of the Verify and the run-ahead beside it.
+    sure = plan.predict_overlap(1.0, 4, draft_token_s=0.01, verify_s=0.1, wire_s=0.002)
+    assert sure.hit_rate == 1.0
+    assert sure.sequential_step == pytest.approx(4 * 0.01 + 0.1 + 0.002)
+    assert sure.overlapped_step == pytest.approx(0.1 + 0.001)
+    assert sure.speedup == pytest.approx(0.142 / 0.101)
+    # A draft slower than the Verify is the bottleneck of a ready step.
+    slow = plan.predict_overlap(1.0, 4, draft_token_s=0.05, verify_s=0.1)
+    assert slow.overlapped_step == pytest.approx(5 * 0.05)
+    # No bet ever wins: each step also waits for the cancelled run-ahead, so it is slower.
+    never = plan.predict_overlap(0.0, 4, draft_token_s=0.01, verify_s=0.1)
+    assert never.hit_rate == 0.0 and never.speedup < 1.0
+    # Between, h = a^(g+1).
+    assert plan.predict_overlap(0.5, 3, 0.01, 0.1).hit_rate == pytest.approx(0.5 ** 4)

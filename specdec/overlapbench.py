@@ -1,0 +1,241 @@
+"""`specdec bench --overlap`: sequential against overlapped speculation, draft and target pinned apart.
+
+Overlapped speculation (coordinator/overlap.py) only pays where the draft and the target compute
+at the same time on different hardware. Here that is two CPU cores: the target service runs pinned
+to one core, the draft service to the other (one torch thread each), in BOTH modes, so the
+sequential schedule gets exactly the same hardware as the overlapped one. Three coordinators share
+those two services: speculation off (the target alone: the reference tokens and the baseline),
+sequential (`--overlap off`) and overlapped (`--overlap on`). Every draft length runs both
+schedules on the same prompts, repetitions interleaved; it prints tokens/s, the ratio, the share of
+run-ahead work used, and the analytic model's prediction (specdec.plan.predict_overlap, from the
+sequential run's own acceptance and step times) beside the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from specdec import plan as planlib
+from specdec.bench import PROMPT_SETS, PROMPTS_DIR, grpc_runner, load_prompts, machine, quick_models
+
+MODES = ("off", "sequential", "overlapped")
+
+
+def _pinned(core: int | None):
+    """A preexec_fn that pins the child to one core (None: leave it be)."""
+    if core is None:
+        return None
+
+    def pin():
+        os.sched_setaffinity(0, {core})
+
+    return pin
+
+
+class PinnedStack:
+    """Target on one core, draft (and the coordinators: light, mostly waiting) on the other."""
+
+    def __init__(self, target: str, drafter: str, logs: pathlib.Path, cores: tuple[int, int] | None):
+        from specdec.cli import _health_ok
+
+        self._health_ok = _health_ok
+        self.logs = logs
+        logs.mkdir(parents=True, exist_ok=True)
+        self.children: list[subprocess.Popen] = []
+        target_core, draft_core = cores if cores else (None, None)
+        target_address = self._spawn("target", target_core, "--model", target, "--device", "cpu")
+        flags = (["--drafter", "ngram"] if drafter == "ngram"
+                 else ["--drafter", "model", "--model", drafter, "--device", "cpu", "--target-tokenizer", target])
+        draft_address = self._spawn("draft", draft_core, *flags)
+        common = ["--target", target_address, "--tokenizer", target, "--http-port", "-1"]
+        self.coordinators = {
+            "off": self._spawn("coordinator", draft_core, *common, "--draft", ""),
+            "sequential": self._spawn("coordinator", draft_core, *common, "--draft", draft_address, "--overlap", "off"),
+            "overlapped": self._spawn("coordinator", draft_core, *common, "--draft", draft_address, "--overlap", "on"),
+        }
+        deadline = time.monotonic() + 600
+        while not all(self._health_ok(a) for a in self.coordinators.values()):
+            if any(c.poll() is not None for c in self.children):
+                self.stop()
+                raise RuntimeError(f"a benchmark service exited during start-up (logs: {logs})")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError("benchmark services not healthy after 600 s")
+            time.sleep(0.25)
+
+    def _spawn(self, role: str, core: int | None, *flags: str) -> str:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        extra = ["--metrics-port", "-1"] if role != "coordinator" else []
+        env = {**os.environ, f"SPECDEC_{role.upper()}_LOG_FORMAT": "json", "GRPC_VERBOSITY": "ERROR"}
+        if core is not None:  # one core each: one compute thread each
+            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        log = open(self.logs / f"{role}-{port}.log", "wb")  # noqa: SIM115 - lives as long as the child
+        self.children.append(subprocess.Popen(
+            [sys.executable, "-m", "specdec.cli", "serve", role, "--port", str(port), *extra, *flags],
+            stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_pinned(core)))
+        return f"127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                child.terminate()
+        for child in self.children:
+            try:
+                child.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def _sum(samples, key: str) -> float:
+    return sum(s.stats[key] for s in samples)
+
+
+def summarise(samples_by_rep: list[list], reference: list[list[int]]) -> dict:
+    """One (draft length, mode): tokens/s per repetition (all prompts' tokens over their seconds)."""
+    rates = [sum(len(s.tokens) for s in rep) / sum(s.seconds for s in rep) for rep in samples_by_rep]
+    flat = [s for rep in samples_by_rep for s in rep]
+    identical = sum(1 for rep in samples_by_rep for s, ref in zip(rep, reference) if s.tokens == ref)
+    steps, drafted = _sum(flat, "steps"), _sum(flat, "draft_tokens")
+    ahead = _sum(flat, "runahead_tokens")
+    return {
+        "tokens_per_second": {"min": min(rates), "median": statistics.median(rates), "max": max(rates)},
+        "identical": {"identical": identical, "runs": len(flat)},
+        "steps": steps, "draft_tokens": drafted, "accepted_tokens": _sum(flat, "accepted_tokens"),
+        "tokens_per_step": _sum(flat, "completion_tokens") / steps if steps else 0.0,
+        "draft_seconds_per_token": _sum(flat, "draft_seconds") / drafted if drafted else 0.0,
+        "verify_seconds_per_step": _sum(flat, "verify_seconds") / steps if steps else 0.0,
+        "wire_seconds_per_step": _sum(flat, "wire_seconds") / steps if steps else 0.0,
+        "runahead_steps": _sum(flat, "runahead_steps"), "runahead_hits": _sum(flat, "runahead_hits"),
+        "runahead_tokens": ahead, "runahead_used_tokens": _sum(flat, "runahead_used_tokens"),
+        "runahead_used_share": _sum(flat, "runahead_used_tokens") / ahead if ahead else 0.0,
+        "hit_rate": _sum(flat, "runahead_hits") / _sum(flat, "runahead_steps") if _sum(flat, "runahead_steps") else 0.0,
+    }
+
+
+def predict(sequential: dict, gamma: int) -> planlib.OverlapPrediction:
+    acceptance = planlib.acceptance_from_steps(sequential["tokens_per_step"], gamma)
+    return planlib.predict_overlap(acceptance, gamma, sequential["draft_seconds_per_token"],
+                                   sequential["verify_seconds_per_step"], sequential["wire_seconds_per_step"])
+
+
+def run(args) -> dict:
+    from specdec.models import load_tokenizer
+
+    cores = None
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) >= 2 and not args.no_pin:
+        cores = (available[0], available[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        target, drafter = args.target, args.drafter
+        if args.quick:
+            target, drafter = quick_models(pathlib.Path(tmp), noise=0.02)
+        tokenizer = load_tokenizer(target)
+        prompts = {name: load_prompts(tokenizer, name, args.limit) for name in args.prompts}
+        stack = PinnedStack(target, drafter, args.out / "logs", cores)
+        try:
+            runners = {(g, mode): grpc_runner(stack.coordinators[mode], args.max_new_tokens, g, False)
+                       for g in args.draft_lengths for mode in MODES if mode != "off" or g == args.draft_lengths[0]}
+            by_set: dict[tuple, list[list]] = {}  # (prompt set, g, mode) -> [repetition][prompt]
+            for items in prompts.values():
+                for _, prompt in items[:1]:  # warm-up: first calls pay for connections and allocations
+                    for runner in runners.values():
+                        runner(prompt)
+            for rep in range(args.repeats):
+                for name, items in prompts.items():
+                    for key, runner in runners.items():
+                        by_set.setdefault((name, *key), []).append([runner(prompt) for _, prompt in items])
+                print(f"repetition {rep + 1}/{args.repeats} done", flush=True)
+        finally:
+            stack.stop()
+    rows = []
+    for name in prompts:
+        baseline = by_set[(name, args.draft_lengths[0], "off")]
+        reference = [s.tokens for s in baseline[0]]
+        alone = summarise(baseline, reference)
+        for g in args.draft_lengths:
+            seq = summarise(by_set[(name, g, "sequential")], reference)
+            ovl = summarise(by_set[(name, g, "overlapped")], reference)
+            prediction = predict(seq, g)
+            measured = ovl["tokens_per_second"]["median"] / seq["tokens_per_second"]["median"]
+            rows.append({"prompt_set": name, "draft_length": g, "target_alone": alone, "sequential": seq, "overlapped": ovl,
+                         "overlapped_vs_sequential": measured, "predicted_overlapped_vs_sequential": prediction.speedup,
+                         "predicted_hit_rate": prediction.hit_rate, "efficiency": measured / prediction.speedup})
+    return {"machine": machine(), "pinned_cores": {"target": cores[0], "draft_and_coordinators": cores[1]} if cores else None,
+            "target": "tiny (quick)" if args.quick else args.target, "drafter": "tiny (quick)" if args.quick else args.drafter,
+            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "command": "specdec bench " + " ".join(args.argv),
+            "rows": rows}
+
+
+def print_table(document: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    pinned = document["pinned_cores"]
+    where = (f"target on core {pinned['target']}, draft + coordinators on core {pinned['draft_and_coordinators']}"
+             if pinned else "not pinned")
+    table = Table(title=f"sequential vs overlapped speculation ({where}; greedy; tok/s medians over repetitions)")
+    for column in ("prompts", "g", "target alone", "sequential", "overlapped", "ratio", "predicted", "efficiency",
+                   "tokens/step", "hit rate (pred.)", "run-ahead used", "identical"):
+        table.add_column(column, justify="left" if column == "prompts" else "right")
+    for r in document["rows"]:
+        seq, ovl = r["sequential"], r["overlapped"]
+        ident = [x["identical"] for x in (seq, ovl)]
+        table.add_row(r["prompt_set"], str(r["draft_length"]), f"{r['target_alone']['tokens_per_second']['median']:.1f}",
+                      f"{seq['tokens_per_second']['median']:.1f}", f"{ovl['tokens_per_second']['median']:.1f}",
+                      f"{r['overlapped_vs_sequential']:.2f}x", f"{r['predicted_overlapped_vs_sequential']:.2f}x",
+                      f"{r['efficiency']:.2f}", f"{seq['tokens_per_step']:.2f}",
+                      f"{ovl['hit_rate']:.2f} ({r['predicted_hit_rate']:.2f})", f"{ovl['runahead_used_share']:.0%}",
+                      f"{sum(i['identical'] for i in ident)}/{sum(i['runs'] for i in ident)}")
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def main(argv: list[str]) -> int:
+    from specdec.models import DEFAULT_TARGET
+
+    parser = argparse.ArgumentParser(prog="specdec bench --overlap", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--overlap", action="store_true", help="This comparison (the flag that selects it).")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="Target model: alias, folder, .gguf or hub id.")
+    parser.add_argument("--drafter", default="ngram", help="'ngram' or a draft model (alias / folder / hub id).")
+    parser.add_argument("--prompts", default="chat", help=f"Comma-separated prompt sets from {PROMPTS_DIR}.")
+    parser.add_argument("--limit", type=int, default=4, help="Use only the first N prompts of each set (0: all).")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="Interleaved repetitions.")
+    parser.add_argument("--draft-lengths", default="1,2,4", help="Fixed draft lengths, each run in both schedules.")
+    parser.add_argument("--no-pin", action="store_true", help="Do not pin the services to separate cores.")
+    parser.add_argument("--out", default="benchmarks/results/overlap", help="Folder for overlap.json and the services' logs.")
+    parser.add_argument("--quick", action="store_true", help="Tiny random models, 2 prompts, 16 tokens, 1 repetition.")
+    args = parser.parse_args(argv)
+    try:
+        args.draft_lengths = tuple(int(x) for x in args.draft_lengths.split(",") if x.strip())
+    except ValueError:
+        parser.error(f"--draft-lengths: expected comma-separated integers, got {args.draft_lengths!r}")
+    if not args.draft_lengths or any(not 1 <= g <= 32 for g in args.draft_lengths):
+        parser.error("--draft-lengths must name lengths in 1..32")
+    args.prompts = tuple(s.strip() for s in args.prompts.split(",") if s.strip())
+    for name in args.prompts:
+        if name not in PROMPT_SETS and not (PROMPTS_DIR / f"{name}.jsonl").is_file():
+            parser.error(f"--prompts: no prompt set {name!r} in {PROMPTS_DIR}")
+    if args.repeats < 1 or args.max_new_tokens < 1 or args.limit < 0:
+        parser.error("--repeats and --max-new-tokens must be >= 1, --limit >= 0")
+    if args.quick:
+        args.limit, args.max_new_tokens, args.repeats = args.limit and min(args.limit, 2) or 2, min(args.max_new_tokens, 16), 1
+    args.out = pathlib.Path(args.out)
+    args.argv = argv
+    document = run(args)
+    print_table(document)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "overlap.json").write_text(json.dumps(document, indent=2))
+    print(f"wrote {args.out / 'overlap.json'}")
+    return 0
