@@ -228,7 +228,7 @@ class SpeculativeLoop:
                 ready = None
                 runahead = None
                 if draft.tokens and draft.parents is None and ahead.should_run_ahead():
-                    runahead = self._run_ahead(sequence_id, tokens, draft, planned, min_prob, remaining, spec)
+                    runahead = self._run_ahead(sequence_id, tokens, draft, planned, min_prob, spec)
                 appended = len(tokens) - target_known
                 try:
                     verdict = await self._verify(sequence_id, tokens, target_known, draft, spec.sampling)
@@ -248,9 +248,16 @@ class SpeculativeLoop:
                 self._account(stats, policy, draft, verdict, appended)
                 if from_ahead:
                     stats.runahead_used_tokens += accepted
+                finish = None
+                for i, token in enumerate(new):
+                    if token in spec.eos_token_ids:
+                        new, finish = new[: i + 1], "eos"
+                        break
+                if len(new) >= remaining:
+                    new, finish = new[:remaining], finish or "length"
                 miss_wait = None
-                if runahead is not None:
-                    ready, miss_wait = await runahead.settle(accepted == len(draft.tokens), verdict.next_token)
+                if runahead is not None:  # (a request that ends here has no use for it)
+                    ready, miss_wait = await runahead.settle(accepted == len(draft.tokens) and finish is None, verdict.next_token)
                     stats.runahead_steps += 1
                     stats.runahead_tokens += runahead.drafted
                     if ready is not None:
@@ -259,13 +266,6 @@ class SpeculativeLoop:
                 ahead.observe(len(draft.tokens), accepted, runahead is not None, ready is not None,
                               verdict.wall_seconds, draft_wall, miss_wait)
 
-                finish = None
-                for i, token in enumerate(new):
-                    if token in spec.eos_token_ids:
-                        new, finish = new[: i + 1], "eos"
-                        break
-                if len(new) >= remaining:
-                    new, finish = new[:remaining], finish or "length"
                 tokens.extend(new)
                 if ready is not None:
                     draft_known = len(tokens)  # the draft holds the canonical tokens, then `ready`
@@ -281,7 +281,7 @@ class SpeculativeLoop:
             await self._release(sequence_id)
 
     def _run_ahead(self, sequence_id: str, tokens: list[int], draft: DraftOutcome, planned: int, min_prob: float,
-                   remaining: int, spec: GenerationSpec) -> RunAhead | None:
+                   spec: GenerationSpec) -> RunAhead | None:
         """Starts drafting the step after this one, assuming the target accepts all of `draft`.
 
         The draft still holds the chain it just proposed past the canonical tokens, so the call

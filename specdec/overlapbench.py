@@ -114,6 +114,8 @@ def summarise(samples_by_rep: list[list], reference: list[list[int]]) -> dict:
         "steps": steps, "draft_tokens": drafted, "accepted_tokens": _sum(flat, "accepted_tokens"),
         "tokens_per_step": _sum(flat, "completion_tokens") / steps if steps else 0.0,
         "draft_seconds_per_token": _sum(flat, "draft_seconds") / drafted if drafted else 0.0,
+        "draft_tokens_per_drafting_step": drafted / _sum(flat, "draft_steps") if _sum(flat, "draft_steps") else 0.0,
+        "draft_seconds_per_drafting_step": _sum(flat, "draft_seconds") / _sum(flat, "draft_steps") if _sum(flat, "draft_steps") else 0.0,
         "verify_seconds_per_step": _sum(flat, "verify_seconds") / steps if steps else 0.0,
         "wire_seconds_per_step": _sum(flat, "wire_seconds") / steps if steps else 0.0,
         "runahead_steps": _sum(flat, "runahead_steps"), "runahead_hits": _sum(flat, "runahead_hits"),
@@ -123,10 +125,13 @@ def summarise(samples_by_rep: list[list], reference: list[list[int]]) -> dict:
     }
 
 
-def predict(sequential: dict, gamma: int) -> planlib.OverlapPrediction:
+def predict(sequential: dict, gamma: int, costs: tuple[float, float]) -> planlib.OverlapPrediction:
+    """From the sequential run alone: its acceptance and step times, and the draft's catch-up and
+    per-token costs fitted over every draft length of the prompt set (`costs`)."""
     acceptance = planlib.acceptance_from_steps(sequential["tokens_per_step"], gamma)
-    return planlib.predict_overlap(acceptance, gamma, sequential["draft_seconds_per_token"],
-                                   sequential["verify_seconds_per_step"], sequential["wire_seconds_per_step"])
+    catch_up, per_token = costs
+    return planlib.predict_overlap(acceptance, gamma, per_token, sequential["verify_seconds_per_step"],
+                                   sequential["wire_seconds_per_step"], catch_up)
 
 
 def run(args) -> dict:
@@ -163,12 +168,16 @@ def run(args) -> dict:
         baseline = by_set[(name, args.draft_lengths[0], "off")]
         reference = [s.tokens for s in baseline[0]]
         alone = summarise(baseline, reference)
+        sequential = {g: summarise(by_set[(name, g, "sequential")], reference) for g in args.draft_lengths}
+        costs = planlib.fit_draft_costs([(s["draft_tokens_per_drafting_step"], s["draft_seconds_per_drafting_step"])
+                                         for s in sequential.values()])
         for g in args.draft_lengths:
-            seq = summarise(by_set[(name, g, "sequential")], reference)
+            seq = sequential[g]
             ovl = summarise(by_set[(name, g, "overlapped")], reference)
-            prediction = predict(seq, g)
+            prediction = predict(seq, g, costs)
             measured = ovl["tokens_per_second"]["median"] / seq["tokens_per_second"]["median"]
             rows.append({"prompt_set": name, "draft_length": g, "target_alone": alone, "sequential": seq, "overlapped": ovl,
+                         "draft_catch_up_seconds": costs[0], "draft_seconds_per_token": costs[1],
                          "overlapped_vs_sequential": measured, "predicted_overlapped_vs_sequential": prediction.speedup,
                          "predicted_hit_rate": prediction.hit_rate, "efficiency": measured / prediction.speedup})
     return {"machine": machine(), "pinned_cores": {"target": cores[0], "draft_and_coordinators": cores[1]} if cores else None,

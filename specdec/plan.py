@@ -121,22 +121,43 @@ class OverlapPrediction:
         return self.sequential_step / self.overlapped_step
 
 
-def predict_overlap(acceptance: float, gamma: int, draft_token_s: float, verify_s: float, wire_s: float = 0.0) -> OverlapPrediction:
+def predict_overlap(acceptance: float, gamma: int, draft_token_s: float, verify_s: float, wire_s: float = 0.0,
+                    catch_up_s: float = 0.0) -> OverlapPrediction:
     """Overlapped speculation (coordinator/overlap.py) against the sequential schedule, with the
     draft and the target on separate hardware.
 
     A run-ahead is used when the target accepts all g draft tokens (a^g) and its bonus token is
-    the one the draft guessed (about one more acceptance: a), so h = a^(g+1). A step whose draft is
-    ready costs the longer of its Verify and the run-ahead beside it ((g+1) draft tokens); any other
-    step drafts first, as the sequential one does, and after a lost bet also waits for the
-    cancelled run-ahead to finish the forward it is in (half a draft token on average). `wire_s`:
-    the round trips of a sequential step (a Propose and a Verify); a ready step makes one of them.
+    the one the draft guessed (about one more acceptance: a), so h = a^(g+1). A sequential step
+    drafts (`catch_up_s` to feed the target's last tokens, then `draft_token_s` per token), then
+    verifies; a step whose draft is ready costs the longer of its Verify and the run-ahead beside
+    it: g+1 tokens continuing the draft's own chain, with nothing to catch up on. Any other step
+    is a sequential one, after a lost bet also waiting for the cancelled run-ahead to finish the
+    forward it is in (half a draft token on average). `wire_s`: the round trips of a sequential
+    step (a Propose and a Verify); a ready step makes one of them.
     """
     h = acceptance ** (gamma + 1) if gamma > 0 else 0.0
-    sequential = gamma * draft_token_s + verify_s + wire_s
+    sequential = catch_up_s + gamma * draft_token_s + verify_s + wire_s
     ready = max(verify_s, (gamma + 1) * draft_token_s) + wire_s / 2
     fresh = sequential + 0.5 * draft_token_s
     return OverlapPrediction(h, sequential, h * ready + (1 - h) * fresh)
+
+
+def fit_draft_costs(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(catch-up seconds, seconds per token) from (tokens drafted, seconds) per drafting step at
+    several draft lengths: a least-squares line. One length cannot separate the two: all per token."""
+    points = [(x, y) for x, y in points if x > 0]
+    if not points:
+        return 0.0, 0.0
+    xs = {x for x, _ in points}
+    if len(xs) < 2:
+        return 0.0, sum(y for _, y in points) / sum(x for x, _ in points)
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    intercept = my - slope * mx
+    if slope <= 0 or intercept < 0:  # noise: fall back to the plain per-token cost
+        return 0.0, sum(y for _, y in points) / sum(x for x, _ in points)
+    return intercept, slope
 
 
 def speedup(prediction: Prediction, curve: CostCurve) -> float:

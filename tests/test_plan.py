@@ -95,3 +95,15 @@ def test_overlap_prediction_hides_drafting_only_when_bets_win():
     assert never.hit_rate == 0.0 and never.speedup < 1.0
     # Between, h = a^(g+1).
     assert plan.predict_overlap(0.5, 3, 0.01, 0.1).hit_rate == pytest.approx(0.5 ** 4)
+
+
+def test_draft_costs_fit_catch_up_and_per_token():
+    # 30 ms to catch up, then 70 ms per token, measured at three lengths.
+    catch_up, per_token = plan.fit_draft_costs([(1, 0.1), (2, 0.17), (4, 0.31)])
+    assert catch_up == pytest.approx(0.03) and per_token == pytest.approx(0.07)
+    assert plan.fit_draft_costs([(4, 0.2)]) == (0.0, 0.05)  # one length: all per token
+    assert plan.fit_draft_costs([]) == (0.0, 0.0)
+    # The catch-up is what a run-ahead saves besides hidden drafting (it continues its own chain).
+    with_catch_up = plan.predict_overlap(1.0, 1, 0.07, 0.12, catch_up_s=0.03)
+    assert with_catch_up.sequential_step == pytest.approx(0.03 + 0.07 + 0.12)
+    assert with_catch_up.overlapped_step == pytest.approx(max(0.12, 2 * 0.07))
