@@ -2,12 +2,14 @@
 
 Runs in the servicer's event loop (no gRPC here). One batch is in flight at a time, on the engine's
 worker thread; calls that arrive meanwhile wait and form the next batch, so sequences join and leave
-at any step. Before starting a batch it waits a short window for the calls it expects: after a
-batch of 8 returns, the 8 coordinator loops each call the draft and come back a few ms apart, and
-a batch started on the first arrival would split them into two half batches that then alternate
-for good. The wait ends as soon as as many calls are pending as the previous batch had rows (minus
-the sequences released since), or after `window_s`, or after a tenth of the previous batch's
-compute time, whichever is longer: waiting costs little next to a step it lets the rows share.
+at any step. Before starting a batch it waits a short while for the calls it expects: every
+sequence active lately (a Verify within the last few batches, and not released since) that has
+no call pending yet. After a batch of 8 returns, the 8 coordinator loops each call the draft and
+come back some ms apart; a batch started on the first arrival would split them into two half
+batches, and a batcher that only waits for as many calls as its last batch had would let the
+halves alternate for good (measured: 3.6 rows per pass with 8 streams on 2 CPU cores). The wait
+ends when every active sequence has a call pending, or after `window_s` or a quarter of the last
+batch's compute, whichever is longer: a row that misses the pass waits a whole pass instead.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class VerifyBatcher:
         self._pending: list[_Pending] = []
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._expected = 1  # rows the next batch should have: the last batch's, minus releases since
+        self._active: dict[str, float] = {}  # sequence id -> time of its last Verify (monotonic)
         self._last_compute_s = 0.0
 
     async def submit(self, call: VerifyCall) -> StepResult:
@@ -47,13 +49,22 @@ class VerifyBatcher:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop(), name="verify-batcher")
         item = _Pending(call, asyncio.get_running_loop().create_future())
+        self._active[call.sequence_id] = time.monotonic()
         self._pending.append(item)
         self._arrived.set()
         return await item.future  # cancelled while waiting: the batch skips it
 
-    def released(self) -> None:
+    def released(self, sequence_id: str) -> None:
         """A sequence left: do not wait for its next call."""
-        self._expected = max(1, self._expected - 1)
+        self._active.pop(sequence_id, None)
+
+    def _expected(self) -> set[str]:
+        """The sequences the next batch should hold: those that called lately. One that stops
+        calling without a Release (its coordinator vanished) drops out after a few batches' time."""
+        horizon = time.monotonic() - max(1.0, 4 * self._last_compute_s)
+        for sequence_id in [s for s, seen in self._active.items() if seen < horizon]:
+            del self._active[sequence_id]
+        return set(self._active)
 
     def close(self) -> None:
         if self._task is not None:
@@ -82,15 +93,15 @@ class VerifyBatcher:
                     item.future.set_result(result)
             ok = [r for r in results if isinstance(r, StepResult)]
             self._last_compute_s = max((r.compute_seconds for r in ok), default=0.0)
-            self._expected = max(1, len(batch))
             if self._pending:
                 self._arrived.set()
 
     async def _gather_window(self) -> None:
-        wait_s = max(self.window_s, self._last_compute_s / 10)
+        wait_s = max(self.window_s, self._last_compute_s / 4)
         deadline = time.monotonic() + wait_s
-        target = min(self.max_batch_size, self._expected)
-        while len(self._live()) < target:
+        expected = self._expected()
+        target = min(self.max_batch_size, max(1, len(expected)))
+        while len({item.call.sequence_id for item in self._live()} & expected) < target:
             left = deadline - time.monotonic()
             if left <= 0:
                 return

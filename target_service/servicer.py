@@ -80,7 +80,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     @rpc_method
     async def Release(self, request, context):
         released = await self.host.run(self.engine.release, request.sequence_id)
-        self.batcher.released()
+        self.batcher.released(request.sequence_id)
         return pb.TargetServiceReleaseResponse(released=released)
 
 

@@ -178,3 +178,34 @@ def test_batcher_keeps_long_prefills_out_of_decode_batches(target):
 
     results = asyncio.run(main())
     assert [r.batch_size for r in results] == [1, 3, 3, 3]
+
+
+def test_batcher_merges_streams_that_come_back_at_different_times(target):
+    """Eight streams, half of them slower to come back after each pass (a slower coordinator or
+    draft): the batcher waits for every sequence active lately, so after the first passes all
+    eight share each pass, instead of two half batches alternating for good."""
+    eng = engine(target)
+    p = prompts(8, seed=13)
+    sizes: list[int] = []
+
+    async def stream(batcher, i):
+        known, append = 0, p[i][:6]
+        await asyncio.sleep(0.003 * (i % 2))  # the first pass already sees them apart
+        for _ in range(6):
+            result = await batcher.submit(VerifyCall(f"m{i}", known, append, [], [], GREEDY))
+            sizes.append(result.batch_size)
+            known, append = known + len(append), [result.next_token]
+            await asyncio.sleep(0.001 if i < 4 else 0.012)  # the slow half is back 11 ms later
+        batcher.released(f"m{i}")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        run = lambda fn, *args: loop.run_in_executor(None, fn, *args)  # noqa: E731
+        batcher = VerifyBatcher(run, eng.verify_batch, window_s=0.03, max_batch_size=8)
+        await asyncio.gather(*(stream(batcher, i) for i in range(8)))
+        batcher.close()
+
+    asyncio.run(main())
+    # The first pass holds the streams there at once, the last the ones a call behind; between
+    # them every pass holds all eight.
+    assert set(sizes[4:-4]) == {8}, sizes
