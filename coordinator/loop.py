@@ -211,7 +211,7 @@ class SpeculativeLoop:
                 draft_wall = None
                 from_ahead = ready is not None and bool(ready.tokens) and gamma > 0
                 if from_ahead:
-                    draft = _head(ready, gamma)
+                    draft = _part(ready, 0, gamma)
                 elif self.proposer is not None and gamma > 0 and stats.steps >= skip_draft_until:
                     try:
                         if spec.tree is not None:
@@ -376,14 +376,15 @@ class SpeculativeLoop:
                 log.warning("release failed", service=type(service).__name__, error=str(result))
 
 
-def _head(draft: DraftOutcome, n: int) -> DraftOutcome:
-    """The first n tokens of a chain drafted ahead (its compute prorated; it spent no time on the
-    wire this step: it arrived while the last Verify ran)."""
-    if n >= len(draft.tokens):
+def _part(draft: DraftOutcome, start: int, stop: int | None = None) -> DraftOutcome:
+    """tokens[start:stop] of a chain drafted ahead, its compute and bytes prorated. Its wall time
+    is its compute: it spent none on this step's critical path (it arrived during the last Verify)."""
+    tokens = draft.tokens[start:stop]
+    if len(tokens) == len(draft.tokens):
         return draft
-    share = n / len(draft.tokens) if draft.tokens else 0.0
+    share = len(tokens) / len(draft.tokens)
     compute = draft.compute_seconds * share
-    return DraftOutcome(draft.tokens[:n], draft.dists[:n], compute, compute, int(draft.wire_bytes * share))
+    return DraftOutcome(tokens, draft.dists[start:stop], compute, compute, int(draft.wire_bytes * share))
 
 
 @dataclasses.dataclass
@@ -411,11 +412,7 @@ class RunAhead:
                 except Exception as exc:  # noqa: BLE001 - the draft failed while running ahead: a miss
                     log.info("run-ahead failed", error=str(exc))
                 else:
-                    rest = outcome.tokens[1:]
-                    # The guess is canonical now; its share of the compute was this step's.
-                    share = len(rest) / len(outcome.tokens)
-                    return DraftOutcome(rest, outcome.dists[1:], outcome.compute_seconds * share,
-                                        outcome.compute_seconds * share, int(outcome.wire_bytes * share)), None
+                    return _part(outcome, 1), None  # the guess is canonical now: the rest is the next draft
         await self.cancel()
         return None, time.perf_counter() - started
 

@@ -62,7 +62,8 @@ class RunAheadPolicy:
         probe = self.steps % PROBE_EVERY == PROBE_EVERY - 1
         if self.draft_wall is None:
             return True  # until a step has drafted, there is nothing to weigh
-        slowdown = max(0.0, (self.verify_beside or 0.0) - (self.verify_alone or 0.0)) if self.verify_beside and self.verify_alone else 0.0
+        both = self.verify_beside is not None and self.verify_alone is not None
+        slowdown = max(0.0, self.verify_beside - self.verify_alone) if both else 0.0
         p = self.p_hit()
         pays = p * self.draft_wall > (1 - p) * (self.miss_wait or 0.0) + slowdown
         return pays != probe  # every PROBE_EVERY-th step tries the other schedule

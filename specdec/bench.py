@@ -32,7 +32,6 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ import uuid
 import torch
 
 from specdec import plan as planlib
+from specdec.children import ServiceProcesses
 
 PROMPT_SETS = ("chat", "grounded")
 PROMPTS_DIR = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "prompts"
@@ -252,67 +252,27 @@ def stats_dict(s) -> dict:
     }
 
 
-class GrpcStack:
+class GrpcStack(ServiceProcesses):
     """`specdec serve` target, draft(s) and coordinator(s) as child processes on loopback ports."""
 
     def __init__(self, target: str, drafters: tuple[str, ...], logs: pathlib.Path, device: str = "cpu",
                  tree: tuple[int, int] | None = None):
         """`tree` (budget, top-k): model drafts also get a coordinator that drafts trees."""
-        from specdec.cli import _health_ok
-
-        self._health_ok = _health_ok
-        self.logs = logs
-        self.logs.mkdir(parents=True, exist_ok=True)
-        self.children: list[subprocess.Popen] = []
-        self.target_address = self._spawn("target", "--model", target, "--device", device)
+        super().__init__(logs)
+        self.target_address = self.spawn("target", "--model", target, "--device", device)
         self.coordinators: dict[str, str] = {}
         self.tree_coordinators: dict[str, str] = {}
         for drafter in drafters:
             flags = (["--drafter", "ngram"] if drafter == "ngram"
                      else ["--drafter", "model", "--model", drafter, "--device", device, "--target-tokenizer", target])
-            draft_address = self._spawn("draft", *flags)
-            self.coordinators[drafter] = self._spawn("coordinator", "--target", self.target_address, "--draft", draft_address,
-                                                     "--tokenizer", target, "--http-port", "-1")
+            draft_address = self.spawn("draft", *flags)
+            self.coordinators[drafter] = self.spawn("coordinator", "--target", self.target_address, "--draft", draft_address,
+                                                    "--tokenizer", target, "--http-port", "-1")
             if tree is not None and drafter != "ngram":
-                self.tree_coordinators[drafter] = self._spawn(
+                self.tree_coordinators[drafter] = self.spawn(
                     "coordinator", "--target", self.target_address, "--draft", draft_address, "--tokenizer", target,
                     "--http-port", "-1", "--tree-budget", str(tree[0]), "--tree-top-k", str(tree[1]))
-        self.wait()
-
-    def _spawn(self, role: str, *flags: str) -> str:
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        extra = ["--metrics-port", "-1"] if role != "coordinator" else []
-        log = open(self.logs / f"{role}-{port}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        env = {**os.environ, f"SPECDEC_{role.upper()}_LOG_FORMAT": "json", "GRPC_VERBOSITY": "ERROR"}
-        self.children.append(subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", role, "--port", str(port), *extra, *flags],
-                                              stdout=log, stderr=subprocess.STDOUT, env=env))
-        return f"127.0.0.1:{port}"
-
-    def wait(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        addresses = [self.target_address, *self.coordinators.values(), *self.tree_coordinators.values()]
-        while not all(self._health_ok(a) for a in addresses):
-            if any(c.poll() is not None for c in self.children):
-                self.stop()
-                raise RuntimeError("a benchmark service exited during start-up (run `specdec serve ...` by hand to see why)")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"benchmark services not healthy after {timeout:.0f}s")
-            time.sleep(0.25)
-
-    def stop(self) -> None:
-        for child in self.children:
-            if child.poll() is None:
-                child.terminate()
-        for child in self.children:
-            try:
-                child.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        self.wait_healthy([self.target_address, *self.coordinators.values(), *self.tree_coordinators.values()])
 
 
 # --- the run --------------------------------------------------------------------------------------

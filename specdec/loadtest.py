@@ -19,15 +19,14 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import pathlib
 import random
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from specdec.children import ServiceProcesses
 
 DEFAULT_OUT = pathlib.Path("benchmarks/results/loadtest")
 
@@ -170,58 +169,20 @@ async def run_level(address: str, prompts: list[list[int]], num_requests: int, m
 
 # --- the local stack ------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LocalStack:
+class LocalStack(ServiceProcesses):
     """target + draft + coordinator as `specdec serve` child processes on loopback (like `specdec up`)."""
 
     def __init__(self, target: str, drafter: str, logs: pathlib.Path, coordinator_flags: list[str], target_flags: list[str]):
-        from specdec.cli import _health_ok
-
-        self._health_ok, self.logs, self.children = _health_ok, logs, []
-        logs.mkdir(parents=True, exist_ok=True)
-        target_address = self._spawn("target", "--model", target, "--device", "cpu", *target_flags)
+        super().__init__(logs)
+        target_address = self.spawn("target", "--model", target, "--device", "cpu", *target_flags, log_level="warning")
         draft_flags = ["--drafter", "ngram"] if drafter == "ngram" else ["--drafter", "model", "--model", drafter, "--device", "cpu"]
-        draft_address = self._spawn("draft", *draft_flags)
-        self.address = self._spawn("coordinator", "--target", target_address, "--draft", draft_address, "--tokenizer", target,
-                                   "--http-port", "-1", *coordinator_flags)
+        draft_address = self.spawn("draft", *draft_flags, log_level="warning")
+        self.address = self.spawn("coordinator", "--target", target_address, "--draft", draft_address, "--tokenizer", target,
+                                  "--http-port", "-1", *coordinator_flags, log_level="warning")
         self.addresses = [target_address, draft_address, self.address]
 
-    def _spawn(self, role: str, *flags: str) -> str:
-        port = free_port()
-        extra = ["--metrics-port", "-1"] if role != "coordinator" else []
-        log = open(self.logs / f"{role}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        env = {**os.environ, f"SPECDEC_{role.upper()}_LOG_FORMAT": "json", f"SPECDEC_{role.upper()}_LOG_LEVEL": "warning",
-               "GRPC_VERBOSITY": "ERROR"}
-        self.children.append(subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", role, "--port", str(port), *extra, *flags],
-                                              stdout=log, stderr=subprocess.STDOUT, env=env))
-        return f"127.0.0.1:{port}"
-
     def wait(self, timeout: float = 600.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not all(self._health_ok(a) for a in self.addresses):
-            if any(c.poll() is not None for c in self.children):
-                raise RuntimeError(f"a service exited during start-up; see the logs in {self.logs}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"services not healthy after {timeout:.0f}s; see the logs in {self.logs}")
-            time.sleep(0.2)
-
-    def alive(self) -> bool:
-        return all(c.poll() is None for c in self.children)
-
-    def stop(self) -> None:
-        for child in self.children:
-            if child.poll() is None:
-                child.terminate()
-        for child in self.children:
-            try:
-                child.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        self.wait_healthy(self.addresses, timeout)
 
 
 # --- prompts and the reference --------------------------------------------------------------------

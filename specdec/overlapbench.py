@@ -17,88 +17,42 @@ import argparse
 import json
 import os
 import pathlib
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 from specdec import plan as planlib
 from specdec.bench import PROMPT_SETS, PROMPTS_DIR, grpc_runner, load_prompts, machine, quick_models
+from specdec.children import ServiceProcesses
 
 MODES = ("off", "sequential", "overlapped")
 
 
-def _pinned(core: int | None):
-    """A preexec_fn that pins the child to one core (None: leave it be)."""
-    if core is None:
-        return None
-
-    def pin():
-        os.sched_setaffinity(0, {core})
-
-    return pin
-
-
-class PinnedStack:
+class PinnedStack(ServiceProcesses):
     """Target on one core, draft (and the coordinators: light, mostly waiting) on the other."""
 
     def __init__(self, target: str, drafter: str, logs: pathlib.Path, cores: tuple[int, int] | None):
-        from specdec.cli import _health_ok
-
-        self._health_ok = _health_ok
-        self.logs = logs
-        logs.mkdir(parents=True, exist_ok=True)
-        self.children: list[subprocess.Popen] = []
+        super().__init__(logs)
         target_core, draft_core = cores if cores else (None, None)
-        target_address = self._spawn("target", target_core, "--model", target, "--device", "cpu")
+        target_address = self.spawn("target", "--model", target, "--device", "cpu", core=target_core)
         flags = (["--drafter", "ngram"] if drafter == "ngram"
                  else ["--drafter", "model", "--model", drafter, "--device", "cpu", "--target-tokenizer", target])
-        draft_address = self._spawn("draft", draft_core, *flags)
+        draft_address = self.spawn("draft", *flags, core=draft_core)
         common = ["--target", target_address, "--tokenizer", target, "--http-port", "-1"]
         self.coordinators = {
-            "off": self._spawn("coordinator", draft_core, *common, "--draft", ""),
-            "sequential": self._spawn("coordinator", draft_core, *common, "--draft", draft_address, "--overlap", "off"),
-            "overlapped": self._spawn("coordinator", draft_core, *common, "--draft", draft_address, "--overlap", "on"),
+            "off": self.spawn("coordinator", *common, "--draft", "", core=draft_core),
+            "sequential": self.spawn("coordinator", *common, "--draft", draft_address, "--overlap", "off", core=draft_core),
+            "overlapped": self.spawn("coordinator", *common, "--draft", draft_address, "--overlap", "on", core=draft_core),
         }
-        deadline = time.monotonic() + 600
-        while not all(self._health_ok(a) for a in self.coordinators.values()):
-            if any(c.poll() is not None for c in self.children):
-                self.stop()
-                raise RuntimeError(f"a benchmark service exited during start-up (logs: {logs})")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError("benchmark services not healthy after 600 s")
-            time.sleep(0.25)
-
-    def _spawn(self, role: str, core: int | None, *flags: str) -> str:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        extra = ["--metrics-port", "-1"] if role != "coordinator" else []
-        env = {**os.environ, f"SPECDEC_{role.upper()}_LOG_FORMAT": "json", "GRPC_VERBOSITY": "ERROR"}
-        if core is not None:  # one core each: one compute thread each
-            env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        log = open(self.logs / f"{role}-{port}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        self.children.append(subprocess.Popen(
-            [sys.executable, "-m", "specdec.cli", "serve", role, "--port", str(port), *extra, *flags],
-            stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=_pinned(core)))
-        return f"127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        for child in self.children:
-            if child.poll() is None:
-                child.terminate()
-        for child in self.children:
-            try:
-                child.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                child.kill()
+        self.wait_healthy(list(self.coordinators.values()))
 
 
-def _sum(samples, key: str) -> float:
-    return sum(s.stats[key] for s in samples)
+_TOTALS = ("steps", "draft_steps", "draft_tokens", "accepted_tokens", "completion_tokens", "draft_seconds", "verify_seconds",
+           "wire_seconds", "runahead_steps", "runahead_hits", "runahead_tokens", "runahead_used_tokens")
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else 0.0
 
 
 def summarise(samples_by_rep: list[list], reference: list[list[int]]) -> dict:
@@ -106,22 +60,21 @@ def summarise(samples_by_rep: list[list], reference: list[list[int]]) -> dict:
     rates = [sum(len(s.tokens) for s in rep) / sum(s.seconds for s in rep) for rep in samples_by_rep]
     flat = [s for rep in samples_by_rep for s in rep]
     identical = sum(1 for rep in samples_by_rep for s, ref in zip(rep, reference) if s.tokens == ref)
-    steps, drafted = _sum(flat, "steps"), _sum(flat, "draft_tokens")
-    ahead = _sum(flat, "runahead_tokens")
+    t = {key: sum(s.stats[key] for s in flat) for key in _TOTALS}
     return {
         "tokens_per_second": {"min": min(rates), "median": statistics.median(rates), "max": max(rates)},
         "identical": {"identical": identical, "runs": len(flat)},
-        "steps": steps, "draft_tokens": drafted, "accepted_tokens": _sum(flat, "accepted_tokens"),
-        "tokens_per_step": _sum(flat, "completion_tokens") / steps if steps else 0.0,
-        "draft_seconds_per_token": _sum(flat, "draft_seconds") / drafted if drafted else 0.0,
-        "draft_tokens_per_drafting_step": drafted / _sum(flat, "draft_steps") if _sum(flat, "draft_steps") else 0.0,
-        "draft_seconds_per_drafting_step": _sum(flat, "draft_seconds") / _sum(flat, "draft_steps") if _sum(flat, "draft_steps") else 0.0,
-        "verify_seconds_per_step": _sum(flat, "verify_seconds") / steps if steps else 0.0,
-        "wire_seconds_per_step": _sum(flat, "wire_seconds") / steps if steps else 0.0,
-        "runahead_steps": _sum(flat, "runahead_steps"), "runahead_hits": _sum(flat, "runahead_hits"),
-        "runahead_tokens": ahead, "runahead_used_tokens": _sum(flat, "runahead_used_tokens"),
-        "runahead_used_share": _sum(flat, "runahead_used_tokens") / ahead if ahead else 0.0,
-        "hit_rate": _sum(flat, "runahead_hits") / _sum(flat, "runahead_steps") if _sum(flat, "runahead_steps") else 0.0,
+        "steps": t["steps"], "draft_tokens": t["draft_tokens"], "accepted_tokens": t["accepted_tokens"],
+        "tokens_per_step": _ratio(t["completion_tokens"], t["steps"]),
+        "draft_seconds_per_token": _ratio(t["draft_seconds"], t["draft_tokens"]),
+        "draft_tokens_per_drafting_step": _ratio(t["draft_tokens"], t["draft_steps"]),
+        "draft_seconds_per_drafting_step": _ratio(t["draft_seconds"], t["draft_steps"]),
+        "verify_seconds_per_step": _ratio(t["verify_seconds"], t["steps"]),
+        "wire_seconds_per_step": _ratio(t["wire_seconds"], t["steps"]),
+        "runahead_steps": t["runahead_steps"], "runahead_hits": t["runahead_hits"],
+        "runahead_tokens": t["runahead_tokens"], "runahead_used_tokens": t["runahead_used_tokens"],
+        "runahead_used_share": _ratio(t["runahead_used_tokens"], t["runahead_tokens"]),
+        "hit_rate": _ratio(t["runahead_hits"], t["runahead_steps"]),
     }
 
 
@@ -239,7 +192,7 @@ def main(argv: list[str]) -> int:
     if args.repeats < 1 or args.max_new_tokens < 1 or args.limit < 0:
         parser.error("--repeats and --max-new-tokens must be >= 1, --limit >= 0")
     if args.quick:
-        args.limit, args.max_new_tokens, args.repeats = args.limit and min(args.limit, 2) or 2, min(args.max_new_tokens, 16), 1
+        args.limit, args.max_new_tokens, args.repeats = min(args.limit or 2, 2), min(args.max_new_tokens, 16), 1
     args.out = pathlib.Path(args.out)
     args.argv = argv
     document = run(args)
