@@ -19,6 +19,7 @@ from coordinator.loop import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutco
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import DeadlineExceeded, SequenceNotFound
+from specdec.features import FeatureRows
 from specdec.grpcutil import CHANNEL_OPTIONS
 from specdec.logs import REQUEST_ID_METADATA
 from specdec.sampling import SamplingConfig
@@ -99,9 +100,9 @@ class TargetClient:
         return response.info
 
     async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
-                     draft_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:
+                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False) -> VerifyOutcome:
         request = pb.VerifyRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append,
-                                   draft_tokens=draft_tokens, sampling=_sampling_proto(sampling))
+                                   draft_tokens=draft_tokens, sampling=_sampling_proto(sampling), return_features=return_features)
         if not sampling.greedy and any(d is not None for d in draft_dists):
             for dist in draft_dists:
                 ids, probs = dist if dist is not None else ([], [])
@@ -109,8 +110,12 @@ class TargetClient:
         start = time.perf_counter()
         response = await self._verify_call(sequence_id, request)
         wall = time.perf_counter() - start
+        features = None
+        if response.HasField("features"):
+            f = response.features
+            features = FeatureRows.from_wire(f.start, f.rows, f.dim, f.data, "VerifyResponse.features")
         return VerifyOutcome(response.accepted, response.next_token, response.compute_seconds, wall,
-                             request.ByteSize() + response.ByteSize())
+                             request.ByteSize() + response.ByteSize(), features=features)
 
     async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
                           tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:
@@ -168,9 +173,12 @@ class DraftClient:
 
     async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
                       min_cumulative_prob: float, temperature: float, seed: int,
-                      progress: Progress | None = None) -> DraftOutcome:
+                      progress: Progress | None = None, features: FeatureRows | None = None) -> DraftOutcome:
         request = pb.ProposeRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append, max_tokens=max_tokens,
                                     min_cumulative_prob=min_cumulative_prob, temperature=temperature, seed=seed)
+        if features is not None:
+            request.features.CopyFrom(pb.Features(start=features.start, rows=features.rows, dim=int(features.values.shape[1]),
+                                                  data=features.to_bytes()))
         tokens: list[int] = []
         dists: list[Dist] = []
         compute = 0.0

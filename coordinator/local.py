@@ -11,6 +11,7 @@ import time
 from coordinator.loop import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
 from draft_service.engine import DraftEngine, DraftSettings
 from draft_service.tree import TreeSettings
+from specdec.features import FeatureRows
 from specdec.sampling import SamplingConfig
 from target_service.engine import DraftTree, TargetEngine, VerifyCall
 
@@ -20,11 +21,12 @@ class LocalVerifier:
         self.engine = engine
 
     async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
-                     draft_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:
+                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False) -> VerifyOutcome:
         start = time.perf_counter()
         dists = [d if d is not None else ([], []) for d in draft_dists] if any(d is not None for d in draft_dists) else []
-        result = self.engine.verify(sequence_id, known_len, append, draft_tokens, dists, sampling)
-        return VerifyOutcome(result.accepted, result.next_token, result.compute_seconds, time.perf_counter() - start)
+        result = self.engine.verify(sequence_id, known_len, append, draft_tokens, dists, sampling, return_features)
+        return VerifyOutcome(result.accepted, result.next_token, result.compute_seconds, time.perf_counter() - start,
+                             features=result.features)
 
     async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
                           tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:
@@ -44,10 +46,10 @@ class LocalProposer:
 
     async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
                       min_cumulative_prob: float, temperature: float, seed: int,
-                      progress: Progress | None = None) -> DraftOutcome:
+                      progress: Progress | None = None, features: FeatureRows | None = None) -> DraftOutcome:
         start = time.perf_counter()
         settings = DraftSettings(max_tokens, min_cumulative_prob, temperature, seed)
-        proposals = list(self.engine.propose(sequence_id, known_len, append, settings))
+        proposals = list(self.engine.propose(sequence_id, known_len, append, settings, features))
         for p in proposals if progress is not None else ():
             progress.arrived(p.token)
         dists: list[Dist] = [(p.dist_ids, p.dist_probs) if p.dist_ids is not None else None for p in proposals]

@@ -21,6 +21,7 @@ import structlog
 from coordinator.adapt import CostModel, Costs, DraftLengthPolicy
 from coordinator.overlap import RunAheadPolicy
 from specdec.errors import SequenceNotFound
+from specdec.features import FeatureLog, FeatureRows
 from specdec.sampling import SamplingConfig, derive_seed
 
 log = structlog.get_logger(__name__)
@@ -66,6 +67,7 @@ class VerifyOutcome:
     wall_seconds: float
     wire_bytes: int = 0
     path: tuple[int, ...] = ()  # a tree's accepted nodes, root to leaf
+    features: FeatureRows | None = None  # asked for with return_features: for a feature draft
 
 
 @dataclasses.dataclass
@@ -85,8 +87,9 @@ class Progress:
 class Proposer(Protocol):
     async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
                       min_cumulative_prob: float, temperature: float, seed: int,
-                      progress: Progress | None = None) -> DraftOutcome:
-        """`progress`, if given, is kept up to date as tokens arrive (see Progress)."""
+                      progress: Progress | None = None, features: FeatureRows | None = None) -> DraftOutcome:
+        """`progress`, if given, is kept up to date as tokens arrive (see Progress). `features`: the
+        target hidden states a feature draft does not hold yet."""
         ...
 
     async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
@@ -97,7 +100,7 @@ class Proposer(Protocol):
 
 class Verifier(Protocol):
     async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
-                     draft_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome: ...
+                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False) -> VerifyOutcome: ...
 
     async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
                           tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome: ...
@@ -165,15 +168,18 @@ DRAFT_RETRY_STEPS = 16
 
 class SpeculativeLoop:
     def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs,
-                 overlap: str = "off"):
+                 overlap: str = "off", features: bool = False):
         """`overlap`: off, auto or on: whether the draft drafts the next step while the target
-        verifies this one (coordinator/overlap.py)."""
+        verifies this one (coordinator/overlap.py). `features`: the draft drafts from the target's
+        hidden states (specdec/eagle.py), so every Verify asks for them and the next Propose
+        carries the ones the draft lacks."""
         RunAheadPolicy(overlap)  # validates the mode
         self.verifier = verifier
         self.proposer = proposer
         self.cost_model = cost_model
         self.prior = prior
         self.overlap = overlap
+        self.features = features and proposer is not None
 
     async def run(self, spec: GenerationSpec, stats: Stats) -> AsyncIterator[Step]:
         """Yields each step's new tokens until max_new_tokens or end-of-sequence.
@@ -184,10 +190,14 @@ class SpeculativeLoop:
         start = time.perf_counter()
         # Unique even when clients reuse request ids: two requests must never share a cache.
         sequence_id = f"{spec.request_id}:{uuid.uuid4().hex[:8]}"
+        if self.features and spec.tree is not None:
+            spec = dataclasses.replace(spec, tree=None)  # feature drafts draft chains (Verify returns no features for trees)
+        feature_log = FeatureLog() if self.features else None  # the target features of the canonical positions
         tokens = list(spec.prompt_ids)  # canonical
         prompt_len = len(tokens)
         stats.prompt_tokens = prompt_len
         draft_known = target_known = 0
+        draft_features = 0  # leading target features the draft holds (feature drafts)
         policy = DraftLengthPolicy(
             max_length=spec.draft_length,
             cost_model=None if spec.seeded else self.cost_model,
@@ -217,13 +227,15 @@ class SpeculativeLoop:
                         if spec.tree is not None:
                             draft = await self._propose_tree(sequence_id, tokens, draft_known, spec.tree, gamma, spec.sampling, spec.seeded)
                         else:
-                            draft = await self._propose(sequence_id, tokens, draft_known, gamma, min_prob, spec.sampling)
+                            draft = await self._propose(sequence_id, tokens, draft_known, gamma, min_prob, spec.sampling,
+                                                        feature_log, draft_features)
                         draft_known = len(tokens)
+                        draft_features = len(feature_log) if feature_log is not None else 0
                         draft_wall = draft.wall_seconds
                     except Exception as exc:  # noqa: BLE001 - a failing draft only costs speed
                         stats.draft_failures += 1
                         skip_draft_until = stats.steps + DRAFT_RETRY_STEPS
-                        draft_known = 0  # its state is unknown now: re-send everything next time
+                        draft_known = draft_features = 0  # its state is unknown now: re-send everything next time
                         log.warning("draft failed; decoding with the target alone for a while", error=str(exc))
                 ready = None
                 runahead = None
@@ -238,6 +250,12 @@ class SpeculativeLoop:
                     raise
                 accepted = verdict.accepted
                 target_known = len(tokens) + accepted
+                if feature_log is not None and verdict.features is not None:
+                    if verdict.features.start <= len(feature_log):
+                        feature_log.put(verdict.features)
+                        draft_features = min(draft_features, verdict.features.start)
+                    else:  # cannot happen with a conforming target; the draft then predicts the gap itself
+                        log.warning("target features skip positions", start=verdict.features.start, held=len(feature_log))
                 if draft.tokens and draft.parents is None:
                     draft_known = len(tokens) + accepted  # the draft holds its accepted tokens already
                 # (after a tree the draft holds the canonical tokens only: it gets the path next time)
@@ -302,13 +320,16 @@ class SpeculativeLoop:
             sequence_id, known, [], room + 1, min_prob, spec.sampling.temperature, seed, progress=progress))
         return RunAhead(task, progress)
 
-    async def _propose(self, sequence_id, tokens, known, gamma, min_prob, sampling: SamplingConfig) -> DraftOutcome:
+    async def _propose(self, sequence_id, tokens, known, gamma, min_prob, sampling: SamplingConfig,
+                       feature_log: FeatureLog | None = None, features_known: int = 0) -> DraftOutcome:
         seed = derive_seed(sampling.seed, len(tokens), "draft")
+        extra = {} if feature_log is None else {"features": feature_log.since(features_known)}
         try:
-            return await self.proposer.propose(sequence_id, known, tokens[known:], gamma, min_prob, sampling.temperature, seed)
+            return await self.proposer.propose(sequence_id, known, tokens[known:], gamma, min_prob, sampling.temperature, seed, **extra)
         except SequenceNotFound:
             log.info("draft lost the sequence; re-sending it whole")
-            return await self.proposer.propose(sequence_id, 0, list(tokens), gamma, min_prob, sampling.temperature, seed)
+            extra = {} if feature_log is None else {"features": feature_log.since(0)}
+            return await self.proposer.propose(sequence_id, 0, list(tokens), gamma, min_prob, sampling.temperature, seed, **extra)
 
     async def _propose_tree(self, sequence_id, tokens, known, tree: TreeSpec, max_depth: int, sampling: SamplingConfig,
                             seeded: bool = False) -> DraftOutcome:
@@ -333,7 +354,9 @@ class SpeculativeLoop:
     async def _verify_call(self, sequence_id, known, append, draft: DraftOutcome, sampling) -> VerifyOutcome:
         if draft.parents is not None and draft.tokens:
             return await self.verifier.verify_tree(sequence_id, known, append, draft.parents, draft.tokens, draft.dists, sampling)
-        return await self.verifier.verify(sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [], sampling)
+        extra = {"return_features": True} if self.features else {}
+        return await self.verifier.verify(sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [],
+                                          sampling, **extra)
 
     def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyOutcome, appended: int) -> None:
         drafted, accepted = len(draft.tokens), verdict.accepted

@@ -108,7 +108,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.target_info = target_info
         cost_model = CostModel(prior)
         cost_model.draft_cap = self.admission.draft_cap  # draft less as more requests share the target's batch
-        self.loop = SpeculativeLoop(target, draft, cost_model, prior, self.config.overlap)
+        features = bool(draft_info is not None and draft_info.needs_features)  # a feature draft (specdec/eagle.py)
+        self.loop = SpeculativeLoop(target, draft, cost_model, prior, self.config.overlap, features=features)
 
     # --- request validation: every field checked here, named in the error ---
 

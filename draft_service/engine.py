@@ -17,6 +17,7 @@ from draft_service.ngram import NgramIndex
 from draft_service.tree import TreeBuilder, TreeDraft, TreeSettings, check_tree_settings
 from specdec.batching import batchable, forward_batch
 from specdec.errors import InvalidArgument
+from specdec.features import FeatureRows
 from specdec.kvcache import Sequence, SequenceStore
 from specdec.lm import CausalLM
 from specdec.sampling import truncated_probs
@@ -169,7 +170,8 @@ class DraftEngine:
         self.store = SequenceStore(max_sequences, idle_timeout_s)
         self._batchable: bool | None = None  # known after the first look at the model's cache layout
 
-    def propose(self, sequence_id: str, known_len: int, append: list[int], settings: DraftSettings) -> Iterator[Proposal]:
+    def propose(self, sequence_id: str, known_len: int, append: list[int], settings: DraftSettings,
+                features: FeatureRows | None = None) -> Iterator[Proposal]:
         """Syncs the sequence (rollback + catch-up), then yields proposals lazily.
 
         Validation and the sync happen eagerly, before the first token is asked for, so bad input
@@ -177,7 +179,7 @@ class DraftEngine:
         next call's known_len crops the ones the target rejected.
         """
         start = time.perf_counter()
-        seq = self.open(sequence_id, known_len, append, settings)
+        seq = self.open(sequence_id, known_len, append, settings, features)
         if settings.max_tokens == 0:
             return iter(())
         return self.drafter.draft(seq, settings, start)
@@ -190,8 +192,10 @@ class DraftEngine:
             self._batchable = type(self.drafter) is ModelDrafter and batchable(self.drafter.lm)
         return self._batchable and not (self.drafter.staged and settings.temperature == 0)
 
-    def open(self, sequence_id: str, known_len: int, append: list[int], settings: DraftSettings) -> Sequence:
-        """Validates a Propose and syncs its sequence (rollback + catch-up)."""
+    def open(self, sequence_id: str, known_len: int, append: list[int], settings: DraftSettings,
+             features: FeatureRows | None = None) -> Sequence:
+        """Validates a Propose and syncs its sequence (rollback + catch-up, and for a feature draft
+        the target features that came with it; other drafters ignore features)."""
         if not 0 <= settings.max_tokens <= MAX_PROPOSAL:
             raise InvalidArgument("max_tokens", f"must be in [0, {MAX_PROPOSAL}], got {settings.max_tokens}")
         if settings.temperature < 0:
@@ -199,7 +203,11 @@ class DraftEngine:
         vocab = self.drafter.vocab_size
         if vocab and any(not 0 <= t < vocab for t in append):
             raise InvalidArgument("append_tokens", f"token ids must be in the draft's vocabulary [0, {vocab})")
-        return self.store.sync(sequence_id, known_len, append)
+        seq = self.store.sync(sequence_id, known_len, append)
+        receive = getattr(self.drafter, "receive", None)
+        if receive is not None:
+            receive(seq, features)
+        return seq
 
     def forward_rows(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         """The next-token logits [V] of each sequence, feeding all their pending tokens in ONE pass."""
@@ -240,6 +248,9 @@ class DraftEngine:
         return self.store.release(sequence_id)
 
     def warm_up(self) -> None:
-        for _ in self.propose("__warmup__", 0, [0, 1, 2, 3, 0, 1], DraftSettings(2, 0.0, 0.0, 0)):
+        features = None
+        if getattr(self.drafter, "needs_features", False):  # without features a feature draft drafts nothing
+            features = FeatureRows(0, torch.zeros(5, self.drafter.dim))
+        for _ in self.propose("__warmup__", 0, [0, 1, 2, 3, 0, 1], DraftSettings(2, 0.0, 0.0, 0), features):
             pass
         self.store.release("__warmup__", retire=False)  # warm-ups may run again

@@ -16,6 +16,7 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec import metrics, tls
 from specdec.errors import InvalidArgument
+from specdec.features import FeatureRows
 from specdec.grpcutil import EngineHost, Server, rpc_method
 
 log = structlog.get_logger(__name__)
@@ -91,8 +92,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     async def _propose_alone(self, request, settings: DraftSettings):
         """Each token drafted on the worker thread by the drafter's own loop, sent the moment it exists."""
+        features = None
+        if request.HasField("features"):
+            f = request.features
+            features = FeatureRows.from_wire(f.start, f.rows, f.dim, f.data)
         proposals = await self.host.run(
-            self.engine.propose, request.sequence_id, request.known_len, list(request.append_tokens), settings
+            self.engine.propose, request.sequence_id, request.known_len, list(request.append_tokens), settings, features
         )
         while (proposal := await self.host.run(next, proposals, _DONE)) is not _DONE:
             yield proposal
@@ -144,12 +149,20 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
 def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
     """Loads the drafter named by the config (blocking: call it off the event loop)."""
-    from specdec.models import pruned_draft_folder
+    from specdec.models import feature_draft_folder, pruned_draft_folder
 
     pruned = pruned_draft_folder(config.model) if config.drafter == "model" and config.model else None
+    featured = feature_draft_folder(config.model) if config.drafter == "model" and config.model else None
     if config.drafter == "ngram":
         drafter = NgramDrafter(config.ngram_max, config.ngram_min)
         info = pb.ModelInfo(model="ngram", drafter="ngram")
+    elif featured is not None:  # drafts from the target's hidden states (specdec/eagle.py)
+        from draft_service.featuredraft import load_feature_drafter
+
+        drafter = load_feature_drafter(featured, config.device, config.dtype, config.top_k)
+        info = pb.ModelInfo(model=config.model, vocab_size=drafter.vocab_size, max_context=drafter.lm.max_context,
+                            eos_token_ids=drafter.lm.eos_token_ids, device=str(drafter.lm.device), dtype=drafter.lm.dtype_name,
+                            drafter="feature", needs_features=True)
     elif pruned is not None:  # a distilled draft in its target's own vocabulary (specdec/pruned.py)
         drafter = load_pruned_drafter(pruned, config.device, config.dtype, config.top_k)
         drafter.staged = config.staged

@@ -195,7 +195,7 @@ class TargetServiceGetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "device", "dtype", "drafter")
+    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "device", "dtype", "drafter", "needs_features")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -210,7 +211,20 @@ class ModelInfo(_message.Message):
     device: str
     dtype: str
     drafter: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., drafter: _Optional[str] = ...) -> None: ...
+    needs_features: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., drafter: _Optional[str] = ..., needs_features: _Optional[bool] = ...) -> None: ...
+
+class Features(_message.Message):
+    __slots__ = ("start", "rows", "dim", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    rows: int
+    dim: int
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -221,7 +235,7 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("sequence_id", "known_len", "append_tokens", "max_tokens", "min_cumulative_prob", "temperature", "seed")
+    __slots__ = ("sequence_id", "known_len", "append_tokens", "max_tokens", "min_cumulative_prob", "temperature", "seed", "features")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +243,7 @@ class ProposeRequest(_message.Message):
     MIN_CUMULATIVE_PROB_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     known_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -236,7 +251,8 @@ class ProposeRequest(_message.Message):
     min_cumulative_prob: float
     temperature: float
     seed: int
-    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., min_cumulative_prob: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    features: Features
+    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., min_cumulative_prob: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("token_id", "dist", "cumulative_prob", "compute_seconds")
@@ -251,7 +267,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., dist: _Optional[_Union[SparseDistribution, _Mapping]] = ..., cumulative_prob: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("sequence_id", "known_len", "append_tokens", "draft_tokens", "draft_dists", "sampling", "draft_tree")
+    __slots__ = ("sequence_id", "known_len", "append_tokens", "draft_tokens", "draft_dists", "sampling", "draft_tree", "return_features")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +275,7 @@ class VerifyRequest(_message.Message):
     DRAFT_DISTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TREE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     known_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -266,7 +283,8 @@ class VerifyRequest(_message.Message):
     draft_dists: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     sampling: SamplingParams
     draft_tree: DraftTree
-    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_tree: _Optional[_Union[DraftTree, _Mapping]] = ...) -> None: ...
+    return_features: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_tree: _Optional[_Union[DraftTree, _Mapping]] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("parents", "tokens", "child_dists")
@@ -315,18 +333,20 @@ class ProposeTreeResponse(_message.Message):
     def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len", "accepted_path")
+    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len", "accepted_path", "features")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     compute_seconds: float
     cached_len: int
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ...) -> None: ...
+    features: Features
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class DraftServiceReleaseRequest(_message.Message):
     __slots__ = ("sequence_id",)

@@ -151,10 +151,15 @@ def measure_draft_cost(engine, context: list[int], tokens: int = 8, repeats: int
     """Seconds per drafted token with a warm cache (the draft's prefill is not a per-token cost)."""
     from draft_service.engine import DraftSettings
 
+    from specdec.features import FeatureRows
+
     times = []
+    # A feature draft drafts nothing without the target's features; their values do not change the cost.
+    features = (FeatureRows(0, torch.zeros(len(context) - 1, engine.drafter.dim))
+                if getattr(engine.drafter, "needs_features", False) else None)
     for rep in range(repeats + 1):
         sid = f"draft-cost-{rep}-{uuid.uuid4().hex[:6]}"
-        list(engine.propose(sid, 0, list(context), DraftSettings(1, 0.0, 0.0, 0)))  # prefill
+        list(engine.propose(sid, 0, list(context), DraftSettings(1, 0.0, 0.0, 0), features))  # prefill
         start = time.perf_counter()
         made = list(engine.propose(sid, len(context), [], DraftSettings(tokens, 0.0, 0.0, 0)))
         elapsed = time.perf_counter() - start
@@ -258,6 +263,8 @@ class GrpcStack(ServiceProcesses):
     def __init__(self, target: str, drafters: tuple[str, ...], logs: pathlib.Path, device: str = "cpu",
                  tree: tuple[int, int] | None = None):
         """`tree` (budget, top-k): model drafts also get a coordinator that drafts trees."""
+        from specdec.models import feature_draft_folder
+
         super().__init__(logs)
         self.target_address = self.spawn("target", "--model", target, "--device", device)
         self.coordinators: dict[str, str] = {}
@@ -268,7 +275,7 @@ class GrpcStack(ServiceProcesses):
             draft_address = self.spawn("draft", *flags)
             self.coordinators[drafter] = self.spawn("coordinator", "--target", self.target_address, "--draft", draft_address,
                                                     "--tokenizer", target, "--http-port", "-1")
-            if tree is not None and drafter != "ngram":
+            if tree is not None and drafter != "ngram" and feature_draft_folder(drafter) is None:  # feature drafts: chains
                 self.tree_coordinators[drafter] = self.spawn(
                     "coordinator", "--target", self.target_address, "--draft", draft_address, "--tokenizer", target,
                     "--http-port", "-1", "--tree-budget", str(tree[0]), "--tree-top-k", str(tree[1]))
@@ -309,8 +316,12 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
         engine, _ = build_engine(config)
         engines[drafter] = engine
         prior = NGRAM_DRAFT_PRIOR if drafter == "ngram" else MODEL_DRAFT_PRIOR
+        features = bool(getattr(engine.drafter, "needs_features", False))  # a feature draft (specdec/eagle.py)
         if opts.hf:
-            if drafter == "ngram":
+            if features:
+                notes[f"hf-assisted[{name}]"] = ("skipped: transformers' assisted generation has no way to hand the "
+                                                 "target's hidden states to the draft")
+            elif drafter == "ngram":
                 kwargs = {"prompt_lookup_num_tokens": opts.prompt_lookup}
                 configs.append(Configuration(f"hf-assisted[{name}]", "hf-assisted", drafter, opts.prompt_lookup,
                                              runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos, **kwargs),
@@ -332,14 +343,14 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
                                                  note="assistant_model= the same draft"))
                 except Exception as exc:  # noqa: BLE001 - a draft transformers cannot load as an assistant
                     notes[f"hf-assisted[{name}]"] = f"skipped: transformers cannot use this draft as assistant_model ({exc})"
-        loop = SpeculativeLoop(verifier, LocalProposer(engine), CostModel(prior), prior)
+        loop = SpeculativeLoop(verifier, LocalProposer(engine), CostModel(prior), prior, features=features)
         configs.append(Configuration(f"specdec-local[{name}]", "specdec-local", drafter, opts.max_draft, True,
                                      runner=local_runner(loop, opts.max_new_tokens, eos, opts.max_draft, True), note="adaptive"))
         for g in opts.draft_lengths:
-            fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior)
+            fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior, features=features)
             configs.append(Configuration(f"specdec-local[{name},g={g}]", "specdec-local", drafter, g, False,
                                          runner=local_runner(fixed, opts.max_new_tokens, eos, g, False)))
-        if drafter != "ngram":  # an n-gram drafter has one guess per position: its tree is its chain
+        if drafter != "ngram" and not features:  # an n-gram drafter has one guess per position: its tree is its chain
             for budget in opts.tree_budgets:
                 fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior)
                 configs.append(Configuration(f"tree[{name},n={budget},g={opts.max_draft}]", "tree", drafter, opts.max_draft, False,

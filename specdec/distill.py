@@ -379,6 +379,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--corpus", action="append", default=[], help="Text file or folder (repeatable); default: the Debian fortunes.")
     p.add_argument("--out", required=True, help="Folder to write the draft to.")
     p.add_argument("--work-dir", default="", help="Cached data and checkpoints (default: <out>.work).")
+    p.add_argument("--method", default="layers", choices=("layers", "feature"),
+                   help="layers: a small Llama copied from the target's first layers, reading tokens only; feature: one "
+                        "layer that drafts from the target's own hidden states (EAGLE-style, specdec/featuredistill.py).")
     p.add_argument("--layers", type=int, default=2, help="Draft transformer layers (copied from the target's first ones).")
     p.add_argument("--vocab", type=int, default=8192, help="Kept vocabulary size of the pruned head.")
     p.add_argument("--gen-prompts", type=int, default=512, help="Chat prompts the target continues greedily (training data).")
@@ -395,6 +398,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--heldout-prompts", type=int, default=24)
     p.add_argument("--eval-tokens", type=int, default=64)
     p.add_argument("--draft-length", type=int, default=4, help="g for the acceptance report.")
+    p.add_argument("--reg", type=float, default=1.0, help="feature: weight of the smooth-L1 pull towards the target's next feature.")
+    p.add_argument("--unroll", type=int, default=1, help="feature: training passes, each fed the previous one's predicted features.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="Stored weight dtype.")
@@ -486,12 +491,34 @@ def format_report(r: dict) -> str:
     ])
 
 
+def format_feature_report(r: dict) -> str:
+    return "\n".join([
+        f"feature draft: 1 layer over the target's hidden states, {r['kept_vocab']}-token head",
+        f"data: {r['training_sequences']} sequences, {r['training_positions']} positions ({r['data_seconds']:.0f} s)",
+        f"training: {r['steps']} steps x {r['batch']}, unroll {r['unroll']}, loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} "
+        f"({r['train_seconds']:.0f} s)",
+        f"held-out ({r['prompts']} prompts, {r['target_tokens']} target tokens, greedy, draft length {r['draft_length']}):",
+        f"  acceptance {r['acceptance']:.3f}, accepted per step {r['accepted_per_step']:.2f}, "
+        f"tokens per target pass {r['tokens_per_target_pass']:.2f}, per-token agreement {r['per_token_agreement']:.3f}",
+        f"cost: draft {r['draft_ms']:.2f} ms vs target {r['target_ms']:.2f} ms per token -> c = {r['draft_cost_c']:.3f}",
+    ])
+
+
 def main(argv: list[str]) -> int:
     import shlex
     import sys
 
     args = parse_args(argv)
     try:
+        if args.method == "feature":
+            from specdec import featuredistill
+
+            if args.evaluate:
+                print(format_evaluation(featuredistill.evaluate(args)))
+                return 0
+            report = featuredistill.run(args, "specdec distill " + shlex.join(argv))
+            print(format_feature_report(report))
+            return 0
         if args.evaluate:
             print(format_evaluation(evaluate(args)))
             return 0

@@ -6,6 +6,9 @@ directly (tests/test_kvcache.py checks rollback against a fresh forward).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from transformers import DynamicCache
 
@@ -25,6 +28,32 @@ class CausalLM:
         if eos is None:
             eos = getattr(config, "eos_token_id", None)
         self.eos_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
+        # Feature drafts (specdec/eagle.py) read the final norm's output, the vectors the output layer
+        # reads; a forward hook there sees every position, before logits_to_keep drops any.
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        norm = getattr(decoder, "norm", None)
+        self.has_features = isinstance(norm, torch.nn.Module)
+        self._captured: list[torch.Tensor] | None = None
+        if self.has_features:
+            norm.register_forward_hook(self._capture)
+
+    def _capture(self, module, args, output) -> None:
+        if self._captured is not None:
+            self._captured.append(output.detach())
+
+    @contextlib.contextmanager
+    def capturing_features(self) -> Iterator[list[torch.Tensor]]:
+        """Within the block, each forward appends its final hidden states [B, T, H] to the list.
+
+        Not re-entrant and not for concurrent forwards: the engines run one forward at a time.
+        """
+        if not self.has_features:
+            raise ValueError("this model has no final norm (get_decoder().norm) to read hidden states from")
+        self._captured = []
+        try:
+            yield self._captured
+        finally:
+            self._captured = None
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.model.config)

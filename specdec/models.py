@@ -235,7 +235,7 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
 
 # Distilled drafts committed in this repository (specdec/pruned.py format), by alias.
 _REPO_DRAFTS = pathlib.Path(__file__).resolve().parent.parent / "models"
-DRAFT_ALIASES = {"smollm2-135m-draft": "smollm2-135m-draft"}
+DRAFT_ALIASES = {"smollm2-135m-draft": "smollm2-135m-draft", "smollm2-135m-eagle": "smollm2-135m-eagle"}
 
 
 def pruned_draft_folder(spec: str) -> pathlib.Path | None:
@@ -249,7 +249,20 @@ def pruned_draft_folder(spec: str) -> pathlib.Path | None:
     if spec in DRAFT_ALIASES:
         folder = _REPO_DRAFTS / DRAFT_ALIASES[spec]
         if not is_pruned_draft(folder):
+            if feature_draft_folder(spec) is not None:
+                return None
             raise FileNotFoundError(f"draft {spec!r}: {folder} is missing or incomplete (a checkout without models/?)")
         return folder
     path = pathlib.Path(spec).expanduser()
     return path.resolve() if path.is_dir() and is_pruned_draft(path) else None
+
+
+def feature_draft_folder(spec: str) -> pathlib.Path | None:
+    """The folder of a feature draft (specdec/eagle.py) named by alias or path; None for any other spec."""
+    from specdec.eagle import is_feature_draft
+
+    if spec in DRAFT_ALIASES:
+        folder = _REPO_DRAFTS / DRAFT_ALIASES[spec]
+        return folder if is_feature_draft(folder) else None
+    path = pathlib.Path(spec).expanduser()
+    return path.resolve() if path.is_dir() and is_feature_draft(path) else None

@@ -7,6 +7,7 @@ the logits of the last g+1 positions: position i predicts the token after draft 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -15,6 +16,7 @@ import structlog
 import torch
 
 from specdec.errors import InvalidArgument, SpecdecError
+from specdec.features import FeatureRows
 from specdec.kvcache import Sequence, SequenceStore
 from specdec.lm import CausalLM
 from specdec.sampling import SamplingConfig, generator_for, target_probs
@@ -38,6 +40,7 @@ class StepResult:
     compute_seconds: float
     batch_size: int = 1  # rows in the forward pass this result came from
     path: tuple[int, ...] = ()  # tree drafts: the accepted nodes, root to leaf (accepted == len(path))
+    features: FeatureRows | None = None  # return_features: hidden states of the positions made canonical
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,7 @@ class VerifyCall:
     draft_dists: list[tuple[list[int], list[float]]]
     sampling: SamplingConfig
     tree: DraftTree | None = None  # a tree proposal instead of draft_tokens
+    return_features: bool = False  # for a feature draft (specdec/eagle.py)
 
     @property
     def new_positions(self) -> int:
@@ -89,15 +93,29 @@ class TargetEngine:
         draft_tokens: list[int],
         draft_dists: list[tuple[list[int], list[float]]],
         sampling: SamplingConfig,
+        return_features: bool = False,
     ) -> StepResult:
         start = time.perf_counter()
-        call = VerifyCall(sequence_id, known_len, append, draft_tokens, draft_dists, sampling)
+        call = VerifyCall(sequence_id, known_len, append, draft_tokens, draft_dists, sampling, return_features=return_features)
         seq = self._prepare(call)
-        logits = self.lm.forward(seq, draft_tokens, keep=len(draft_tokens) + 1)  # [G+1, V]
+        before = seq.cached
+        with self._capturing(return_features) as hidden:
+            logits = self.lm.forward(seq, draft_tokens, keep=len(draft_tokens) + 1)  # [G+1, V]
         accepted, next_token = self._verdict(call, logits, len(seq.tokens))
         seq.tokens.extend(draft_tokens[:accepted])
         seq.crop_cache(len(seq.tokens))  # roll the rejected draft positions out of the cache
-        return StepResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start)
+        features = self._features(seq, before, hidden[0][0]) if return_features else None
+        return StepResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start, features=features)
+
+    def _capturing(self, wanted: bool):
+        """The final hidden states of the forwards inside, when a call asked for them."""
+        return self.lm.capturing_features() if wanted else contextlib.nullcontext([])
+
+    @staticmethod
+    def _features(seq: Sequence, before: int, hidden: torch.Tensor) -> FeatureRows:
+        """Rows of a forward's positions [before, ...) that are canonical now: the appended tokens
+        and the accepted draft tokens (hidden [T, H] covers the whole forward)."""
+        return FeatureRows(before, hidden[: len(seq.tokens) - before].float().cpu())
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[StepResult | SpecdecError]:
         """Verifies several sequences' proposals in ONE forward pass (specdec/batching.py).
@@ -121,22 +139,27 @@ class TargetEngine:
                 if call.tree is not None:
                     results[index] = self._tree_row(call, seq, start, len(rows))
                     continue
-                logits = self.lm.forward(seq, call.draft_tokens, keep=len(call.draft_tokens) + 1)
-                results[index] = self._finish(call, seq, logits, start, len(rows))
+                before = seq.cached
+                with self._capturing(call.return_features) as hidden:
+                    logits = self.lm.forward(seq, call.draft_tokens, keep=len(call.draft_tokens) + 1)
+                results[index] = self._finish(call, seq, logits, start, len(rows), hidden[0][0] if hidden else None, before)
                 seq.crop_cache(len(seq.tokens))
         elif rows:
             seqs = [seq for _, seq in rows]
             plans = [self._plan(calls[index]) if calls[index].tree is not None else None for index, _ in rows]
             extras = [plan.tokens if plan else calls[index].draft_tokens for plan, (index, _) in zip(plans, rows)]
             trees = [plan.parents if plan else None for plan in plans]
-            logits, state = forward_batch(self.lm, seqs, extras, [len(extra) + 1 for extra in extras], trees)
+            befores = [seq.cached for seq in seqs]
+            with self._capturing(any(calls[index].return_features for index, _ in rows)) as hidden:
+                logits, state = forward_batch(self.lm, seqs, extras, [len(extra) + 1 for extra in extras], trees)
             for row, ((index, seq), plan) in enumerate(zip(rows, plans)):
                 if plan is not None:
                     length = len(seq.tokens)  # the canonical tokens, before the accepted path joins them
                     results[index], path = self._finish_tree(calls[index], seq, plan, logits[row], start, len(rows))
                     state.write_back(row, seq, self.lm, length, [length + node for node in path])
                     continue
-                results[index] = self._finish(calls[index], seq, logits[row], start, len(rows))
+                results[index] = self._finish(calls[index], seq, logits[row], start, len(rows),
+                                              hidden[0][row] if hidden else None, befores[row])
                 state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
         return results
 
@@ -179,6 +202,10 @@ class TargetEngine:
         self._validate(call.append, call.draft_tokens, call.draft_dists, call.sampling)
         if call.tree is not None:
             self._validate_tree(call)
+        if call.return_features and call.tree is not None:
+            raise InvalidArgument("return_features", "is for chains: a draft_tree cannot ask for features")
+        if call.return_features and not self.lm.has_features:
+            raise InvalidArgument("return_features", "this target model has no final norm to read hidden states from")
         seq = self.store.sync(call.sequence_id, call.known_len, call.append)
         total = len(seq.tokens) + len(call.draft_tokens)
         if call.tree is not None and call.tree.tokens:
@@ -187,10 +214,13 @@ class TargetEngine:
             raise InvalidArgument("draft_tokens", f"sequence would hold {total} tokens, past the target's context of {self.lm.max_context}")
         return seq
 
-    def _finish(self, call: VerifyCall, seq: Sequence, logits: torch.Tensor, start: float, batch_size: int) -> StepResult:
+    def _finish(self, call: VerifyCall, seq: Sequence, logits: torch.Tensor, start: float, batch_size: int,
+                hidden: torch.Tensor | None = None, before: int = 0) -> StepResult:
+        """The verdict; appends the accepted tokens. hidden [T, H]: the row's final hidden states."""
         accepted, next_token = self._verdict(call, logits, len(seq.tokens))
         seq.tokens.extend(call.draft_tokens[:accepted])
-        return StepResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start, batch_size)
+        features = self._features(seq, before, hidden) if call.return_features and hidden is not None else None
+        return StepResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start, batch_size, features=features)
 
     def _verdict(self, call: VerifyCall, logits: torch.Tensor, position: int) -> tuple[int, int]:
         """(accepted, next token) of one row; logits [G+1, V]; `position` is the first draft token's index."""

@@ -62,6 +62,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             dists,
             sampling_from_proto(request.sampling),
             tree,
+            request.return_features,
         ))
         m = metrics.target()
         m.verify_seconds.observe(result.compute_seconds)
@@ -69,13 +70,17 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         m.draft_tokens.inc(len(request.draft_tokens) + len(request.draft_tree.tokens))
         m.accepted_tokens.inc(result.accepted)
         m.sequences.set(len(self.engine.store))
-        return pb.VerifyResponse(
+        response = pb.VerifyResponse(
             accepted=result.accepted,
             next_token=result.next_token,
             compute_seconds=result.compute_seconds,
             cached_len=result.cached_len,
             accepted_path=result.path,
         )
+        if result.features is not None:
+            f = result.features
+            response.features.CopyFrom(pb.Features(start=f.start, rows=f.rows, dim=int(f.values.shape[1]), data=f.to_bytes()))
+        return response
 
     @rpc_method
     async def Release(self, request, context):

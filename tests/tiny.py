@@ -30,3 +30,38 @@ def reference_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens:
                          eos_token_id=EOS, pad_token_id=EOS)
     new = out[0, len(prompt):].tolist()
     return new[: new.index(EOS) + 1] if EOS in new else new
+
+
+def feature_draft_of(target: LlamaForCausalLM, kept: list[int] | None = None, noise: float = 0.0, seed: int = 0):
+    """A feature draft (specdec/eagle.py) that nearly reproduces a ONE-layer target: fc passes the
+    token's embedding through, the layer and norm are the target's, so its predicted feature is
+    the target's own up to the missing first position in attention. High but imperfect acceptance
+    (and `noise` lowers it) exercises acceptance, rejection and bonus tokens alike."""
+    from specdec.eagle import FeatureDraft
+
+    config = target.config
+    if config.num_hidden_layers != 1:
+        raise ValueError("feature_draft_of copies a one-layer target")
+    kept = list(range(config.vocab_size)) if kept is None else kept
+    draft = FeatureDraft(config, kept, config.vocab_size)
+    hidden = config.hidden_size
+    with torch.no_grad():
+        draft.embed.weight.copy_(target.model.embed_tokens.weight)
+        draft.body.layers[0].load_state_dict(target.model.layers[0].state_dict())
+        draft.body.norm.weight.copy_(target.model.norm.weight)
+        draft.head.weight.copy_(target.lm_head.weight[torch.tensor(kept)])
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, :hidden] = torch.eye(hidden)
+        draft.fc.bias.zero_()
+        gen = torch.Generator().manual_seed(seed)
+        for param in draft.body.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std().clamp(min=1e-3))
+    return draft.eval()
+
+
+def one_layer_target(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(layers=1)).eval()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = EOS
+    return model
