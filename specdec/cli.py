@@ -70,18 +70,22 @@ def _health_ok(address: str, timeout: float = 1.0) -> bool:
 def default_drafter(target_model: str, draft_model: str = "") -> tuple[str, str]:
     """(drafter, draft model) for `specdec up --drafter auto`.
 
-    A named draft model wins; the default target gets the draft distilled for it and committed in
-    models/ (when the checkout has it); any other target gets the n-gram drafter, which needs no
-    weights and is never slower than the target alone by more than its microseconds.
+    A named draft model wins; the default target gets the draft trained for it and committed in
+    models/ (when the checkout has it: the feature draft first, then a pruned distilled one); any
+    other target gets the n-gram drafter, which needs no weights and is never slower than the
+    target alone by more than its microseconds.
     """
+    from specdec.eagle import is_feature_draft
     from specdec.models import DEFAULT_TARGET, DRAFT_ALIASES, _REPO_DRAFTS
     from specdec.pruned import is_pruned_draft
 
     if draft_model:
         return "model", draft_model
-    alias = next(iter(DRAFT_ALIASES))
-    if target_model == DEFAULT_TARGET and is_pruned_draft(_REPO_DRAFTS / DRAFT_ALIASES[alias]):
-        return "model", alias
+    if target_model == DEFAULT_TARGET:
+        for alias in ("smollm2-135m-eagle", "smollm2-135m-draft"):
+            folder = _REPO_DRAFTS / DRAFT_ALIASES[alias]
+            if is_feature_draft(folder) or is_pruned_draft(folder):
+                return "model", alias
     return "ngram", ""
 
 
@@ -97,7 +101,7 @@ def cmd_up(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     ports = {"coordinator": args.port, "target": args.port + 1, "draft": args.port + 2}
     target_flags = ["--model", args.target_model] if args.target_model else []
-    from specdec.models import DEFAULT_TARGET, pruned_draft_folder
+    from specdec.models import DEFAULT_TARGET, feature_draft_folder, pruned_draft_folder
 
     # Another model may speak another vocabulary: the draft then maps its tokens to the target's
     # (it falls back to plain drafting when the two tokenizers turn out identical).
@@ -106,7 +110,8 @@ def cmd_up(argv: list[str]) -> int:
         args.drafter, args.draft_model = default_drafter(target_model, args.draft_model)
     # A pruned distilled draft is built on its target's vocabulary: no mapping between tokenizers.
     cross = ["--target-tokenizer", target_model] if (args.drafter == "model" and args.draft_model and args.draft_model != target_model
-                                                     and pruned_draft_folder(args.draft_model) is None) else []
+                                                     and pruned_draft_folder(args.draft_model) is None
+                                                     and feature_draft_folder(args.draft_model) is None) else []
     commands = {
         "target": ["target", "--port", str(ports["target"]), "--device", args.device, *target_flags],
         "draft": ["draft", "--port", str(ports["draft"]), "--drafter", args.drafter, "--device", args.device,

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from specdec.distill import _progress, chat_ids, load_corpus, make_prompts, simulate_greedy
+from specdec.distill import _progress, chat_ids, load_corpus, make_prompts
 from specdec.eagle import FeatureDraft, init_from_target, save_feature_draft
 
 

@@ -41,22 +41,54 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_equals_target_alone_with_ngram_draft(real, prompt):
-    loaded, client = real
-    ids = chat_ids(loaded.tokenizer, prompt)
+def target_alone(loaded, ids: list[int]) -> list[int]:
     with torch.inference_mode():
         out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)
     expected = out[0, len(ids):].tolist()
     eos = set(loaded.model.generation_config.eos_token_id if isinstance(loaded.model.generation_config.eos_token_id, list) else [loaded.model.generation_config.eos_token_id])
     for i, token in enumerate(expected):
         if token in eos:
-            expected = expected[: i + 1]
-            break
+            return expected[: i + 1]
+    return expected
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_equals_target_alone_with_ngram_draft(real, prompt):
+    loaded, client = real
+    ids = chat_ids(loaded.tokenizer, prompt)
+    expected = target_alone(loaded, ids)
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW)
     response = client.Generate(request, timeout=300)
     assert list(response.token_ids) == expected
     assert response.stats.steps <= len(expected)
+
+
+@pytest.fixture(scope="module")
+def real_feature_draft(real):
+    from specdec.models import feature_draft_folder
+
+    if feature_draft_folder("smollm2-135m-eagle") is None:
+        pytest.skip("no committed feature draft in models/smollm2-135m-eagle")
+    loaded, _ = real
+    stack = Stack()
+    target = stack.target(DEFAULT_TARGET)
+    draft = stack.draft(drafter="model", model="smollm2-135m-eagle")
+    yield loaded, stack.client(stack.coordinator(target, draft, loaded.tokenizer))
+    stack.stop()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_equals_target_alone_with_the_committed_feature_draft(real_feature_draft, prompt):
+    """The target's hidden states travel Verify -> coordinator -> Propose for real; the output is unchanged."""
+    loaded, client = real_feature_draft
+    ids = chat_ids(loaded.tokenizer, prompt)
+    expected = target_alone(loaded, ids)
+    for draft_length in (2, 4):
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=MAX_NEW,
+                                     speculation=pb.SpeculationParams(draft_length=draft_length, adaptive=False))
+        response = client.Generate(request, timeout=300)
+        assert list(response.token_ids) == expected
+        assert response.stats.draft_tokens > 0 and response.stats.accepted_tokens > 0
 
 
 def free_port_block(size: int = 3) -> int:
