@@ -471,7 +471,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 
 def format_evaluation(r: dict) -> str:
     return "\n".join([
-        f"draft: {r['layers']} layers, {r['kept_vocab']}-token head",
+        f"draft: {r['layers']} layer{'s' if r['layers'] != 1 else ''}, {r['kept_vocab']}-token head"
+        + (" over the target's hidden states" if r.get("method") == "feature" else ""),
         f"held-out ({r['prompts']} prompts, {r['target_tokens']} target tokens, greedy, draft length {r['draft_length']}):",
         f"  acceptance {r['acceptance']:.3f}, accepted per step {r['accepted_per_step']:.2f}, "
         f"tokens per target pass {r['tokens_per_target_pass']:.2f}, per-token agreement {r['per_token_agreement']:.3f}",

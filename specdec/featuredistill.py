@@ -303,4 +303,4 @@ def evaluate(args) -> dict:
     eos = set([eos_cfg] if isinstance(eos_cfg, int) else (eos_cfg or [loaded.tokenizer.eos_token_id]))
     heldout = build_data(args, loaded.model, loaded.tokenizer, passages, eos, heldout=True)
     return {**measure_acceptance(draft, heldout, args.draft_length), **measure_cost(loaded.model, draft),
-            "layers": 1, "kept_vocab": len(draft.kept_ids)}
+            "layers": 1, "kept_vocab": len(draft.kept_ids), "method": "feature"}
