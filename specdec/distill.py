@@ -265,39 +265,46 @@ def distill_loss(draft: PrunedDraft, batch) -> torch.Tensor:
     return (per_pos * mask).sum() / mask.sum().clamp(min=1)
 
 
-def train(args, draft: PrunedDraft, data: list[dict], lookup: torch.Tensor) -> list[float]:
-    """AdamW with warm-up and cosine decay; checkpoints every --checkpoint-every steps, resumes from one."""
-    work = pathlib.Path(args.work_dir)
-    ckpt = work / "checkpoint.pt"
-    params = [p for p in draft.parameters() if p.requires_grad]
+def train_loop(args, model: torch.nn.Module, count: int, loss_of, ckpt: pathlib.Path, title: str, stored) -> list[float]:
+    """The training loop both methods share: seeded shuffled batches of `count` examples, AdamW with
+    warm-up and cosine decay, gradient clipping, a checkpoint every --checkpoint-every steps.
+
+    loss_of(indices, rng) -> (loss, progress note); it may draw from rng (the same generator as the
+    batch order, so an unbroken run is a function of --seed). stored(key): which state-dict entries
+    the checkpoint keeps (not the target's shared embedding). A run finds its checkpoint and goes
+    on from it, replaying the batch order so it trains on what an unbroken run would.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
     step, losses = 0, []
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
-        draft.load_state_dict(state["model"], strict=False)
+        model.load_state_dict(state["model"], strict=False)
         opt.load_state_dict(state["opt"])
         step, losses = state["step"], state["losses"]
     rng = random.Random(args.seed)
     order: list[int] = []
-    for _ in range(step):  # replay the data order so a resumed run sees what an unbroken one would
-        if not order:
-            order = list(range(len(data)))
-            rng.shuffle(order)
-        del order[: args.batch]
 
-    def lr_at(s):
+    def next_batch() -> list[int]:
+        nonlocal order
+        if len(order) < args.batch:
+            order = list(range(count))
+            rng.shuffle(order)
+        chosen, order = order[: args.batch], order[args.batch:]
+        return chosen
+
+    for _ in range(step):
+        next_batch()
+
+    def lr_at(s: int) -> float:
         warm = max(1, args.steps // 20)
         return args.lr * min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
 
-    draft.train()
+    model.train()
     with _progress() as progress:
-        task = progress.add_task("distilling", total=args.steps, completed=step, info="")
+        task = progress.add_task(title, total=args.steps, completed=step, info="")
         while step < args.steps:
-            if len(order) < args.batch:
-                order = list(range(len(data)))
-                rng.shuffle(order)
-            chosen, order = order[: args.batch], order[args.batch:]
-            loss = distill_loss(draft, make_batch([data[i] for i in chosen], lookup))
+            loss, note = loss_of(next_batch(), rng)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
             opt.zero_grad(set_to_none=True)
@@ -306,14 +313,18 @@ def train(args, draft: PrunedDraft, data: list[dict], lookup: torch.Tensor) -> l
             opt.step()
             step += 1
             losses.append(loss.item())
-            recent = statistics.fmean(losses[-20:])
-            progress.update(task, advance=1, info=f"loss {recent:.3f}")
+            progress.update(task, advance=1, info=f"loss {statistics.fmean(losses[-20:]):.3f}{note}")
             if step % args.checkpoint_every == 0 or step == args.steps:
-                trainable = {k: v for k, v in draft.state_dict().items() if "embed_tokens" not in k}
-                torch.save({"model": trainable, "opt": opt.state_dict(), "step": step, "losses": losses}, ckpt.with_suffix(".tmp"))
+                kept = {k: v for k, v in model.state_dict().items() if stored(k)}
+                torch.save({"model": kept, "opt": opt.state_dict(), "step": step, "losses": losses}, ckpt.with_suffix(".tmp"))
                 ckpt.with_suffix(".tmp").rename(ckpt)
-    draft.eval()
+    model.eval()
     return losses
+
+
+def train(args, draft: PrunedDraft, data: list[dict], lookup: torch.Tensor) -> list[float]:
+    return train_loop(args, draft, len(data), lambda chosen, _rng: (distill_loss(draft, make_batch([data[i] for i in chosen], lookup)), ""),
+                      pathlib.Path(args.work_dir) / "checkpoint.pt", "distilling", lambda key: "embed_tokens" not in key)
 
 
 def simulate_greedy(hits: list[bool], g: int) -> tuple[int, int, int]:

@@ -17,7 +17,6 @@ Stages, each cached under --work-dir so a killed run resumes:
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import random
 import statistics
@@ -25,7 +24,7 @@ import time
 
 import torch
 
-from specdec.distill import _progress, chat_ids, load_corpus, make_prompts
+from specdec.distill import _progress, chat_ids, load_corpus, make_prompts, train_loop
 from specdec.eagle import FeatureDraft, init_from_target, save_feature_draft
 
 
@@ -123,55 +122,16 @@ def feature_loss(draft: FeatureDraft, head: torch.Tensor, batch, reg: float, unr
 
 
 def train(args, draft: FeatureDraft, head: torch.Tensor, data: list[dict]) -> list[float]:
-    """AdamW, warm-up then cosine decay; checkpoints every --checkpoint-every steps, resumes from one."""
-    ckpt = pathlib.Path(args.work_dir) / "feature_checkpoint.pt"
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    step, losses = 0, []
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        draft.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["opt"])
-        step, losses = state["step"], state["losses"]
-    rng = random.Random(args.seed)
-    order: list[int] = []
-    for _ in range(step):  # replay the data order (and window choices are re-drawn: harmless)
-        if len(order) < args.batch:
-            order = list(range(len(data)))
-            rng.shuffle(order)
-        del order[: args.batch]
-
-    def lr_at(s: int) -> float:
-        warm = max(1, args.steps // 20)
-        return args.lr * min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
-
-    draft.train()
+    """distill.train_loop over random windows of the data; the progress bar also shows agreement."""
     agreements: list[float] = []
-    with _progress() as progress:
-        task = progress.add_task("training the feature draft", total=args.steps, completed=step, info="")
-        while step < args.steps:
-            if len(order) < args.batch:
-                order = list(range(len(data)))
-                rng.shuffle(order)
-            chosen, order = order[: args.batch], order[args.batch:]
-            loss, agreement = feature_loss(draft, head, make_batch([data[i] for i in chosen], args.seq_len, rng), args.reg, args.unroll)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            losses.append(loss.item())
-            agreements.append(agreement)
-            progress.update(task, advance=1, info=f"loss {statistics.fmean(losses[-20:]):.3f}, "
-                                                  f"agreement {statistics.fmean(agreements[-20:]):.3f}")
-            if step % args.checkpoint_every == 0 or step == args.steps:
-                trainable = {k: v for k, v in draft.state_dict().items() if not k.startswith("embed.")}
-                torch.save({"model": trainable, "opt": opt.state_dict(), "step": step, "losses": losses}, ckpt.with_suffix(".tmp"))
-                ckpt.with_suffix(".tmp").rename(ckpt)
-    draft.eval()
-    return losses
+
+    def loss_of(chosen: list[int], rng: random.Random):
+        loss, agreement = feature_loss(draft, head, make_batch([data[i] for i in chosen], args.seq_len, rng), args.reg, args.unroll)
+        agreements.append(agreement)
+        return loss, f", agreement {statistics.fmean(agreements[-20:]):.3f}"
+
+    return train_loop(args, draft, len(data), loss_of, pathlib.Path(args.work_dir) / "feature_checkpoint.pt",
+                      "training the feature draft", lambda key: not key.startswith("embed."))
 
 
 def _crop(cache, length: int) -> None:

@@ -3,7 +3,6 @@ and the output stays the target's own, in process and over gRPC, through rollbac
 
 from __future__ import annotations
 
-import asyncio
 
 import grpc
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 from coordinator.adapt import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
+from coordinator.loop import SpeculativeLoop, Stats
 from draft_service.engine import DraftEngine, DraftSettings
 from draft_service.featuredraft import FeatureDrafter
 from protos import specdec_pb2 as pb
@@ -24,6 +23,7 @@ from target_service.engine import TargetEngine, VerifyCall
 from tests import tiny
 from tests.stack import Stack
 from tests.test_loop import EvictingVerifier, FlakyProposer
+from tests.test_loop import run as run_loop
 
 MAX_NEW = 24
 CPU = torch.device("cpu")
@@ -39,19 +39,9 @@ def engines(target, **draft_kwargs):
     return TargetEngine(CausalLM(target, CPU)), DraftEngine(drafter)
 
 
-def run(loop: SpeculativeLoop, prompt: list[int], max_new: int = MAX_NEW, **kwargs) -> tuple[list[int], Stats]:
-    spec = GenerationSpec(request_id="r", prompt_ids=prompt, max_new_tokens=max_new, sampling=kwargs.pop("sampling", SamplingConfig()),
-                          draft_length=kwargs.pop("draft_length", 4), adaptive=kwargs.pop("adaptive", False),
-                          eos_token_ids=frozenset({tiny.EOS}), **kwargs)
-    stats = Stats()
-
-    async def collect():
-        out = []
-        async for step in loop.run(spec, stats):
-            out.extend(step.tokens)
-        return out
-
-    return asyncio.run(collect()), stats
+def run(loop: SpeculativeLoop, prompt: list[int], **kwargs) -> tuple[list[int], Stats]:
+    """A fixed draft length unless a test asks for the adaptive policy."""
+    return run_loop(loop, prompt, MAX_NEW, **{"adaptive": False, **kwargs})
 
 
 def loop_over(verifier, proposer, **kwargs) -> SpeculativeLoop:

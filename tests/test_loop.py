@@ -30,8 +30,8 @@ def engines(pair):
     return TargetEngine(CausalLM(target_model, cpu)), DraftEngine(ModelDrafter(CausalLM(draft_model, cpu)))
 
 
-def run(loop: SpeculativeLoop, prompt: list[int], **kwargs) -> tuple[list[int], Stats]:
-    spec = GenerationSpec(request_id="r", prompt_ids=prompt, max_new_tokens=MAX_NEW, sampling=kwargs.pop("sampling", SamplingConfig()),
+def run(loop: SpeculativeLoop, prompt: list[int], max_new: int = MAX_NEW, **kwargs) -> tuple[list[int], Stats]:
+    spec = GenerationSpec(request_id="r", prompt_ids=prompt, max_new_tokens=max_new, sampling=kwargs.pop("sampling", SamplingConfig()),
                           draft_length=kwargs.pop("draft_length", 4), adaptive=kwargs.pop("adaptive", True),
                           eos_token_ids=frozenset({tiny.EOS}), **kwargs)
     stats = Stats()
