@@ -91,7 +91,7 @@ def cmd_up(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specdec up", description="Start draft, target and coordinator on loopback, wait until all are healthy, and keep them running until Ctrl-C.")
     parser.add_argument("--target-model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--drafter", default="auto", choices=("auto", "ngram", "model"),
-                        help="auto: the distilled draft committed for the default target (models/), else n-gram.")
+                        help="auto: n-gram, or a pruned distilled draft committed for the default target (models/smollm2-135m-draft). The feature draft: --drafter model --draft-model smollm2-135m-eagle.")
     parser.add_argument("--draft-model", default="", help="Draft model for --drafter model (default with auto: smollm2-135m-draft).")
     parser.add_argument("--port", type=int, default=50051, help="Coordinator port; the target takes port+1, the draft port+2.")
     parser.add_argument("--device", default="auto")
