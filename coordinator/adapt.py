@@ -164,6 +164,13 @@ class DraftLengthPolicy:
             self.probe_every = self.min_probe_every
         return gamma, self.threshold
 
+    def nothing_drafted(self) -> None:
+        """The draft was asked for tokens and sent none: its own first token already fell under the
+        threshold. Rejections only ever raise the threshold, so without this a draft whose
+        probabilities run low (a draft trained on soft labels) is shut out for good once it reaches
+        the upper bound: no draft, no observation, no way back down."""
+        self.threshold = max(self.threshold_bounds[0], self.threshold * self.threshold_down)
+
     def observe(self, drafted: int, accepted: int) -> None:
         if self.probing and accepted == 0:
             self.probe_every = min(self.max_probe_every, self.probe_every * 2)

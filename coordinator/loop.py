@@ -232,6 +232,8 @@ class SpeculativeLoop:
                         draft_known = len(tokens)
                         draft_features = len(feature_log) if feature_log is not None else 0
                         draft_wall = draft.wall_seconds
+                        if not draft.tokens and min_prob > 0:
+                            policy.nothing_drafted()
                     except Exception as exc:  # noqa: BLE001 - a failing draft only costs speed
                         stats.draft_failures += 1
                         skip_draft_until = stats.steps + DRAFT_RETRY_STEPS

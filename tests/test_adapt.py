@@ -48,6 +48,19 @@ def test_threshold_rises_after_rejections_and_falls_after_full_accepts():
     assert policy.threshold < raised
 
 
+def test_an_empty_draft_lowers_the_threshold_so_a_shy_draft_gets_back_in():
+    policy = DraftLengthPolicy(max_length=8)
+    for _ in range(20):
+        policy.observe(drafted=2, accepted=0)
+    assert policy.threshold == policy.threshold_bounds[1]  # rejections alone pin it at the top
+    for _ in range(5):
+        policy.nothing_drafted()
+    assert policy.threshold < 0.2 * policy.threshold_bounds[1]
+    for _ in range(50):
+        policy.nothing_drafted()
+    assert policy.threshold == policy.threshold_bounds[0]
+
+
 def test_acceptance_estimate_follows_observations():
     policy = DraftLengthPolicy(max_length=8)
     for _ in range(30):
