@@ -157,6 +157,8 @@ def test_feature_log_replaces_from_start_and_refuses_gaps():
     assert log.since(102) is None
     with pytest.raises(ValueError, match="gap"):
         log.put(FeatureRows(103, torch.ones(1, 4)))
+    huge = FeatureRows(0, torch.tensor([[1e6, -1e6]]))
+    assert FeatureRows.from_wire(0, 1, 2, huge.to_bytes()).values.tolist() == [[65504.0, -65504.0]]
     wire = FeatureRows(5, torch.randn(3, 4))
     back = FeatureRows.from_wire(5, 3, 4, wire.to_bytes())
     torch.testing.assert_close(back.values, wire.values, atol=2e-3, rtol=1e-3)
