@@ -24,7 +24,7 @@ from draft_service.engine import DraftSettings, ModelDrafter, Proposal
 from specdec.eagle import FeatureDraft
 from specdec.errors import InvalidArgument
 from specdec.features import FeatureRows
-from specdec.kvcache import Sequence
+from specdec.kvcache import Sequence, crop_to
 
 
 @dataclasses.dataclass
@@ -96,7 +96,7 @@ class FeatureDrafter(ModelDrafter):
         # a step abandoned mid-way (a cancelled call) may have left predicted pairs behind.
         keep = min(seq.cached, true_pairs - 1)
         if seq.cache is not None and keep > 0:
-            _crop_to(seq.cache, keep)
+            crop_to(seq.cache, keep)
         else:
             seq.cache = self.model.new_cache()
             keep = 0
@@ -121,14 +121,7 @@ class FeatureDrafter(ModelDrafter):
                     return
                 feature, logits = self.model(feature[:, -1:], torch.tensor([[proposal.token]], device=device), seq.cache, use_cache=True)
         finally:
-            _crop_to(seq.cache, true_pairs)  # predicted pairs never outlive the step
-
-
-def _crop_to(cache, length: int) -> None:
-    """Keeps the first `length` positions (transformers' crop takes the number to drop, negated)."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+            crop_to(seq.cache, true_pairs)  # predicted pairs never outlive the step
 
 
 def load_feature_drafter(folder, device: str = "auto", dtype: str = "auto", top_k: int = 32) -> FeatureDrafter:

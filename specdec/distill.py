@@ -108,6 +108,12 @@ def make_prompts(passages: list[str], count: int, seed: int, heldout: bool) -> l
     return out
 
 
+def target_eos(model, tokenizer) -> set[int]:
+    """The target's end-of-sequence ids: its generation config's, else the tokenizer's."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    return set([eos] if isinstance(eos, int) else (eos or [tokenizer.eos_token_id]))
+
+
 def chat_ids(tokenizer, prompt: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -434,8 +440,7 @@ def run(args: argparse.Namespace, command: str = "") -> dict:
         raise ValueError(f"target {args.target!r} is a {target.config.model_type!r} model; distill copies Llama-shaped layers")
     if not 1 <= args.layers <= target.config.num_hidden_layers:
         raise ValueError(f"--layers must be in [1, {target.config.num_hidden_layers}]")
-    eos_cfg = getattr(target.generation_config, "eos_token_id", None)
-    eos = set([eos_cfg] if isinstance(eos_cfg, int) else (eos_cfg or [tokenizer.eos_token_id]))
+    eos = target_eos(target, tokenizer)
     t0 = time.perf_counter()
     data = build_data(args, target, tokenizer, passages, eos)
     t_data = time.perf_counter() - t0
@@ -473,8 +478,7 @@ def evaluate(args: argparse.Namespace) -> dict:
     passages = load_corpus(args.corpus)
     loaded = load_model(args.target, "cpu", "float32")
     draft, _meta = load_draft(args.out, "cpu", torch.float32, target_override=args.target)
-    eos_cfg = getattr(loaded.model.generation_config, "eos_token_id", None)
-    eos = set([eos_cfg] if isinstance(eos_cfg, int) else (eos_cfg or [loaded.tokenizer.eos_token_id]))
+    eos = target_eos(loaded.model, loaded.tokenizer)
     heldout = make_prompts(passages, args.heldout_prompts, args.seed, heldout=True)
     acc = measure_acceptance(loaded.model, draft, loaded.tokenizer, heldout, args.eval_tokens, args.draft_length, eos)
     return {**acc, **measure_cost(loaded.model, draft), "layers": draft.config.num_hidden_layers, "kept_vocab": len(draft.kept_ids)}

@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from specdec.distill import _progress, chat_ids, load_corpus, make_prompts, train_loop
+from specdec.distill import _progress, chat_ids, load_corpus, make_prompts, target_eos, train_loop
+from specdec.kvcache import crop_to
 from specdec.eagle import FeatureDraft, init_from_target, save_feature_draft
 
 
@@ -134,12 +135,6 @@ def train(args, draft: FeatureDraft, head: torch.Tensor, data: list[dict]) -> li
                       "training the feature draft", lambda key: not key.startswith("embed."))
 
 
-def _crop(cache, length: int) -> None:
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
-
-
 @torch.inference_mode()
 def chain_hits(draft: FeatureDraft, record: dict, g: int) -> tuple[int, int, int]:
     """(steps, drafted, accepted) of greedy speculation over one held-out record, drafting as the
@@ -162,7 +157,7 @@ def chain_hits(draft: FeatureDraft, record: dict, g: int) -> tuple[int, int, int
                 break
             k, token = k + 1, torch.tensor([[guess]])
         steps, drafted, accepted = steps + 1, drafted + g, accepted + k
-        _crop(cache, kept)
+        crop_to(cache, kept)
         after = min(n, pos + k + 1)
         draft(feats[None, pos - 2: after - 2], tokens[None, pos - 1: after - 1], cache, use_cache=True)  # the true pairs
         pos = after
@@ -199,12 +194,12 @@ def measure_cost(target, draft: FeatureDraft, context: int = 128, reps: int = 40
         start = time.perf_counter()
         target(input_ids=nxt, past_key_values=tcache, use_cache=True, logits_to_keep=1)
         times["target"].append(time.perf_counter() - start)
-        _crop(tcache, context)
+        crop_to(tcache, context)
         start = time.perf_counter()
         _, logits = draft(feature, nxt, dcache, use_cache=True)
         int(draft.to_target_logits(logits[0, -1]).argmax())
         times["draft"].append(time.perf_counter() - start)
-        _crop(dcache, context)
+        crop_to(dcache, context)
     t, d = statistics.median(times["target"]), statistics.median(times["draft"])
     return {"target_ms": t * 1e3, "draft_ms": d * 1e3, "draft_cost_c": d / t}
 
@@ -222,8 +217,7 @@ def run(args, command: str = "") -> dict:
         raise ValueError(f"target {args.target!r} has no tokenizer: distillation needs one to build prompts")
     if getattr(target.config, "model_type", "") != "llama":
         raise ValueError(f"target {args.target!r} is a {target.config.model_type!r} model; the feature draft copies a Llama layer")
-    eos_cfg = getattr(target.generation_config, "eos_token_id", None)
-    eos = set([eos_cfg] if isinstance(eos_cfg, int) else (eos_cfg or [tokenizer.eos_token_id]))
+    eos = target_eos(target, tokenizer)
     t0 = time.perf_counter()
     data = build_data(args, target, tokenizer, passages, eos)
     heldout = build_data(args, target, tokenizer, passages, eos, heldout=True)
@@ -259,8 +253,7 @@ def evaluate(args) -> dict:
     passages = load_corpus(args.corpus)
     loaded = load_model(args.target, "cpu", "float32")
     draft, _meta = load_feature_draft(args.out, "cpu", torch.float32, target_override=args.target)
-    eos_cfg = getattr(loaded.model.generation_config, "eos_token_id", None)
-    eos = set([eos_cfg] if isinstance(eos_cfg, int) else (eos_cfg or [loaded.tokenizer.eos_token_id]))
+    eos = target_eos(loaded.model, loaded.tokenizer)
     heldout = build_data(args, loaded.model, loaded.tokenizer, passages, eos, heldout=True)
     return {**measure_acceptance(draft, heldout, args.draft_length), **measure_cost(loaded.model, draft),
             "layers": 1, "kept_vocab": len(draft.kept_ids), "method": "feature"}

@@ -51,6 +51,14 @@ class Sequence:
         self.cached = min(self.cached, length)
 
 
+def crop_to(cache, length: int) -> None:
+    """Keeps a transformers cache's first `length` positions, whatever it holds now (transformers'
+    crop takes the number to drop, negated; Sequence.crop_cache trusts `cached`, this does not)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 class SequenceStore:
     """The sequences a service holds, least recently used first, with a capacity.
 
