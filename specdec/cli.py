@@ -51,6 +51,10 @@ def cmd_serve(argv: list[str]) -> int:
     cls, prefix, serve = _service(argv[0])
     config = cfg.from_argv(cls, argv[1:], prefix, prog=f"specdec serve {argv[0]}")
     configure(config.log_format, config.log_level)
+    if argv[0] != "coordinator":  # the model services: torch's threads for the engine's worker only
+        from specdec.compute import confine
+
+        confine()
     asyncio.run(serve(config))
     return 0
 

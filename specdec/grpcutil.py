@@ -261,7 +261,10 @@ class EngineHost:
         self.role = role
         self._engine = None
         self.info = None
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=role)
+        from specdec.compute import enter_compute_thread  # torch's threads belong to this worker (specdec/compute.py)
+
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=role,
+                                                              initializer=enter_compute_thread)
 
     def attach(self, engine, info) -> None:
         self.info = info

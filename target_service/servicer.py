@@ -107,7 +107,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     if signals:
         server.install_signal_handlers(config.grace_s)
     log.info("target listening", port=server.port, model=config.model, metrics_port=metrics_port)
-    loaded = await asyncio.to_thread(load_model, config.model, config.device, config.dtype)
+    loaded = await servicer.host.run(load_model, config.model, config.device, config.dtype)  # on the compute thread
     engine = TargetEngine(CausalLM(loaded.model, loaded.device), config.max_sequences, config.idle_timeout_s)
     await servicer.host.run(engine.warm_up)
     info = pb.ModelInfo(

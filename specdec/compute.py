@@ -1,0 +1,46 @@
+"""Which thread of a service process runs torch's parallel kernels: one, the engine's worker.
+
+The CPU torch wheels parallelise with GNU OpenMP (libgomp), which gives every thread that enters
+a parallel region a team of its own worker threads. Once a process holds more OpenMP threads than
+the machine has cores, libgomp stops letting idle team threads spin between regions: they sleep
+on a futex, and every region pays a wake-up. A model forward is hundreds of short regions, so the
+whole forward slows down, for the rest of the process's life.
+
+One stray op is enough. On 2 cores, a SmolLM2-135M verify of 5 tokens took ~60 ms on the engine's
+worker. It took ~90-100 ms from the moment the event-loop thread ran a single clamp() over a
+2000 x 576 tensor (the target's feature encoding did). Over gRPC with the feature draft, the
+target's verify was ~1.6x its in-process time, and a target that had served one feature-draft
+request stayed that slow for every request after it.
+
+So `specdec serve` confines torch's parallelism to the compute thread. The engine's worker
+(grpcutil.EngineHost) gets the threads torch would have used, and every other thread (the event
+loop, executor threads) runs whatever torch ops it has single-threaded. Processes that never call
+`confine` (tests, `specdec bench`, in-process stacks) keep torch's defaults.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_compute_threads: int | None = None
+
+
+def confine() -> None:
+    """Keeps torch's intra-op threads for the compute thread; this thread (the event loop's)
+    gets one. Idempotent; call before any thread of the process has run a parallel torch op."""
+    global _compute_threads
+    if _compute_threads is None:
+        _compute_threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+
+def enter_compute_thread() -> None:
+    """The compute worker's initializer: all the intra-op threads `confine` kept (a no-op in a
+    process that did not confine). The setting is per thread under OpenMP."""
+    if _compute_threads is not None:
+        torch.set_num_threads(_compute_threads)
+
+
+def compute_threads() -> int:
+    """Intra-op threads of the compute thread: what a service reports and logs."""
+    return _compute_threads if _compute_threads is not None else torch.get_num_threads()
