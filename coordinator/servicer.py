@@ -367,8 +367,8 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, 
     if tokenizer is None:
         from specdec.models import load_tokenizer
 
-        tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer)
-    target, target_info, draft, draft_info = await connect_backends(config)
+        tokenizer = await server.loading(asyncio.to_thread(load_tokenizer, config.tokenizer))
+    target, target_info, draft, draft_info = await server.loading(connect_backends(config))
     servicer.attach(tokenizer, target, target_info, draft, draft_info)
     await server.mark_serving()
     log.info("coordinator serving", port=server.port, target_model=target_info.model,

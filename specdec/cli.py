@@ -55,7 +55,11 @@ def cmd_serve(argv: list[str]) -> int:
         from specdec.compute import confine
 
         confine()
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except (ValueError, OSError) as exc:  # a bad --model/--tokenizer, a busy port: the message, not a traceback
+        print(f"specdec serve {argv[0]}: error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -219,6 +219,18 @@ class Server:
             if inspect.isawaitable(result):
                 await result
 
+    async def loading(self, awaitable):
+        """Awaits a start-up step (loading a model or a tokenizer, connecting to backends). If it
+        fails, the server, already bound, stops at once before the error goes up: a bad --model
+        ends the process with its message rather than a server left behind."""
+        try:
+            return await awaitable
+        except BaseException:
+            await self.server.stop(0)
+            if self.http is not None:
+                await self.http.stop()
+            raise
+
     async def stop(self, grace: float) -> None:
         """Drains (see the class), then stops. A second call while draining stops at once."""
         if self._stopping:

@@ -101,11 +101,9 @@ class TargetEngine:
         before = seq.cached
         with self._capturing(return_features) as hidden:
             logits = self.lm.forward(seq, draft_tokens, keep=len(draft_tokens) + 1)  # [G+1, V]
-        accepted, next_token = self._verdict(call, logits, len(seq.tokens))
-        seq.tokens.extend(draft_tokens[:accepted])
+        result = self._finish(call, seq, logits, start, 1, hidden[0][0] if hidden else None, before)
         seq.crop_cache(len(seq.tokens))  # roll the rejected draft positions out of the cache
-        features = self._features(seq, before, hidden[0][0]) if return_features else None
-        return StepResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start, features=features)
+        return result
 
     def _capturing(self, wanted: bool):
         """The final hidden states of the forwards inside, when a call asked for them."""

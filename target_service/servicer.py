@@ -107,9 +107,9 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     if signals:
         server.install_signal_handlers(config.grace_s)
     log.info("target listening", port=server.port, model=config.model, metrics_port=metrics_port)
-    loaded = await servicer.host.run(load_model, config.model, config.device, config.dtype)  # on the compute thread
+    loaded = await server.loading(servicer.host.run(load_model, config.model, config.device, config.dtype))  # on the compute thread
     engine = TargetEngine(CausalLM(loaded.model, loaded.device), config.max_sequences, config.idle_timeout_s)
-    await servicer.host.run(engine.warm_up)
+    await server.loading(servicer.host.run(engine.warm_up))
     info = pb.ModelInfo(
         model=config.model, vocab_size=engine.lm.vocab_size, max_context=engine.lm.max_context,
         eos_token_ids=engine.lm.eos_token_ids, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),

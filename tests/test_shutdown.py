@@ -10,7 +10,10 @@ Figures are printed (run with -s).
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -248,3 +251,16 @@ def test_coordinator_past_its_grace_cancels_what_is_left_and_exits(backends):
         if channel is not None:
             channel.close()
         service.stop()
+
+
+@pytest.mark.parametrize("role, flags", [
+    ("target", ["--model", "no-such-model", "--metrics-port", "-1"]),
+    ("draft", ["--drafter", "model", "--model", "/no/such/folder", "--metrics-port", "-1"]),
+    ("coordinator", ["--target", "127.0.0.1:1", "--tokenizer", "no-such-tokenizer", "--http-port", "-1"]),
+])
+def test_a_bad_model_ends_the_service_with_its_message_not_a_traceback(role, flags):
+    done = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", role, "--port", str(free_port()), *flags],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **ENV})
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"specdec serve {role}: error:" in done.stderr and ("no-such" in done.stderr or "/no/such" in done.stderr)
+    assert "Traceback" not in done.stderr and "Event loop is closed" not in done.stderr, done.stderr[-2000:]
