@@ -13,6 +13,12 @@ Two levers, both per request:
    acceptance is too low to pay for a longer target forward; a probe step now and then keeps the
    acceptance estimate alive.
 
+A draft whose cumulative probabilities are calibrated (the n-gram drafter's, draft_service/ngram.py)
+gets a third lever instead of the second: it is asked for its full length, and the proposal is cut
+at the prefix with the most expected tokens per second, E(g) = 1 + sum of its first g cumulative
+probabilities. A 4-token match that will likely run on is drafted far; a 1-token match, right ~20%
+of the time, is not drafted at all when checking it costs more than it brings.
+
 Seeded requests use the static cost priors instead of measured times, so the same seed gives the
 same draft lengths, hence the same random draws, hence the same tokens on every run.
 
@@ -109,6 +115,18 @@ class CostModel:
             return Costs(self._draft[0] / self._draft[1], verify, self._wire[0] / self._wire[1])
 
 
+def best_prefix(confidence: list[float], costs: Costs) -> int:
+    """The prefix length g of a proposal (0..len) with the most expected tokens per second, where
+    confidence[k - 1] is the probability that its first k tokens are all accepted."""
+    best, best_rate, expected = 0, 1.0 / costs.step_seconds(0), 1.0
+    for g, p in enumerate(confidence[: MAX_VERIFY_POSITIONS - 1], start=1):
+        expected += p
+        rate = expected / costs.step_seconds(g)
+        if rate > best_rate:
+            best, best_rate = g, rate
+    return best
+
+
 def best_length(acceptance: float, costs: Costs, max_length: int) -> int:
     """The draft length in [0, max_length] with the most expected tokens per second (0: don't draft)."""
     return max(range(0, max_length + 1), key=lambda g: expected_tokens(acceptance, g) / costs.step_seconds(g))
@@ -122,6 +140,7 @@ class DraftLengthPolicy:
     cost_model: CostModel | None = None  # None: use static priors (seeded requests)
     prior: Costs = MODEL_DRAFT_PRIOR
     adaptive: bool = True
+    calibrated: bool = False  # the draft's cumulative probabilities are calibrated: cut each proposal (cut())
     threshold: float = 0.05  # draft's cumulative probability below which it stops drafting
     threshold_up: float = 1.5  # multiplied in after a rejection...
     threshold_down: float = 0.7  # ...and after a full accept
@@ -148,6 +167,8 @@ class DraftLengthPolicy:
         max_length = self.max_length
         if self.cost_model is not None and self.cost_model.draft_cap is not None:
             max_length = min(max_length, self.cost_model.draft_cap())  # speculation shrinks as the batch fills
+        if self.calibrated:
+            return max_length, 0.0  # all of it; cut() decides how much to verify
         costs = self.cost_model.costs() if self.cost_model is not None else self.prior
         gamma = best_length(self.acceptance, costs, max_length)
         self.probing = False
@@ -163,6 +184,12 @@ class DraftLengthPolicy:
         else:
             self.probe_every = self.min_probe_every
         return gamma, self.threshold
+
+    def cut(self, confidence: list[float] | None) -> int | None:
+        """How many tokens of a calibrated draft's proposal to verify (None: keep them all)."""
+        if not (self.calibrated and self.adaptive and confidence):
+            return None
+        return best_prefix(confidence, self.cost_model.costs() if self.cost_model is not None else self.prior)
 
     def nothing_drafted(self) -> None:
         """The draft was asked for tokens and sent none: its own first token already fell under the

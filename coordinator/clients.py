@@ -181,12 +181,14 @@ class DraftClient:
                                                   data=features.to_bytes()))
         tokens: list[int] = []
         dists: list[Dist] = []
+        confidence: list[float] = []
         compute = 0.0
         size = request.ByteSize()
         start = time.perf_counter()
         try:
             async for message in self.stub.Propose(request, timeout=call_timeout(self.timeout_s), metadata=_metadata()):
                 tokens.append(message.token_id)
+                confidence.append(message.cumulative_prob)
                 dists.append((list(message.dist.token_ids), list(message.dist.probs)) if message.dist.token_ids else None)
                 compute = message.compute_seconds
                 size += message.ByteSize()
@@ -197,7 +199,7 @@ class DraftClient:
                 raise SequenceNotFound(sequence_id, exc.details() or "") from exc
             raise
         wall = time.perf_counter() - start
-        return DraftOutcome(tokens, dists, compute, wall, size)
+        return DraftOutcome(tokens, dists, compute, wall, size, confidence=confidence)
 
     async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
                            max_depth: int, temperature: float, seed: int) -> DraftOutcome:

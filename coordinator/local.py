@@ -54,7 +54,7 @@ class LocalProposer:
             progress.arrived(p.token)
         dists: list[Dist] = [(p.dist_ids, p.dist_probs) if p.dist_ids is not None else None for p in proposals]
         wall = time.perf_counter() - start
-        return DraftOutcome([p.token for p in proposals], dists, wall, wall)
+        return DraftOutcome([p.token for p in proposals], dists, wall, wall, confidence=[p.cumulative_prob for p in proposals])
 
     async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
                            max_depth: int, temperature: float, seed: int) -> DraftOutcome:

@@ -37,6 +37,7 @@ class DraftOutcome:
     wall_seconds: float
     wire_bytes: int = 0
     parents: list[int] | None = None  # a tree: node i continues parents[i] (-1: the last canonical token)
+    confidence: list[float] | None = None  # chains: the draft's cumulative probability at each token
 
     @property
     def depth(self) -> int:
@@ -168,11 +169,13 @@ DRAFT_RETRY_STEPS = 16
 
 class SpeculativeLoop:
     def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs,
-                 overlap: str = "off", features: bool = False):
+                 overlap: str = "off", features: bool = False, calibrated: bool = False):
         """`overlap`: off, auto or on: whether the draft drafts the next step while the target
         verifies this one (coordinator/overlap.py). `features`: the draft drafts from the target's
         hidden states (specdec/eagle.py), so every Verify asks for them and the next Propose
-        carries the ones the draft lacks."""
+        carries the ones the draft lacks. `calibrated`: the draft's cumulative probabilities are
+        calibrated chances of acceptance (the n-gram drafter), so each unseeded adaptive proposal
+        is cut where its expected tokens per second peak (coordinator/adapt.py)."""
         RunAheadPolicy(overlap)  # validates the mode
         self.verifier = verifier
         self.proposer = proposer
@@ -180,6 +183,7 @@ class SpeculativeLoop:
         self.prior = prior
         self.overlap = overlap
         self.features = features and proposer is not None
+        self.calibrated = calibrated
 
     async def run(self, spec: GenerationSpec, stats: Stats) -> AsyncIterator[Step]:
         """Yields each step's new tokens until max_new_tokens or end-of-sequence.
@@ -203,6 +207,8 @@ class SpeculativeLoop:
             cost_model=None if spec.seeded else self.cost_model,
             prior=self.prior,
             adaptive=spec.adaptive,
+            # seeded runs keep the static lengths: a cut learned online would change their draws
+            calibrated=self.calibrated and not spec.seeded and spec.tree is None,
         )
         skip_draft_until = 0
         # Run-ahead only for chains, and not for seeded sampling: its draws come from other
@@ -239,6 +245,10 @@ class SpeculativeLoop:
                         skip_draft_until = stats.steps + DRAFT_RETRY_STEPS
                         draft_known = draft_features = 0  # its state is unknown now: re-send everything next time
                         log.warning("draft failed; decoding with the target alone for a while", error=str(exc))
+                cut = policy.cut(draft.confidence)
+                if cut is not None and cut < len(draft.tokens):
+                    draft = dataclasses.replace(draft, tokens=draft.tokens[:cut], dists=draft.dists[:cut],
+                                                confidence=draft.confidence[:cut])
                 ready = None
                 runahead = None
                 if draft.tokens and draft.parents is None and ahead.should_run_ahead():
@@ -409,7 +419,11 @@ def _part(draft: DraftOutcome, start: int, stop: int | None = None) -> DraftOutc
         return draft
     share = len(tokens) / len(draft.tokens)
     compute = draft.compute_seconds * share
-    return DraftOutcome(tokens, draft.dists[start:stop], compute, compute, int(draft.wire_bytes * share))
+    confidence = None
+    if draft.confidence:  # the first `start` tokens are canonical now: the rest's chances are conditional on them
+        known = draft.confidence[start - 1] if start else 1.0
+        confidence = [c / known for c in draft.confidence[start:stop]] if known > 0 else None
+    return DraftOutcome(tokens, draft.dists[start:stop], compute, compute, int(draft.wire_bytes * share), confidence=confidence)
 
 
 @dataclasses.dataclass

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from draft_service.ngram import NgramIndex
+from draft_service.ngram import MatchCalibration, NgramIndex
 from draft_service.tree import TreeBuilder, TreeDraft, TreeSettings, check_tree_settings
 from specdec.batching import batchable, forward_batch
 from specdec.errors import InvalidArgument
@@ -134,17 +134,36 @@ class NgramDrafter:
     def __init__(self, max_n: int = 4, min_n: int = 1):
         NgramIndex(max_n, min_n)  # validates the pair at start-up rather than on the first call
         self.max_n, self.min_n = max_n, min_n
+        self.calibration = MatchCalibration(max_n)
 
     def draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+        """Each token's cumulative_prob is the calibrated chance that it and every token before it
+        are right (MatchCalibration), which the coordinator weighs against the target's cost of
+        checking them. The distribution sent for sampling stays one-hot: the token is certain."""
         if not isinstance(seq.cache, NgramIndex) or len(seq.cache) != seq.cached:
             seq.cache, seq.cached = NgramIndex(self.max_n, self.min_n), 0  # first call, or a state we cannot trust
-        seq.cache.extend(seq.tokens[seq.cached:])
+        index = seq.cache
+        self._learn(index, seq.tokens)
+        index.extend(seq.tokens[seq.cached:])
         seq.cached = len(seq.tokens)  # drafted tokens below are not indexed; a rejection crops nothing
-        proposal, _ = seq.cache.propose(settings.max_tokens)
-        for token in proposal:
+        proposal, n = index.propose(settings.max_tokens)
+        if proposal:
+            index.last = (len(seq.tokens), seq.tokens[-1], proposal, n)
+        for token, cumulative in zip(proposal, self.calibration.survival(n, len(proposal))):
             seq.tokens.append(token)
             one_hot = ([token], [1.0]) if settings.temperature > 0 else (None, None)
-            yield Proposal(token, *one_hot, 1.0, time.perf_counter() - start)
+            yield Proposal(token, *one_hot, cumulative, time.perf_counter() - start)
+
+    def _learn(self, index: NgramIndex, tokens: list[int]) -> None:
+        """Scores the last proposal against the canonical tokens that have replaced it (the store
+        has cropped the drafted ones and appended the verdict). Skipped when the sequence has not
+        moved past it yet, or was rewound before it."""
+        if index.last is None:
+            return
+        position, before, proposal, n = index.last
+        if len(tokens) > position and tokens[position - 1] == before:
+            self.calibration.observe(n, proposal, tokens[position:])
+            index.last = None
 
 
 def load_pruned_drafter(folder, device: str = "auto", dtype: str = "auto", top_k: int = 32) -> ModelDrafter:

@@ -4,6 +4,12 @@ It needs no weights and costs microseconds, and it shines where the output copie
 (summaries, edits, code). Its proposals are deterministic, so the distribution sent with each
 token is one-hot, and rejection sampling stays lossless (acceptance is then just q(token)).
 
+How long a match keeps agreeing depends on how long it is. On SmolLM2-135M-Instruct's own greedy
+outputs for the benchmark prompts, the first token after a 1-token match was right 15-27% of the
+time, and after a 4-token match 84-88% of the time, with long agreeing runs. `MatchCalibration`
+turns that into each proposed token's probability of being right, learned online from what each
+sequence turned out to be, so the coordinator can choose the draft length that pays for each match.
+
 `NgramIndex` is what the draft service uses: an incremental index of every n-gram (min_n..max_n)
 of a sequence to the position that followed its most recent occurrence, updated in O(max_n) per
 token and rolled back in O(max_n) per dropped token, so a step costs the same at 100 tokens as at
@@ -29,6 +35,9 @@ class NgramIndex:
         self.tokens: list[int] = []
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token that followed it last
         self._undo: list[list[tuple[tuple[int, ...], int | None]]] = []  # per token: (key, previous value)
+        # The last proposal, to learn from once the sequence has moved past it (MatchCalibration):
+        # (position of its first token, the token before it, the tokens, n of the match).
+        self.last: tuple[int, int, list[int], int] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -76,6 +85,56 @@ class NgramIndex:
                     out.append(out[len(out) - period])
                 return out, n
         return [], 0
+
+
+# Prior hazards: P(token k right | tokens 1..k-1 right) for a match of n tokens, first token and
+# later ones, rounded from the measurement quoted above (4 grounded + 4 chat prompts, 96 tokens each).
+PRIOR_FIRST = {1: 0.2, 2: 0.55, 3: 0.7, 4: 0.85}
+PRIOR_LATER = {1: 0.6, 2: 0.7, 3: 0.8, 4: 0.9}
+
+
+class MatchCalibration:
+    """P(the first k proposed tokens are all right | the match was n tokens long), learned online.
+
+    Kept as per-(n, k) hazards (Kaplan-Meier): a proposal whose truth is known up to L tokens
+    counts, for each k <= L, one trial of token k after tokens 1..k-1 agreed, and stops counting
+    at its first miss. Tokens the coordinator did not verify still count, once the canonical
+    sequence has reached them: they were right or wrong all the same. Shared by every sequence of
+    a draft service, since they describe the target and its text. Each prior hazard starts with
+    `prior_weight` pseudo-trials. Observations only move probabilities, never tokens, so a
+    miscalibrated table costs speed, not correctness.
+    """
+
+    MAX_K = 32
+
+    def __init__(self, max_n: int, prior_weight: float = 4.0):
+        self.max_n = max_n
+        self._hits: dict[int, list[float]] = {}
+        self._trials: dict[int, list[float]] = {}
+        for n in range(1, max_n + 1):
+            first, later = PRIOR_FIRST[min(n, 4)], PRIOR_LATER[min(n, 4)]
+            self._hits[n] = [prior_weight * (first if k == 0 else later) for k in range(self.MAX_K)]
+            self._trials[n] = [prior_weight] * self.MAX_K
+
+    def observe(self, n: int, proposal: list[int], truth: list[int]) -> None:
+        """`truth`: the canonical tokens from the proposal's first position on, as far as known."""
+        if n not in self._hits:
+            return
+        for k, (guess, actual) in enumerate(zip(proposal[: self.MAX_K], truth)):
+            self._trials[n][k] += 1
+            if guess != actual:
+                return
+            self._hits[n][k] += 1
+
+    def survival(self, n: int, length: int) -> list[float]:
+        """P(tokens 1..k all right) for k = 1..length: each proposed token's cumulative probability."""
+        out: list[float] = []
+        p = 1.0
+        for k in range(length):
+            j = min(k, self.MAX_K - 1)
+            p *= self._hits[n][j] / self._trials[n][j] if n in self._hits else 0.0
+            out.append(p)
+        return out
 
 
 def ngram_propose(tokens: list[int], max_tokens: int, max_n: int = 4, min_n: int = 1) -> list[int]:

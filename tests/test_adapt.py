@@ -1,6 +1,7 @@
 import pytest
 
-from coordinator.adapt import MODEL_DRAFT_PRIOR, CostModel, Costs, DraftLengthPolicy, best_length, cost_curve, expected_tokens
+from coordinator.adapt import (MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, Costs, DraftLengthPolicy, best_length, best_prefix,
+                               cost_curve, expected_tokens)
 
 
 def test_expected_tokens_matches_leviathan_formula():
@@ -85,3 +86,21 @@ def test_cost_model_learns_seconds_from_steps():
     assert costs.draft_per_token == pytest.approx(0.004, rel=0.2)
     assert costs.verify[0] == pytest.approx(0.045, rel=0.05) and costs.verify[4] == pytest.approx(0.065, rel=0.05)
     assert costs.step_seconds(0) == pytest.approx(0.046, rel=0.05)
+
+
+def test_a_calibrated_proposal_is_cut_where_expected_tokens_per_second_peak():
+    flat = Costs(0.0, tuple([1.0] * 33), 0.0)  # checking more positions costs nothing: keep what has any chance
+    assert best_prefix([0.9, 0.8, 0.1, 0.0], flat) == 3
+    steep = Costs(0.0, cost_curve(1.0, 1.55, 0.03), 0.0)  # V(2) = 1.55 V(1), as on 2 CPU cores
+    assert best_prefix([0.2, 0.1], steep) == 0  # a 1-token match, right 20% of the time: not worth a pass
+    assert best_prefix([0.85, 0.77, 0.69, 0.62, 0.56], steep) == 5  # a long match runs on: verify it all
+    assert best_prefix([], steep) == 0
+
+
+def test_a_calibrated_policy_asks_for_everything_and_cuts_only_when_adaptive():
+    policy = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True)
+    assert policy.plan() == (8, 0.0)
+    assert policy.cut([0.2, 0.1]) == 0
+    assert policy.cut(None) is None
+    assert DraftLengthPolicy(max_length=8, calibrated=True, adaptive=False).cut([0.2]) is None
+    assert DraftLengthPolicy(max_length=8).cut([0.2]) is None  # uncalibrated drafts keep the threshold

@@ -63,14 +63,17 @@ def test_greedy_model_draft_matches_target_generate(env, references, draft_lengt
     assert 0 < totals["accepted"] < totals["drafted"]
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("draft_length", [1, 4, 8])
-def test_greedy_ngram_draft_matches_target_generate(env, references, draft_length):
+def test_greedy_ngram_draft_matches_target_generate(env, references, draft_length, adaptive):
     accepted = 0
     for prompt, expected in zip(tiny.prompts(), references):
-        response = generate(env["clients"]["ngram"], prompt, draft_length=draft_length)
+        response = generate(env["clients"]["ngram"], prompt, draft_length=draft_length, adaptive=adaptive)
         assert list(response.token_ids) == expected
         accepted += response.stats.accepted_tokens
-    assert accepted > 0
+    # A fixed length always drafts what matches. Adaptive may rightly draft nothing here: the
+    # random model's matches are short and wrong, and the calibrated cut learns that.
+    assert accepted > 0 or adaptive
 
 
 def test_speculation_off_matches_target_generate(env, references):

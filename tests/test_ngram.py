@@ -5,7 +5,7 @@ import random
 import pytest
 
 from draft_service.engine import DraftEngine, DraftSettings, NgramDrafter
-from draft_service.ngram import NgramIndex, ngram_propose
+from draft_service.ngram import MatchCalibration, NgramIndex, ngram_propose
 
 
 def test_proposes_continuation_of_most_recent_longest_match():
@@ -88,3 +88,36 @@ def test_engine_rolls_the_index_back_with_the_sequence():
     # A restart of the sequence from scratch re-indexes from nothing.
     assert [p.token for p in engine.propose("s", 0, [8, 8], settings)] == [8, 8, 8, 8]
 
+
+
+def test_calibration_starts_at_the_prior_and_learns_each_match_length_apart():
+    cal = MatchCalibration(max_n=4)
+    assert cal.survival(4, 3) == pytest.approx([0.85, 0.85 * 0.9, 0.85 * 0.9 ** 2])
+    assert cal.survival(1, 1)[0] == pytest.approx(0.2)
+    for _ in range(40):
+        cal.observe(1, [5, 6], [7, 6])  # 1-token matches: wrong at once
+        cal.observe(4, [1, 2, 3], [1, 2, 3, 4])  # 4-token matches: right all along
+    assert cal.survival(1, 1)[0] < 0.05
+    assert cal.survival(4, 3)[2] > 0.9
+    # A miss ends the count: tokens after it are not trials (Kaplan-Meier), nor are unknown ones.
+    cal = MatchCalibration(max_n=2, prior_weight=0.0 + 1e-9)
+    cal.observe(2, [1, 2, 3], [1, 9, 3])
+    cal.observe(2, [1, 2, 3], [1])  # the truth is known for one token only
+    assert cal._trials[2][:3] == pytest.approx([2, 1, 0], abs=1e-6)
+    assert cal._hits[2][:2] == pytest.approx([2, 0], abs=1e-6)
+
+
+def test_engine_learns_from_what_the_sequence_turned_out_to_be():
+    drafter = NgramDrafter(max_n=3, min_n=1)
+    engine = DraftEngine(drafter)
+    settings = DraftSettings(4, 0.0, 0.0, 0)
+    prompt = [1, 2, 3, 4, 9, 1, 2, 3]
+    proposals = list(engine.propose("s", 0, prompt, settings))
+    assert [p.token for p in proposals] == [4, 9, 1, 2]
+    assert [p.cumulative_prob for p in proposals] == pytest.approx(drafter.calibration.survival(3, 4))
+    before = list(drafter.calibration._trials[3][:3]), list(drafter.calibration._hits[3][:3])
+    # 4 accepted, then 7 instead of 9: one hit at k=1, one miss at k=2, nothing counted after
+    list(engine.propose("s", 9, [7], settings))
+    trials, hits = drafter.calibration._trials[3], drafter.calibration._hits[3]
+    assert [t - b for t, b in zip(trials[:3], before[0])] == [1, 1, 0]
+    assert [h - b for h, b in zip(hits[:3], before[1])] == [1, 0, 0]
