@@ -168,6 +168,35 @@ def prefill_batch(model, windows: list[list[int]], k: int) -> list[dict]:
     return [{"tokens": torch.tensor(w), "start": 0, "ids": ids[i], "probs": probs[i]} for i, w in enumerate(windows)]
 
 
+def data_dir(folder: pathlib.Path, settings: dict) -> pathlib.Path:
+    """`folder`, created, holding shards made with exactly `settings` (written to settings.json).
+
+    Shards are cached by batch index, so shards made with other settings (another --gen-tokens,
+    batch size, corpus or target) would be reused silently and mixed with new ones. A folder
+    with other settings is refused with the differences named, never overwritten: it may hold
+    hours of generation.
+    """
+    import hashlib
+
+    settings = {k: (hashlib.sha256("\n\n".join(v).encode()).hexdigest()[:16] if isinstance(v, list) else v)
+                for k, v in settings.items()}  # a corpus enters as the hash of its passages
+    folder.mkdir(parents=True, exist_ok=True)
+    record = folder / "settings.json"
+    if record.exists():
+        held = json.loads(record.read_text())
+        diff = {k: (held.get(k), settings.get(k)) for k in sorted(set(held) | set(settings)) if held.get(k) != settings.get(k)}
+        if diff:
+            named = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in diff.items())
+            raise ValueError(f"{folder} holds data made with other settings ({named}); "
+                             "pass another --work-dir, or delete that folder to regenerate")
+    elif any(folder.glob("shard_*.pt")):
+        raise ValueError(f"{folder} holds shards with no record of their settings; "
+                         "pass another --work-dir, or delete that folder to regenerate")
+    else:
+        record.write_text(json.dumps(settings, indent=1, sort_keys=True))
+    return folder
+
+
 def _shards(folder: pathlib.Path) -> list[pathlib.Path]:
     return sorted(folder.glob("shard_*.pt"))
 
@@ -175,9 +204,10 @@ def _shards(folder: pathlib.Path) -> list[pathlib.Path]:
 def build_data(args, model, tokenizer, passages: list[str], eos: set[int]) -> list[dict]:
     """Both data stages, one shard per batch on disk: a rerun skips the shards already there."""
     work = pathlib.Path(args.work_dir)
-    gen_dir, corpus_dir = work / "gen", work / "corpus"
-    gen_dir.mkdir(parents=True, exist_ok=True)
-    corpus_dir.mkdir(parents=True, exist_ok=True)
+    common = {"target": args.target, "corpus": passages, "seed": args.seed, "topk": args.topk}
+    gen_dir = data_dir(work / "gen", {**common, "prompts": args.gen_prompts, "batch": args.gen_batch, "tokens": args.gen_tokens})
+    corpus_dir = data_dir(work / "corpus", {**common, "corpus_tokens": args.corpus_tokens, "seq_len": args.seq_len,
+                                            "batch": args.prefill_batch})
     prompts = [chat_ids(tokenizer, p) for p in make_prompts(passages, args.gen_prompts, args.seed, heldout=False)]
     batches = [prompts[i: i + args.gen_batch] for i in range(0, len(prompts), args.gen_batch)]
     train_passages = split_passages(passages)[0]

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from specdec.distill import _progress, chat_ids, load_corpus, make_prompts, target_eos, train_loop
+from specdec.distill import _progress, chat_ids, data_dir, load_corpus, make_prompts, target_eos, train_loop
 from specdec.kvcache import crop_to
 from specdec.eagle import FeatureDraft, init_from_target, save_feature_draft
 
@@ -51,12 +51,13 @@ def generate_with_features(model, tokenizer, prompts: list[list[int]], max_new: 
 
 
 def build_data(args, model, tokenizer, passages: list[str], eos: set[int], heldout: bool = False) -> list[dict]:
-    work = pathlib.Path(args.work_dir) / ("heldout" if heldout else "features")
-    work.mkdir(parents=True, exist_ok=True)
     count = args.heldout_prompts if heldout else args.gen_prompts
+    tokens = args.eval_tokens if heldout else args.gen_tokens
+    work = data_dir(pathlib.Path(args.work_dir) / ("heldout" if heldout else "features"),
+                    {"target": args.target, "corpus": passages, "seed": args.seed, "prompts": count,
+                     "batch": args.gen_batch, "tokens": tokens})
     texts = make_prompts(passages, count, args.seed, heldout=heldout)
     prompts = [chat_ids(tokenizer, p) for p in texts]
-    tokens = args.eval_tokens if heldout else args.gen_tokens
     batches = [prompts[i: i + args.gen_batch] for i in range(0, len(prompts), args.gen_batch)]
     data: list[dict] = []
     with _progress() as progress:

@@ -75,6 +75,22 @@ def test_resume_from_checkpoint_continues_where_it_stopped(run, tmp_path):
     assert report["steps"] == 210
 
 
+def test_data_made_with_other_settings_is_refused_not_mixed_in(run, tmp_path):
+    """Shards are cached by batch index: another --gen-tokens in the same work dir must not
+    silently reuse them. The refusal names what differs; the data stays."""
+    args = distill.parse_args([*run["argv"], "--gen-tokens", "30"])
+    args.work_dir = str(pathlib.Path(run["argv"][run["argv"].index("--out") + 1]).with_suffix(".work"))
+    args.out = str(tmp_path / "draft3")
+    with pytest.raises(ValueError, match=r"other settings \(tokens: 24 there, 30 now\)"):
+        distill.run(args, "test")
+    assert any((pathlib.Path(args.work_dir) / "gen").glob("shard_*.pt"))
+    stray = tmp_path / "stray"
+    stray.mkdir()
+    (stray / "shard_00000.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="no record of their settings"):
+        distill.data_dir(stray, {"tokens": 1})
+
+
 def test_pruned_head_maps_back_to_target_ids_exactly():
     config = tiny.tiny_config(layers=1)
     kept = [3, 7, 100, 255, 256]
