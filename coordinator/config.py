@@ -20,7 +20,7 @@ class CoordinatorConfig:
     http_port: int = option(8000, "Port of the OpenAI-compatible HTTP API, /health and /metrics; 0 picks a free one, -1 disables it.")
     api_token: str = option("", "Bearer token the public APIs require (gRPC metadata `authorization` and HTTP); empty: open.")
     target: str = option("127.0.0.1:50052", "Address of the target service.")
-    draft: str = option("127.0.0.1:50053", "Address of the draft service; empty turns speculation off.")
+    draft: str = option("127.0.0.1:50053", "Address of the draft service; `ngram`: prompt lookup inside the coordinator (no draft service, no draft round trip); empty turns speculation off.")
     tokenizer: str = option(DEFAULT_TARGET, "Tokenizer of the target model: alias, hub id, folder or .gguf file.")
     draft_length: int = option(8, "Default upper bound on draft tokens per step (requests may ask for another, up to 32).")
     adaptive: bool = option(True, "Adapt the draft length per request unless the request says otherwise.")

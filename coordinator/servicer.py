@@ -334,6 +334,19 @@ async def _wait_for_info(client, deadline: float) -> pb.ModelInfo:
             await asyncio.sleep(1.0)
 
 
+IN_PROCESS_NGRAM = "ngram"  # --draft ngram: prompt lookup in the coordinator, no draft service
+
+
+def in_process_ngram():
+    """The n-gram drafter inside the coordinator: a lookup costs microseconds, a Propose round trip
+    to a draft service ~1-3 ms on loopback, so for prompt lookup the hop is most of the cost. Also
+    one service fewer to deploy where prompt lookup is all one wants (RAG, summaries, code edits)."""
+    from coordinator.local import LocalProposer
+    from draft_service.engine import DraftEngine, NgramDrafter
+
+    return LocalProposer(DraftEngine(NgramDrafter())), pb.ModelInfo(model="ngram", drafter="ngram")
+
+
 async def connect_backends(config: CoordinatorConfig):
     """Waits (up to startup_timeout_s) for the target and the draft, and checks they fit together."""
     deadline = asyncio.get_running_loop().time() + config.startup_timeout_s
@@ -341,7 +354,9 @@ async def connect_backends(config: CoordinatorConfig):
     target = TargetClient(config.target, config.rpc_timeout_s, credentials, retry_s=config.target_retry_s)
     target_info = await _wait_for_info(target, deadline)
     draft = draft_info = None
-    if config.draft:
+    if config.draft == IN_PROCESS_NGRAM:
+        draft, draft_info = in_process_ngram()
+    elif config.draft:
         draft = DraftClient(config.draft, config.rpc_timeout_s, credentials)
         draft_info = await _wait_for_info(draft, deadline)
         if draft_info.vocab_size and draft_info.vocab_size != target_info.vocab_size:

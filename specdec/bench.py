@@ -269,17 +269,22 @@ class GrpcStack(ServiceProcesses):
         self.target_address = self.spawn("target", "--model", target, "--device", device)
         self.coordinators: dict[str, str] = {}
         self.tree_coordinators: dict[str, str] = {}
+        self.ngram_in_coordinator: str | None = None
         for drafter in drafters:
             flags = (["--drafter", "ngram"] if drafter == "ngram"
                      else ["--drafter", "model", "--model", drafter, "--device", device, "--target-tokenizer", target])
             draft_address = self.spawn("draft", *flags)
             self.coordinators[drafter] = self.spawn("coordinator", "--target", self.target_address, "--draft", draft_address,
                                                     "--tokenizer", target, "--http-port", "-1")
+            if drafter == "ngram":  # and prompt lookup inside the coordinator: no draft service, one hop a step
+                self.ngram_in_coordinator = self.spawn("coordinator", "--target", self.target_address, "--draft", "ngram",
+                                                       "--tokenizer", target, "--http-port", "-1")
             if tree is not None and drafter != "ngram" and feature_draft_folder(drafter) is None:  # feature drafts: chains
                 self.tree_coordinators[drafter] = self.spawn(
                     "coordinator", "--target", self.target_address, "--draft", draft_address, "--tokenizer", target,
                     "--http-port", "-1", "--tree-budget", str(tree[0]), "--tree-top-k", str(tree[1]))
-        self.wait_healthy([self.target_address, *self.coordinators.values(), *self.tree_coordinators.values()])
+        self.wait_healthy([self.target_address, *self.coordinators.values(), *self.tree_coordinators.values(),
+                           *([self.ngram_in_coordinator] if self.ngram_in_coordinator else [])])
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -369,6 +374,10 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
             configs.append(Configuration(f"specdec-grpc[{name}]", "specdec-grpc", drafter, opts.max_draft, True, hops=2,
                                          runner=grpc_runner(stack.coordinators[drafter], opts.max_new_tokens, opts.max_draft, True),
                                          note="adaptive; 3 processes on loopback"))
+            if drafter == "ngram" and stack.ngram_in_coordinator:
+                configs.append(Configuration("specdec-grpc[ngram,in-coordinator]", "specdec-grpc", drafter, opts.max_draft, True, hops=1,
+                                             runner=grpc_runner(stack.ngram_in_coordinator, opts.max_new_tokens, opts.max_draft, True),
+                                             note="adaptive; coordinator --draft ngram + target, 2 processes on loopback"))
             if drafter in stack.tree_coordinators:
                 budget = opts.tree_budgets[0]
                 configs.append(Configuration(f"tree-grpc[{name},n={budget},g={opts.max_draft}]", "tree", drafter, opts.max_draft, False, hops=2,

@@ -32,6 +32,7 @@ def env(tmp_path_factory):
     clients = {
         "model": stack.client(stack.coordinator(target_addr, model_draft, tokenizer)),
         "ngram": stack.client(stack.coordinator(target_addr, ngram_draft, tokenizer)),
+        "ngram-in-coordinator": stack.client(stack.coordinator(target_addr, "ngram", tokenizer)),
         "none": stack.client(stack.coordinator(target_addr, "", tokenizer)),
     }
     yield {"target": target, "clients": clients, "stack": stack}
@@ -63,12 +64,14 @@ def test_greedy_model_draft_matches_target_generate(env, references, draft_lengt
     assert 0 < totals["accepted"] < totals["drafted"]
 
 
+@pytest.mark.parametrize("where", ["ngram", "ngram-in-coordinator"])
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("draft_length", [1, 4, 8])
-def test_greedy_ngram_draft_matches_target_generate(env, references, draft_length, adaptive):
+def test_greedy_ngram_draft_matches_target_generate(env, references, draft_length, adaptive, where):
+    """The n-gram drafter behind a draft service, or inside the coordinator (`--draft ngram`)."""
     accepted = 0
     for prompt, expected in zip(tiny.prompts(), references):
-        response = generate(env["clients"]["ngram"], prompt, draft_length=draft_length, adaptive=adaptive)
+        response = generate(env["clients"][where], prompt, draft_length=draft_length, adaptive=adaptive)
         assert list(response.token_ids) == expected
         accepted += response.stats.accepted_tokens
     # A fixed length always drafts what matches. Adaptive may rightly draft nothing here: the
@@ -213,3 +216,11 @@ def test_backends_reject_bad_calls_with_precise_codes(env):
     # Releasing what does not exist is fine; the services keep serving after all of this.
     assert not target.Release(pb.TargetServiceReleaseRequest(sequence_id="never"), timeout=10).released
     assert generate(env["clients"]["model"], tiny.prompts()[0], max_new_tokens=2).stats.completion_tokens == 2
+
+
+def test_in_coordinator_ngram_holds_nothing_after_requests(env):
+    for prompt in tiny.prompts()[:3]:
+        generate(env["clients"]["ngram-in-coordinator"], prompt, draft_length=4, adaptive=False)
+    [servicer] = [s.servicer for s in env["stack"].servers
+                  if getattr(getattr(getattr(s, "servicer", None), "config", None), "draft", None) == "ngram"]
+    assert servicer.loop.proposer.engine.store._sequences == {}
