@@ -97,9 +97,13 @@ def test_a_calibrated_proposal_is_cut_where_expected_tokens_per_second_peak():
     assert best_prefix([], steep) == 0
 
 
-def test_a_calibrated_policy_asks_for_everything_and_cuts_only_when_adaptive():
+def test_a_calibrated_policy_keeps_the_per_request_cap_and_cuts_only_when_adaptive():
     policy = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True)
-    assert policy.plan() == (8, 0.0)
+    uncalibrated = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR)
+    for _ in range(6):  # a request whose drafts keep failing drafts less, or not at all, either way
+        assert policy.plan() == uncalibrated.plan()
+        policy.observe(4, 0)
+        uncalibrated.observe(4, 0)
     assert policy.cut([0.2, 0.1]) == 0
     assert policy.cut(None) is None
     assert DraftLengthPolicy(max_length=8, calibrated=True, adaptive=False).cut([0.2]) is None
