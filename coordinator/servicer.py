@@ -103,15 +103,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.admission = Admission(config.max_concurrent_requests, config.max_queue, config.verify_token_budget)
 
     def attach(self, tokenizer, target: TargetClient, target_info: pb.ModelInfo, draft: DraftClient | None, draft_info: pb.ModelInfo | None) -> None:
-        prior = NGRAM_DRAFT_PRIOR if draft_info is not None and draft_info.drafter == "ngram" else MODEL_DRAFT_PRIOR
+        ngram = draft_info is not None and draft_info.drafter == "ngram"  # its confidences are calibrated (draft_service/ngram.py)
+        prior = NGRAM_DRAFT_PRIOR if ngram else MODEL_DRAFT_PRIOR
         self.tokenizer = tokenizer
         self.target_info = target_info
         cost_model = CostModel(prior)
         cost_model.draft_cap = self.admission.draft_cap  # draft less as more requests share the target's batch
         features = bool(draft_info is not None and draft_info.needs_features)  # a feature draft (specdec/eagle.py)
-        calibrated = bool(draft_info is not None and draft_info.drafter == "ngram")  # draft_service/ngram.py
         self.loop = SpeculativeLoop(target, draft, cost_model, prior, self.config.overlap, features=features,
-                                    calibrated=calibrated)
+                                    calibrated=ngram)
 
     # --- request validation: every field checked here, named in the error ---
 
@@ -342,9 +342,11 @@ def in_process_ngram():
     to a draft service ~1-3 ms on loopback, so for prompt lookup the hop is most of the cost. Also
     one service fewer to deploy where prompt lookup is all one wants (RAG, summaries, code edits)."""
     from coordinator.local import LocalProposer
-    from draft_service.engine import DraftEngine, NgramDrafter
+    from draft_service.config import DraftConfig
+    from draft_service.servicer import build_engine
 
-    return LocalProposer(DraftEngine(NgramDrafter())), pb.ModelInfo(model="ngram", drafter="ngram")
+    engine, info = build_engine(DraftConfig(drafter="ngram"))  # what `specdec serve draft --drafter ngram` runs
+    return LocalProposer(engine), info
 
 
 async def connect_backends(config: CoordinatorConfig):

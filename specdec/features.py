@@ -33,11 +33,13 @@ class FeatureRows:
     def end(self) -> int:
         return self.start + self.rows
 
+    def as_float16(self) -> torch.Tensor:
+        """The values as they travel: clamped to float16's range first, so a large activation
+        becomes 65504, not inf, which the receiver would refuse."""
+        return self.values.detach().float().clamp(-65504.0, 65504.0).to(torch.float16).cpu()
+
     def to_bytes(self) -> bytes:
-        """Clamped to float16's range first: a large activation becomes 65504, not inf, which the
-        receiver would refuse."""
-        values = self.values.detach().float().clamp(-65504.0, 65504.0).to(torch.float16).cpu()
-        return values.numpy().astype(WIRE_DTYPE, copy=False).tobytes()
+        return self.as_float16().numpy().astype(WIRE_DTYPE, copy=False).tobytes()
 
     @classmethod
     def from_wire(cls, start: int, rows: int, dim: int, data: bytes, field: str = "features") -> FeatureRows:
@@ -71,7 +73,7 @@ class FeatureLog:
         """Positions from rows.start on are replaced (a target that re-filled a sequence sends them again)."""
         if rows.start > self.length:
             raise ValueError(f"features start at {rows.start}, past the {self.length} positions held: a gap")
-        values = rows.values.detach().float().clamp(-65504.0, 65504.0).to(torch.float16).cpu()  # as on the wire
+        values = rows.as_float16()  # as on the wire
         need = rows.end
         if self._values is None or self._values.shape[0] < need or self._values.shape[1] != values.shape[1]:
             capacity = max(need, 2 * (0 if self._values is None else self._values.shape[0]), 64)
