@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import structlog
@@ -91,16 +92,40 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         m.sequences.set(len(self.engine.store))
 
     async def _propose_alone(self, request, settings: DraftSettings):
-        """Each token drafted on the worker thread by the drafter's own loop, sent the moment it exists."""
+        """The drafter's own loop runs on the worker thread and hands each token to the event loop the
+        moment it exists, without waiting for it to be sent: one thread hop per token instead of a
+        round trip per token. The round trips (the loop asking the worker for the next token) cost
+        ~0.3 ms each on 2 CPU cores, as much as the n-gram drafter's whole proposal, and a model
+        draft now drafts its next token while the last one is on the wire.
+
+        The handler (and so the sequence's lock) ends only once the worker is done with the
+        sequence, also when the client cancels the stream: the worker stops after its current token.
+        """
         features = None
         if request.HasField("features"):
             f = request.features
             features = FeatureRows.from_wire(f.start, f.rows, f.dim, f.data)
-        proposals = await self.host.run(
-            self.engine.propose, request.sequence_id, request.known_len, list(request.append_tokens), settings, features
-        )
-        while (proposal := await self.host.run(next, proposals, _DONE)) is not _DONE:
-            yield proposal
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Queue = asyncio.Queue()
+        stop = threading.Event()
+
+        def produce() -> None:
+            proposals = self.engine.propose(request.sequence_id, request.known_len, list(request.append_tokens), settings, features)
+            for proposal in proposals:
+                loop.call_soon_threadsafe(ready.put_nowait, proposal)
+                if stop.is_set():
+                    return
+
+        worker = asyncio.ensure_future(self.host.run(produce))
+        # Scheduled by the worker after its last token, so it arrives after them.
+        worker.add_done_callback(lambda _: ready.put_nowait(_DONE))
+        try:
+            while (proposal := await ready.get()) is not _DONE:
+                yield proposal
+            await worker  # the drafter's error, if it failed
+        finally:
+            stop.set()
+            await asyncio.wait([worker])
 
     async def _propose_batched(self, request, settings: DraftSettings):
         """The same chain, its forwards shared with the other streams drafting at the same time

@@ -150,3 +150,28 @@ def test_concurrent_requests_through_a_batching_draft_equal_the_target(env):
         outputs = list(pool.map(generate, prompts))
     assert outputs == [tiny.reference_greedy(env["target"], p, 20) for p in prompts]
     assert batcher.rows - rows > batcher.batches - batches
+
+
+def test_a_stream_cancelled_mid_draft_leaves_the_sequence_as_a_rollback_expects(env):
+    """The drafter runs ahead of the stream on the worker thread (DraftServicer._propose_alone). A
+    client that cancels after one token (a coordinator dropping a run-ahead) must find the sequence
+    the same as one that read the whole stream: the next call's rollback sees every token the
+    worker appended, because the handler ends only after the worker stops."""
+    channel = grpc.insecure_channel(env["alone"])
+    stub = pb_grpc.DraftServiceStub(channel)
+    prompt = tiny.prompts(1, seed=23)[0]
+    expected = []
+    for seq_id, cancel in (("whole", False), ("cancelled", True)):
+        stream = stub.Propose(pb.ProposeRequest(sequence_id=seq_id, known_len=0, append_tokens=prompt, max_tokens=16), timeout=60)
+        first = next(stream).token_id
+        if cancel:
+            stream.cancel()
+        else:
+            list(stream)
+        # at once, as the coordinator does: the target kept the first token and corrected the second
+        follow = stub.Propose(pb.ProposeRequest(sequence_id=seq_id, known_len=len(prompt), append_tokens=[first, 3],
+                                                max_tokens=8), timeout=60)
+        expected.append([m.token_id for m in follow])
+        stub.Release(pb.DraftServiceReleaseRequest(sequence_id=seq_id), timeout=10)
+    channel.close()
+    assert expected[0] == expected[1] and len(expected[0]) == 8
