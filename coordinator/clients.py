@@ -94,6 +94,8 @@ class TargetClient:
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout_s = timeout_s
         self.retry_s = retry_s
+        self.sessions = True  # VerifySession, until a target answers UNIMPLEMENTED (an older release)
+        self._sessions: dict[str, grpc.aio.StreamStreamCall] = {}
 
     async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
         response = await self.stub.GetInfo(pb.TargetServiceGetInfoRequest(), timeout=timeout_s or self.timeout_s, wait_for_ready=True)
@@ -140,6 +142,14 @@ class TargetClient:
         give_up, pause = None, 0.1
         while True:
             try:
+                if self.sessions:
+                    try:
+                        return await self._exchange(sequence_id, request)
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                            raise
+                        self.sessions = False
+                        log.info("the target has no VerifySession; using unary Verify calls")
                 return await self.stub.Verify(request, timeout=call_timeout(self.timeout_s), metadata=_metadata())
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
@@ -153,10 +163,51 @@ class TargetClient:
                 await asyncio.sleep(pause)
                 pause = min(2 * pause, 1.0)
 
+    async def _exchange(self, sequence_id: str, request: pb.VerifyRequest) -> pb.VerifyResponse:
+        """One Verify on the sequence's open VerifySession stream (opened on first use). The stream
+        has no deadline of its own, since it lives as long as the sequence; each exchange gets the
+        timeout a unary call would have had, and fails the same way. Any failure, cancellation
+        included, closes the stream: a response still on its way would answer the wrong request."""
+        timeout = call_timeout(self.timeout_s)
+        call = self._sessions.get(sequence_id)
+        if call is None:
+            call = self._sessions[sequence_id] = self.stub.VerifySession(metadata=_metadata())
+        try:
+            async with asyncio.timeout(timeout):
+                await call.write(pb.VerifySessionRequest(verify=request))
+                response = await call.read()
+        except BaseException as exc:
+            self._close_session(sequence_id)
+            if isinstance(exc, TimeoutError):
+                raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                           f"Verify took longer than {timeout:.1f} s") from exc
+            if isinstance(exc, asyncio.InvalidStateError):  # written to a stream that had already ended
+                raise await self._ended(call) from exc
+            raise
+        if response is grpc.aio.EOF:
+            self._close_session(sequence_id)
+            raise await self._ended(call)
+        return response.verify
+
+    @staticmethod
+    async def _ended(call: grpc.aio.StreamStreamCall) -> grpc.aio.AioRpcError:
+        code = await call.code()
+        if code == grpc.StatusCode.OK:  # the target closed the stream without an error: treat as gone
+            code = grpc.StatusCode.UNAVAILABLE
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), await call.details())
+
+    def _close_session(self, sequence_id: str) -> None:
+        call = self._sessions.pop(sequence_id, None)
+        if call is not None:
+            call.cancel()
+
     async def release(self, sequence_id: str) -> None:
+        self._close_session(sequence_id)
         await self.stub.Release(pb.TargetServiceReleaseRequest(sequence_id=sequence_id), timeout=RELEASE_TIMEOUT_S, metadata=_metadata())
 
     async def close(self) -> None:
+        for sequence_id in list(self._sessions):
+            self._close_session(sequence_id)
         await self.channel.close()
 
 

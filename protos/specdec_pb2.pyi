@@ -266,6 +266,18 @@ class ProposeResponse(_message.Message):
     compute_seconds: float
     def __init__(self, token_id: _Optional[int] = ..., dist: _Optional[_Union[SparseDistribution, _Mapping]] = ..., cumulative_prob: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
+class VerifySessionRequest(_message.Message):
+    __slots__ = ("verify",)
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    verify: VerifyRequest
+    def __init__(self, verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
+
+class VerifySessionResponse(_message.Message):
+    __slots__ = ("verify",)
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    verify: VerifyResponse
+    def __init__(self, verify: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
+
 class VerifyRequest(_message.Message):
     __slots__ = ("sequence_id", "known_len", "append_tokens", "draft_tokens", "draft_dists", "sampling", "draft_tree", "return_features")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]

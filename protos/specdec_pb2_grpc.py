@@ -381,6 +381,11 @@ class TargetServiceStub:
                 request_serializer=protos_dot_specdec__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=protos_dot_specdec__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifySession = channel.stream_stream(
+                '/specdec.v1.TargetService/VerifySession',
+                request_serializer=protos_dot_specdec__pb2.VerifySessionRequest.SerializeToString,
+                response_deserializer=protos_dot_specdec__pb2.VerifySessionResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.TargetService/Release',
                 request_serializer=protos_dot_specdec__pb2.TargetServiceReleaseRequest.SerializeToString,
@@ -409,6 +414,17 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifySession(self, request_iterator, context):
+        """Verify over one open stream: each request is answered by one response, in order, exactly as
+        Verify would answer it. The coordinator keeps one stream per sequence for the sequence's life,
+        which spares every step a call's set-up (on 2 CPU cores a unary call costs ~0.8 ms, an exchange
+        on an open stream ~0.3 ms). An error ends the stream with the status Verify would have
+        returned; a draining server ends it with UNAVAILABLE at the next request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees the sequence's cache and retires its id: a later call naming it with known_len = 0 (one
         that was in flight when the sequence was released) fails with FAILED_PRECONDITION instead of
@@ -430,6 +446,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=protos_dot_specdec__pb2.VerifyRequest.FromString,
                     response_serializer=protos_dot_specdec__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifySession': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifySession,
+                    request_deserializer=protos_dot_specdec__pb2.VerifySessionRequest.FromString,
+                    response_serializer=protos_dot_specdec__pb2.VerifySessionResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -492,6 +513,33 @@ class TargetService:
             '/specdec.v1.TargetService/Verify',
             protos_dot_specdec__pb2.VerifyRequest.SerializeToString,
             protos_dot_specdec__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifySession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.TargetService/VerifySession',
+            protos_dot_specdec__pb2.VerifySessionRequest.SerializeToString,
+            protos_dot_specdec__pb2.VerifySessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -66,7 +66,7 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
 
 
 def rpc_method(method: Callable) -> Callable:
-    """Wraps a unary or server-streaming servicer method: binds the request id, maps errors."""
+    """Wraps a unary or streaming (server or bidirectional) servicer method: binds the request id, maps errors."""
     if inspect.isasyncgenfunction(method):
 
         @functools.wraps(method)
@@ -124,6 +124,10 @@ class Drain(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 self._stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
             )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._session(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+            )
         return handler  # client-streaming methods: none in specdec.v1
 
     def _unary(self, behaviour):
@@ -146,6 +150,25 @@ class Drain(grpc.aio.ServerInterceptor):
                 self._leave()
 
         return counted
+
+    def _session(self, behaviour):
+        """A bidirectional session is one call for its whole life; once draining, its next request
+        is refused like a new call, so a draining server does not wait on sessions to end."""
+        async def counted(requests, context):
+            await self._enter(context)
+            try:
+                async for item in behaviour(self._until_draining(requests, context), context):
+                    yield item
+            finally:
+                self._leave()
+
+        return counted
+
+    async def _until_draining(self, requests, context):
+        async for request in requests:
+            if self.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+            yield request
 
     async def _enter(self, context) -> None:
         if self.draining:

@@ -48,6 +48,14 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     @rpc_method
     async def Verify(self, request: pb.VerifyRequest, context):
+        return await self._verify(request)
+
+    @rpc_method
+    async def VerifySession(self, requests, context):
+        async for request in requests:
+            yield pb.VerifySessionResponse(verify=await self._verify(request.verify))
+
+    async def _verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
         dists = [(list(d.token_ids), list(d.probs)) for d in request.draft_dists]
         tree = None
         if request.HasField("draft_tree"):

@@ -11,6 +11,7 @@ Figures are printed (run with -s).
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -96,6 +97,11 @@ def test_target_not_serving_until_loaded_and_warmed_then_drains_on_sigterm(model
             stub.Verify.future(pb.VerifyRequest(sequence_id=f"s{i}", append_tokens=prompt, draft_tokens=prompt[:32]), timeout=60)
             for i in range(120)
         ]
+        # A VerifySession (the coordinator's one stream per sequence) open across the signal.
+        requests: queue.Queue = queue.Queue()
+        session = stub.VerifySession(iter(requests.get, None), timeout=60)
+        requests.put(pb.VerifySessionRequest(verify=pb.VerifyRequest(sequence_id="session", append_tokens=[1, 2, 3])))
+        assert next(session).verify.cached_len == 3
         calls[0].result()
         time.sleep(0.2)  # every call has reached the server by now
         target.process.send_signal(signal.SIGTERM)
@@ -105,6 +111,11 @@ def test_target_not_serving_until_loaded_and_warmed_then_drains_on_sigterm(model
             states.append(health(target.address))
         with pytest.raises(grpc.RpcError) as refused:
             stub.Verify(pb.VerifyRequest(sequence_id="late", append_tokens=[1, 2]), timeout=5)
+        # The open session's next request is refused like a new call: it must not hold the drain up.
+        requests.put(pb.VerifySessionRequest(verify=pb.VerifyRequest(sequence_id="session", known_len=3, append_tokens=[4])))
+        with pytest.raises(grpc.RpcError) as ended:
+            next(session)
+        requests.put(None)
         in_flight = sum(1 for c in calls if not c.done())
         results = [c.result() for c in calls]  # raises if any in-flight call failed
         drained = time.monotonic() - signalled
@@ -117,6 +128,7 @@ def test_target_not_serving_until_loaded_and_warmed_then_drains_on_sigterm(model
         )
         assert set(states) == {"NOT_SERVING"}, states
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and SHUTTING_DOWN in refused.value.details()
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and SHUTTING_DOWN in ended.value.details()
         assert in_flight > 0 and all(r.cached_len >= len(prompt) for r in results)
         assert drained < GRACE_S and code == 0 and exited < GRACE_S + MARGIN_S
     finally:
