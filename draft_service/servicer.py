@@ -66,6 +66,16 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     @rpc_method
     async def Propose(self, request: pb.ProposeRequest, context):
+        async with contextlib.aclosing(self._propose(request)) as messages:  # a cancelled stream ends it at once
+            async for message in messages:
+                yield message
+
+    @rpc_method
+    async def ProposeSession(self, requests, context):
+        async for request in requests:
+            yield pb.ProposeSessionResponse(tokens=[message async for message in self._propose(request.propose)])
+
+    async def _propose(self, request: pb.ProposeRequest):
         if not request.temperature >= 0:  # NaN passes the engine's `< 0` check, then poisons sampling
             raise InvalidArgument("temperature", f"must be >= 0, got {request.temperature}")
         settings = DraftSettings(request.max_tokens, request.min_cumulative_prob, request.temperature, request.seed)

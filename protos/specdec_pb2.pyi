@@ -254,6 +254,18 @@ class ProposeRequest(_message.Message):
     features: Features
     def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., min_cumulative_prob: _Optional[float] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
+class ProposeSessionRequest(_message.Message):
+    __slots__ = ("propose",)
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    propose: ProposeRequest
+    def __init__(self, propose: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
+
+class ProposeSessionResponse(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[ProposeResponse]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ...) -> None: ...
+
 class ProposeResponse(_message.Message):
     __slots__ = ("token_id", "dist", "cumulative_prob", "compute_seconds")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]

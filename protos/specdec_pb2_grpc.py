@@ -166,6 +166,11 @@ class DraftServiceStub:
                 request_serializer=protos_dot_specdec__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=protos_dot_specdec__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeSession = channel.stream_stream(
+                '/specdec.v1.DraftService/ProposeSession',
+                request_serializer=protos_dot_specdec__pb2.ProposeSessionRequest.SerializeToString,
+                response_deserializer=protos_dot_specdec__pb2.ProposeSessionResponse.FromString,
+                _registered_method=True)
         self.ProposeTree = channel.unary_unary(
                 '/specdec.v1.DraftService/ProposeTree',
                 request_serializer=protos_dot_specdec__pb2.ProposeTreeRequest.SerializeToString,
@@ -192,6 +197,18 @@ class DraftServiceServicer:
     def Propose(self, request, context):
         """Rolls the sequence back to `known_len`, appends `append_tokens`, then streams up to
         `max_tokens` proposal tokens, one message per token as it is drafted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeSession(self, request_iterator, context):
+        """Propose over one open stream: each request is answered by one message holding the whole
+        proposal, in order, exactly as Propose would stream it. The coordinator keeps one stream per
+        sequence for the sequence's life, which spares every step a call's set-up and a message per
+        token (on 2 CPU cores ~0.8 ms per call and ~0.1 ms per message). An error ends the stream with
+        the status Propose would have returned; a draining server ends it with UNAVAILABLE at the next
+        request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -229,6 +246,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=protos_dot_specdec__pb2.ProposeRequest.FromString,
                     response_serializer=protos_dot_specdec__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeSession,
+                    request_deserializer=protos_dot_specdec__pb2.ProposeSessionRequest.FromString,
+                    response_serializer=protos_dot_specdec__pb2.ProposeSessionResponse.SerializeToString,
             ),
             'ProposeTree': grpc.unary_unary_rpc_method_handler(
                     servicer.ProposeTree,
@@ -296,6 +318,33 @@ class DraftService:
             '/specdec.v1.DraftService/Propose',
             protos_dot_specdec__pb2.ProposeRequest.SerializeToString,
             protos_dot_specdec__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.DraftService/ProposeSession',
+            protos_dot_specdec__pb2.ProposeSessionRequest.SerializeToString,
+            protos_dot_specdec__pb2.ProposeSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
