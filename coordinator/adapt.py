@@ -156,6 +156,11 @@ class DraftLengthPolicy:
     probe_every: int = 8
     idle_steps: int = 0
     probing: bool = False
+    # A calibrated draft's asks that left nothing to verify, in a row, and the steps still to wait
+    # before the next ask (asked()).
+    empty_asks: int = 0
+    rest: int = 0
+    max_rest: int = 8
 
     @property
     def acceptance(self) -> float:
@@ -166,6 +171,9 @@ class DraftLengthPolicy:
         """(max draft tokens, min cumulative probability) for the next step."""
         if not self.adaptive or self.max_length == 0:
             return self.max_length, 0.0
+        if self.rest:
+            self.rest -= 1
+            return 0, self.threshold
         max_length = self.max_length
         if self.cost_model is not None and self.cost_model.draft_cap is not None:
             max_length = min(max_length, self.cost_model.draft_cap())  # speculation shrinks as the batch fills
@@ -190,6 +198,24 @@ class DraftLengthPolicy:
         if not (self.calibrated and self.adaptive and confidence):
             return None
         return best_prefix(confidence, self.cost_model.costs() if self.cost_model is not None else self.prior)
+
+    def asked(self, kept: int) -> None:
+        """A calibrated draft was asked for a proposal and `kept` of its tokens survived cut().
+
+        An ask that leaves nothing (no match at all, or one too weak to check) still costs a round
+        trip to a draft service: ~1.4 ms on 2 CPU cores, 3% of a step. On chat prompts the n-gram
+        drafter was asked nearly every step and came back empty on most, because an empty proposal
+        teaches the acceptance estimate nothing. Empty asks come in runs (new words), so after one
+        the next ask waits 1, 2, 4, then up to 8 steps, until an ask finds something to verify. A
+        replay of the target's greedy outputs had this at +2% (chat) and +3% (grounded) with
+        1.4 ms asks, and no loss with free ones (in process)."""
+        if not (self.calibrated and self.adaptive):
+            return
+        if kept:
+            self.empty_asks = 0
+            return
+        self.empty_asks += 1
+        self.rest = min(self.max_rest, 2 ** (self.empty_asks - 1))
 
     def nothing_drafted(self) -> None:
         """The draft was asked for tokens and sent none: its own first token already fell under the

@@ -249,6 +249,8 @@ class SpeculativeLoop:
                 if cut is not None and cut < len(draft.tokens):
                     draft = dataclasses.replace(draft, tokens=draft.tokens[:cut], dists=draft.dists[:cut],
                                                 confidence=draft.confidence[:cut])
+                if draft_wall is not None:  # the draft was asked this step (not a run-ahead's tokens)
+                    policy.asked(len(draft.tokens))
                 ready = None
                 runahead = None
                 if draft.tokens and draft.parents is None and ahead.should_run_ahead():

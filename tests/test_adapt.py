@@ -108,3 +108,23 @@ def test_a_calibrated_policy_keeps_the_per_request_cap_and_cuts_only_when_adapti
     assert policy.cut(None) is None
     assert DraftLengthPolicy(max_length=8, calibrated=True, adaptive=False).cut([0.2]) is None
     assert DraftLengthPolicy(max_length=8).cut([0.2]) is None  # uncalibrated drafts keep the threshold
+
+
+def test_a_calibrated_draft_that_comes_back_empty_is_asked_ever_less_often():
+    policy = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True)
+    waits = []
+    assert policy.plan()[0] > 0
+    for _ in range(5):  # five empty asks in a row: the waits between asks grow 1, 2, 4, 8, 8
+        policy.asked(0)
+        wait = 0
+        while policy.plan()[0] == 0:
+            wait += 1
+        waits.append(wait)
+    assert waits == [1, 2, 4, 8, 8]
+    policy.asked(3)  # an ask with something to verify: the next one comes at once...
+    assert policy.plan()[0] > 0
+    policy.asked(0)  # ...and the waits start over
+    assert policy.rest == 1
+    uncalibrated = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR)
+    uncalibrated.asked(0)  # a model draft's empty proposal is the threshold's business (nothing_drafted)
+    assert uncalibrated.plan()[0] > 0
