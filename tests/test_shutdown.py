@@ -106,6 +106,7 @@ def test_target_not_serving_until_loaded_and_warmed_then_drains_on_sigterm(model
         time.sleep(0.2)  # every call has reached the server by now
         target.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
+        in_flight = sum(1 for c in calls if not c.done())  # the calls the drain must let finish
         states = []
         while time.monotonic() - signalled < 0.5:
             states.append(health(target.address))
@@ -116,14 +117,13 @@ def test_target_not_serving_until_loaded_and_warmed_then_drains_on_sigterm(model
         with pytest.raises(grpc.RpcError) as ended:
             next(session)
         requests.put(None)
-        in_flight = sum(1 for c in calls if not c.done())
         results = [c.result() for c in calls]  # raises if any in-flight call failed
         drained = time.monotonic() - signalled
         code = target.process.wait(timeout=GRACE_S + MARGIN_S)
         exited = time.monotonic() - signalled
         print(
             f"target SIGTERM: health {sorted(set(states))} within 0.5s, new call {refused.value.code().name}, "
-            f"{len(results)}/{len(calls)} calls completed ({in_flight} still in flight after the signal) in {drained:.2f}s, "
+            f"{len(results)}/{len(calls)} calls completed ({in_flight} in flight at the signal) in {drained:.2f}s, "
             f"exit code {code} after {exited:.2f}s (grace {GRACE_S:.0f}s)"
         )
         assert set(states) == {"NOT_SERVING"}, states
