@@ -261,6 +261,7 @@ class DraftClient:
             if answer is not None:
                 messages = list(answer.tokens)
                 size += answer.ByteSize()
+                compute = answer.compute_seconds
             else:
                 messages = []
                 async for message in self.stub.Propose(request, timeout=call_timeout(self.timeout_s), metadata=_metadata()):
@@ -276,7 +277,8 @@ class DraftClient:
         tokens = [m.token_id for m in messages]
         dists: list[Dist] = [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else None for m in messages]
         confidence = [m.cumulative_prob for m in messages]
-        compute = messages[-1].compute_seconds if messages else 0.0
+        if answer is None:  # a stream says only what its last token had cost by then
+            compute = messages[-1].compute_seconds if messages else 0.0
         return DraftOutcome(tokens, dists, compute, wall, size, confidence=confidence)
 
     async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,

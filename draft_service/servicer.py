@@ -73,17 +73,22 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     @rpc_method
     async def ProposeSession(self, requests, context):
         async for request in requests:
-            yield pb.ProposeSessionResponse(tokens=[message async for message in self._propose(request.propose)])
+            spent: list[float] = []
+            tokens = [message async for message in self._propose(request.propose, spent)]
+            yield pb.ProposeSessionResponse(tokens=tokens, compute_seconds=spent[0] if spent else 0.0)
 
-    async def _propose(self, request: pb.ProposeRequest):
+    async def _propose(self, request: pb.ProposeRequest, spent: list[float] | None = None):
+        """The Propose messages; `spent` receives the draft's seconds for the whole call, the forward
+        after the last token included (the one whose token fell under the threshold, or the
+        max_tokens-th), which no message's compute_seconds covers."""
         if not request.temperature >= 0:  # NaN passes the engine's `< 0` check, then poisons sampling
             raise InvalidArgument("temperature", f"must be >= 0, got {request.temperature}")
         settings = DraftSettings(request.max_tokens, request.min_cumulative_prob, request.temperature, request.seed)
         async with self._one_at_a_time(request.sequence_id):
             if self.batcher.max_batch_size > 1 and self.engine.batches(settings):
-                proposals = self._propose_batched(request, settings)
+                proposals = self._propose_batched(request, settings, spent)
             else:
-                proposals = self._propose_alone(request, settings)
+                proposals = self._propose_alone(request, settings, spent)
             m = metrics.draft()
             compute = 0.0
             async for proposal in proposals:
@@ -101,7 +106,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             m.propose_seconds.observe(compute)
         m.sequences.set(len(self.engine.store))
 
-    async def _propose_alone(self, request, settings: DraftSettings):
+    async def _propose_alone(self, request, settings: DraftSettings, spent: list[float] | None = None):
         """The drafter's own loop runs on the worker thread and hands each token to the event loop the
         moment it exists, without waiting for it to be sent: one thread hop per token instead of a
         round trip per token. The round trips (the loop asking the worker for the next token) cost
@@ -119,12 +124,14 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         ready: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()
 
-        def produce() -> None:
+        def produce() -> float:
+            started = time.perf_counter()
             proposals = self.engine.propose(request.sequence_id, request.known_len, list(request.append_tokens), settings, features)
             for proposal in proposals:
                 loop.call_soon_threadsafe(ready.put_nowait, proposal)
                 if stop.is_set():
-                    return
+                    break
+            return time.perf_counter() - started
 
         worker = asyncio.ensure_future(self.host.run(produce))
         # Scheduled by the worker after its last token, so it arrives after them.
@@ -132,12 +139,14 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         try:
             while (proposal := await ready.get()) is not _DONE:
                 yield proposal
-            await worker  # the drafter's error, if it failed
+            seconds = await worker  # raises the drafter's error, if it failed
+            if spent is not None:
+                spent.append(seconds)
         finally:
             stop.set()
             await asyncio.wait([worker])
 
-    async def _propose_batched(self, request, settings: DraftSettings):
+    async def _propose_batched(self, request, settings: DraftSettings, spent: list[float] | None = None):
         """The same chain, its forwards shared with the other streams drafting at the same time
         (draft_service/batcher.py); the token choices are the drafter's own (ModelDrafter.choose)."""
         start = time.perf_counter()
@@ -150,9 +159,11 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 logits = await self.batcher.logits(seq)
                 proposal = drafter.choose(logits, state)
                 if proposal is None:
-                    return
+                    break
                 seq.tokens.append(proposal.token)
                 yield proposal
+            if spent is not None:
+                spent.append(time.perf_counter() - start)
         finally:
             self.batcher.closed()
 

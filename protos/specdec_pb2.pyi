@@ -261,10 +261,12 @@ class ProposeSessionRequest(_message.Message):
     def __init__(self, propose: _Optional[_Union[ProposeRequest, _Mapping]] = ...) -> None: ...
 
 class ProposeSessionResponse(_message.Message):
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "compute_seconds")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedCompositeFieldContainer[ProposeResponse]
-    def __init__(self, tokens: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ...) -> None: ...
+    compute_seconds: float
+    def __init__(self, tokens: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("token_id", "dist", "cumulative_prob", "compute_seconds")

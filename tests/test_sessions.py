@@ -112,3 +112,28 @@ def test_a_propose_session_answers_as_the_stream_does(services):
             await client.close()
 
     asyncio.run(main())
+
+
+def test_a_propose_session_counts_the_forward_that_proposed_nothing(services):
+    """A chain stops on a forward whose token falls under the threshold; that forward is draft time.
+    A stream cannot say so (no token, no message), so over it the time used to count as wire."""
+    prompt = tiny.prompts(1, seed=8)[0]
+
+    async def main():
+        client = DraftClient(services["draft"], timeout_s=30)
+        try:
+            outcomes = []
+            for enabled in (True, False):
+                client.sessions.enabled = enabled
+                sequence_id = f"shy-{enabled}"
+                # min_cumulative_prob 1: any token the draft is not certain of is not sent
+                outcomes.append(await client.propose(sequence_id, 0, prompt, 4, 1.0, 0.0, 0))
+                await client.release(sequence_id)
+            return outcomes
+        finally:
+            await client.close()
+
+    session, stream = asyncio.run(main())
+    assert session.tokens == stream.tokens == []
+    assert 0 < session.compute_seconds <= session.wall_seconds
+    assert stream.compute_seconds == 0.0
