@@ -78,9 +78,9 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             yield pb.ProposeSessionResponse(tokens=tokens, compute_seconds=spent[0] if spent else 0.0)
 
     async def _propose(self, request: pb.ProposeRequest, spent: list[float] | None = None):
-        """The Propose messages; `spent` receives the draft's seconds for the whole call, the forward
-        after the last token included (the one whose token fell under the threshold, or the
-        max_tokens-th), which no message's compute_seconds covers."""
+        """The Propose messages. `spent` receives the draft's seconds for the whole call: each
+        message's compute_seconds is the time up to its own token, so none covers a chain's last
+        forward when that forward's token fell under the threshold and was not sent."""
         if not request.temperature >= 0:  # NaN passes the engine's `< 0` check, then poisons sampling
             raise InvalidArgument("temperature", f"must be >= 0, got {request.temperature}")
         settings = DraftSettings(request.max_tokens, request.min_cumulative_prob, request.temperature, request.seed)
