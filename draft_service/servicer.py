@@ -75,12 +75,13 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         async for request in requests:
             spent: list[float] = []
             tokens = [message async for message in self._propose(request.propose, spent)]
-            yield pb.ProposeSessionResponse(tokens=tokens, compute_seconds=spent[0] if spent else 0.0)
+            yield pb.ProposeSessionResponse(tokens=tokens, compute_seconds=spent[0])
 
     async def _propose(self, request: pb.ProposeRequest, spent: list[float] | None = None):
         """The Propose messages. `spent` receives the draft's seconds for the whole call: each
         message's compute_seconds is the time up to its own token, so none covers a chain's last
         forward when that forward's token fell under the threshold and was not sent."""
+        spent = [] if spent is None else spent
         if not request.temperature >= 0:  # NaN passes the engine's `< 0` check, then poisons sampling
             raise InvalidArgument("temperature", f"must be >= 0, got {request.temperature}")
         settings = DraftSettings(request.max_tokens, request.min_cumulative_prob, request.temperature, request.seed)
@@ -90,10 +91,8 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             else:
                 proposals = self._propose_alone(request, settings, spent)
             m = metrics.draft()
-            compute = 0.0
             async for proposal in proposals:
                 m.proposed_tokens.inc()
-                compute = proposal.compute_seconds
                 message = pb.ProposeResponse(
                     token_id=proposal.token,
                     cumulative_prob=proposal.cumulative_prob,
@@ -103,7 +102,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     message.dist.token_ids.extend(proposal.dist_ids)
                     message.dist.probs.extend(proposal.dist_probs)
                 yield message
-            m.propose_seconds.observe(compute)
+            m.propose_seconds.observe(spent[0])
         m.sequences.set(len(self.engine.store))
 
     async def _propose_alone(self, request, settings: DraftSettings, spent: list[float] | None = None):
