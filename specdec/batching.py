@@ -38,6 +38,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from specdec.kvbuffer import full_attention
 from specdec.kvcache import Sequence
 from specdec.lm import CausalLM
 from specdec.treeforward import tree_attention
@@ -70,7 +71,7 @@ class _BatchLayer(DynamicLayer):
 def batchable(lm: CausalLM) -> bool:
     """Only full-attention caches line up position by position; sliding-window layers (Gemma 3)
     keep a trimmed window, so such models verify row by row (still one worker call per batch)."""
-    return all(type(layer) is DynamicLayer for layer in lm.new_cache().layers)
+    return all(full_attention(layer) for layer in lm.new_cache().layers)
 
 
 def _layer_kv(seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:

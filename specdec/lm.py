@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import torch
 from transformers import DynamicCache
 
+from specdec.kvbuffer import new_cache
+
 from specdec.kvcache import Sequence
 
 
@@ -56,7 +58,7 @@ class CausalLM:
             self._captured = None
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        return new_cache(self.model.config)  # appends in place: no O(context) copy per step
 
     @torch.inference_mode()
     def forward(self, seq: Sequence, extra: list[int] | tuple[int, ...] = (), keep: int = 1) -> torch.Tensor:

@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
+from specdec.kvbuffer import new_cache
 from specdec.kvcache import Sequence
 
 MARKER = "specdec_draft.json"
@@ -153,7 +154,7 @@ class PrunedCausalLM:
         self.dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
 
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+        return new_cache(self.model.config)
 
     @torch.inference_mode()
     def forward(self, seq: Sequence, extra: list[int] | tuple[int, ...] = (), keep: int = 1) -> torch.Tensor:

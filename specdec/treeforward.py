@@ -11,22 +11,22 @@ them is the tree's root, at position L - 1 with L = c + m) and N tree nodes:
 
 So a node's key and value are exactly what they would be had its root-to-node path been fed as a
 chain; keeping the accepted path's entries (gathered by index) leaves the cache a chain would leave.
-Only caches whose layers line up position by position (full attention: `DynamicLayer`) can be
+Only caches whose layers line up position by position (full attention: `specdec.kvbuffer.full_attention`) can be
 gathered; `supports_trees` says whether a model has them.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
+from specdec.kvbuffer import full_attention
 from specdec.kvcache import Sequence
 from target_service.tree import ancestor_mask
 
 
 def supports_trees(lm) -> bool:
     """Sliding-window layers (Gemma 3) keep a trimmed window that a gather by index would break."""
-    return all(type(layer) is DynamicLayer for layer in lm.new_cache().layers)
+    return all(full_attention(layer) for layer in lm.new_cache().layers)
 
 
 def tree_attention(cached: int, pending: int, parents: torch.Tensor) -> torch.Tensor:

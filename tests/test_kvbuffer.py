@@ -1,0 +1,88 @@
+"""The in-place KV cache layer: the same keys, values and logits as transformers' DynamicLayer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from specdec.kvbuffer import MIN_CAPACITY, GrowingLayer, full_attention, new_cache
+from specdec.kvcache import Sequence
+from specdec.lm import CausalLM
+from specdec.treeforward import keep_positions
+from tests import tiny
+
+
+def test_appends_crops_and_replacements_match_dynamic_layer():
+    rng = random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    grow, plain = GrowingLayer(), DynamicLayer()
+    capacities = set()
+    for step in range(300):
+        roll = rng.random()
+        if roll < 0.2 and plain.get_seq_length():
+            drop = rng.randint(1, plain.get_seq_length())
+            grow.crop(-drop)
+            plain.crop(-drop)
+        elif roll < 0.25 and plain.get_seq_length() > 2:  # a tree's path compaction replaces the tensors
+            keep = sorted(rng.sample(range(plain.get_seq_length()), 2))
+            for layer in (grow, plain):
+                idx = torch.tensor(keep)
+                layer.keys, layer.values = layer.keys.index_select(-2, idx), layer.values.index_select(-2, idx)
+        else:
+            n = rng.choice([1, 1, 2, 5, 40])
+            k, v = torch.randn(1, 2, n, 4, generator=gen), torch.randn(1, 2, n, 4, generator=gen)
+            got, want = grow.update(k, v), plain.update(k, v)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            capacities.add(grow._buffers[0].shape[-2])
+        assert grow.get_seq_length() == plain.get_seq_length()
+        assert torch.equal(grow.keys, plain.keys) and torch.equal(grow.values, plain.values)
+    assert min(capacities) == MIN_CAPACITY and len(capacities) > 1  # it grew, and started with spare room
+    with pytest.raises(ValueError, match="negative"):
+        grow.crop(1)
+
+
+def test_appending_does_not_copy_what_is_cached():
+    layer = GrowingLayer()
+    layer.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
+    buffer = layer._buffers[0]
+    layer.update(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2))
+    layer.crop(-2)
+    layer.update(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 2))
+    assert layer._buffers[0] is buffer and layer.keys.data_ptr() == buffer.data_ptr()
+    assert layer.keys[0, 0, :, 0].tolist() == [0, 0, 1, 1, 1, 1]
+
+
+def test_model_logits_are_bit_identical_through_steps_and_rollbacks():
+    target, _ = tiny.tiny_pair(seed=5)
+    lm = CausalLM(target, torch.device("cpu"))
+    assert all(isinstance(layer, GrowingLayer) for layer in lm.new_cache().layers)
+    rng = random.Random(1)
+    tokens = [rng.randrange(256) for _ in range(30)]
+    ours, theirs = Sequence("a", tokens=list(tokens)), Sequence("b", tokens=list(tokens))
+    theirs.cache = DynamicCache(config=target.config)
+    for step in range(60):
+        extra = [rng.randrange(256) for _ in range(rng.randrange(0, 6))]
+        got = lm.forward(ours, extra, keep=len(extra) + 1)
+        want = lm.forward(theirs, extra, keep=len(extra) + 1)
+        assert torch.equal(got, want)
+        length = len(ours.tokens) + rng.randrange(0, len(extra) + 1)  # accept a prefix of the extras
+        if rng.random() < 0.2:
+            length = rng.randrange(1, length + 1)  # roll back further
+        ours.tokens = theirs.tokens = (ours.tokens + extra)[:length] + [rng.randrange(256)]
+        ours.crop_cache(length)
+        theirs.crop_cache(length)
+        cached = ours.cached
+        if step % 17 == 5 and cached > 3:  # keep a path, as tree verification does
+            for seq in (ours, theirs):
+                keep_positions(seq, cached - 3, [cached - 1])
+            ours.tokens = theirs.tokens = ours.tokens[:cached - 3] + ours.tokens[cached - 1:]
+
+
+def test_only_full_attention_layers_are_replaced():
+    config = tiny.tiny_config()
+    assert all(full_attention(layer) for layer in new_cache(config).layers)
+    assert not full_attention(object())
