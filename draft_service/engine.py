@@ -134,7 +134,7 @@ class NgramDrafter:
     def __init__(self, max_n: int = 4, min_n: int = 1):
         NgramIndex(max_n, min_n)  # validates the pair at start-up rather than on the first call
         self.max_n, self.min_n = max_n, min_n
-        self.calibration = MatchCalibration()
+        self.calibration = MatchCalibration(max_n)
 
     def draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
         """Each token's cumulative_prob is the calibrated chance that it and every token before it
@@ -146,10 +146,10 @@ class NgramDrafter:
         self._learn(index, seq.tokens)
         index.extend(seq.tokens[seq.cached:])
         seq.cached = len(seq.tokens)  # drafted tokens below are not indexed; a rejection crops nothing
-        proposal, run = index.propose(settings.max_tokens)
+        proposal, n = index.propose(settings.max_tokens)
         if proposal:
-            index.last = (len(seq.tokens), seq.tokens[-1], proposal, run)
-        for token, cumulative in zip(proposal, self.calibration.survival(run, len(proposal))):
+            index.last = (len(seq.tokens), seq.tokens[-1], proposal, n)
+        for token, cumulative in zip(proposal, self.calibration.survival(n, len(proposal))):
             seq.tokens.append(token)
             one_hot = ([token], [1.0]) if settings.temperature > 0 else (None, None)
             yield Proposal(token, *one_hot, cumulative, time.perf_counter() - start)
@@ -160,9 +160,9 @@ class NgramDrafter:
         moved past it yet, or was rewound before it."""
         if index.last is None:
             return
-        position, before, proposal, run = index.last
+        position, before, proposal, n = index.last
         if len(tokens) > position and tokens[position - 1] == before:
-            self.calibration.observe(run, proposal, tokens[position:])
+            self.calibration.observe(n, proposal, tokens[position:])
             index.last = None
 
 

@@ -6,12 +6,9 @@ token is one-hot, and rejection sampling stays lossless (acceptance is then just
 
 How long a match keeps agreeing depends on how long it is. On SmolLM2-135M-Instruct's own greedy
 outputs for the benchmark prompts, the first token after a 1-token match was right 15-27% of the
-time, and after a 4-token match 84-88% of the time, with long agreeing runs. The lookup key is at
-most `max_n` tokens, but a match is measured by how far back it really agrees (up to `MAX_RUN`):
-a 4-gram that recurs by chance ("of the") and the 30th token of a paragraph being copied are
-different bets. `MatchCalibration` turns the match length into each proposed token's probability
-of being right, learned online from what each sequence turned out to be, so the coordinator can
-choose the draft length that pays for each match.
+time, and after a 4-token match 84-88% of the time, with long agreeing runs. `MatchCalibration`
+turns that into each proposed token's probability of being right, learned online from what each
+sequence turned out to be, so the coordinator can choose the draft length that pays for each match.
 
 `NgramIndex` is what the draft service uses: an incremental index of every n-gram (min_n..max_n)
 of a sequence to the position that followed its most recent occurrence, updated in O(max_n) per
@@ -20,9 +17,6 @@ token and rolled back in O(max_n) per dropped token, so a step costs the same at
 """
 
 from __future__ import annotations
-
-
-MAX_RUN = 32  # how far back a match's agreement is measured
 
 
 class NgramIndex:
@@ -42,7 +36,7 @@ class NgramIndex:
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token that followed it last
         self._undo: list[list[tuple[tuple[int, ...], int | None]]] = []  # per token: (key, previous value)
         # The last proposal, to learn from once the sequence has moved past it (MatchCalibration):
-        # (position of its first token, the token before it, the tokens, the match's run length).
+        # (position of its first token, the token before it, the tokens, n of the match).
         self.last: tuple[int, int, list[int], int] | None = None
 
     def __len__(self) -> int:
@@ -73,9 +67,7 @@ class NgramIndex:
                     self._next[key] = previous
 
     def propose(self, max_tokens: int) -> tuple[list[int], int]:
-        """(continuation, run length of the match): the longest suffix n-gram first, its most recent
-        occurrence. The run length is how many tokens before that occurrence agree with the
-        sequence's last ones, n or more, at most MAX_RUN.
+        """(continuation, n of the matched suffix): longest suffix first, its most recent occurrence.
 
         When the continuation runs into the end of the sequence, the match is periodic (the suffix
         re-appears `period` tokens later), so the proposal keeps repeating that period: a loop in
@@ -91,10 +83,7 @@ class NgramIndex:
                 period = length - start
                 while len(out) < max_tokens:
                     out.append(out[len(out) - period])
-                run = n
-                while run < min(MAX_RUN, start) and self.tokens[start - 1 - run] == self.tokens[length - 1 - run]:
-                    run += 1
-                return out, run
+                return out, n
         return [], 0
 
 
@@ -102,15 +91,12 @@ class NgramIndex:
 # later ones, rounded from the measurement quoted above (4 grounded + 4 chat prompts, 96 tokens each).
 PRIOR_FIRST = {1: 0.2, 2: 0.55, 3: 0.7, 4: 0.85}
 PRIOR_LATER = {1: 0.6, 2: 0.7, 3: 0.8, 4: 0.9}
-# Run lengths are learned in these classes (each the run lengths from it to the next one).
-RUN_CLASSES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
 class MatchCalibration:
-    """P(the first k proposed tokens are all right | the match's run length), learned online.
+    """P(the first k proposed tokens are all right | the match was n tokens long), learned online.
 
-    Run lengths are grouped into `classes` (the largest class <= the run length). Kept as
-    per-(class, k) hazards (Kaplan-Meier): a proposal whose truth is known up to L tokens
+    Kept as per-(n, k) hazards (Kaplan-Meier): a proposal whose truth is known up to L tokens
     counts, for each k <= L, one trial of token k after tokens 1..k-1 agreed, and stops counting
     at its first miss. Tokens the coordinator did not verify still count, once the canonical
     sequence has reached them: they were right or wrong all the same. Shared by every sequence of
@@ -121,41 +107,32 @@ class MatchCalibration:
 
     MAX_K = 32
 
-    def __init__(self, prior_weight: float = 4.0, classes: tuple[int, ...] = RUN_CLASSES):
-        if not classes or classes[0] != 1 or list(classes) != sorted(set(classes)):
-            raise ValueError(f"classes must rise strictly from 1, got {classes}")
-        self.classes = classes
+    def __init__(self, max_n: int, prior_weight: float = 4.0):
+        self.max_n = max_n
         self._hits: dict[int, list[float]] = {}
         self._trials: dict[int, list[float]] = {}
-        for c in classes:
-            first, later = PRIOR_FIRST[min(c, 4)], PRIOR_LATER[min(c, 4)]
-            self._hits[c] = [prior_weight * (first if k == 0 else later) for k in range(self.MAX_K)]
-            self._trials[c] = [prior_weight] * self.MAX_K
+        for n in range(1, max_n + 1):
+            first, later = PRIOR_FIRST[min(n, 4)], PRIOR_LATER[min(n, 4)]
+            self._hits[n] = [prior_weight * (first if k == 0 else later) for k in range(self.MAX_K)]
+            self._trials[n] = [prior_weight] * self.MAX_K
 
-    def _class(self, run: int) -> int | None:
-        if run < 1:
-            return None
-        return max(c for c in self.classes if c <= run)
-
-    def observe(self, run: int, proposal: list[int], truth: list[int]) -> None:
+    def observe(self, n: int, proposal: list[int], truth: list[int]) -> None:
         """`truth`: the canonical tokens from the proposal's first position on, as far as known."""
-        c = self._class(run)
-        if c is None:
+        if n not in self._hits:
             return
         for k, (guess, actual) in enumerate(zip(proposal[: self.MAX_K], truth)):
-            self._trials[c][k] += 1
+            self._trials[n][k] += 1
             if guess != actual:
                 return
-            self._hits[c][k] += 1
+            self._hits[n][k] += 1
 
-    def survival(self, run: int, length: int) -> list[float]:
+    def survival(self, n: int, length: int) -> list[float]:
         """P(tokens 1..k all right) for k = 1..length: each proposed token's cumulative probability."""
-        c = self._class(run)
         out: list[float] = []
         p = 1.0
         for k in range(length):
             j = min(k, self.MAX_K - 1)
-            p *= self._hits[c][j] / self._trials[c][j] if c is not None else 0.0
+            p *= self._hits[n][j] / self._trials[n][j] if n in self._hits else 0.0
             out.append(p)
         return out
 

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from draft_service.engine import DraftEngine, DraftSettings, NgramDrafter
-from draft_service.ngram import MAX_RUN, MatchCalibration, NgramIndex, ngram_propose
+from draft_service.ngram import MatchCalibration, NgramIndex, ngram_propose
 
 
 def test_proposes_continuation_of_most_recent_longest_match():
@@ -32,9 +32,8 @@ def test_min_n_rejects_short_matches():
 # --- the incremental index the draft service uses -------------------------------------------
 
 
-def brute_force_match(tokens: list[int], max_tokens: int, max_n: int, min_n: int) -> tuple[list[int], int]:
-    """The rule spelled out as a rescan: longest suffix first, most recent earlier occurrence, periodic
-    tail; and the run length: how many tokens before that occurrence agree with the last ones."""
+def brute_force(tokens: list[int], max_tokens: int, max_n: int, min_n: int) -> list[int]:
+    """The rule spelled out as a rescan: longest suffix first, most recent earlier occurrence, periodic tail."""
     length = len(tokens)
     for n in range(min(max_n, length), min_n - 1, -1):
         suffix = tokens[length - n:]
@@ -43,13 +42,8 @@ def brute_force_match(tokens: list[int], max_tokens: int, max_n: int, min_n: int
                 out = tokens[end: end + max_tokens]
                 while len(out) < max_tokens:
                     out.append(out[len(out) - (length - end)])
-                run = max(r for r in range(n, min(MAX_RUN, end) + 1) if tokens[end - r: end] == tokens[length - r:])
-                return out, run
-    return [], 0
-
-
-def brute_force(tokens: list[int], max_tokens: int, max_n: int, min_n: int) -> list[int]:
-    return brute_force_match(tokens, max_tokens, max_n, min_n)[0]
+                return out
+    return []
 
 
 def test_index_matches_a_rescan_through_appends_and_rollbacks():
@@ -66,19 +60,7 @@ def test_index_matches_a_rescan_through_appends_and_rollbacks():
             index.append(token)
             shadow.append(token)
         assert len(index) == len(shadow)
-        assert index.propose(5) == brute_force_match(shadow, 5, 4, 1)
-
-
-def test_run_length_measures_how_far_back_a_match_agrees():
-    doc = list(range(100, 140))  # a 40-token passage, then the output copying it
-    index = NgramIndex(max_n=4)
-    index.extend(doc + [7] + doc[:20])
-    assert index.propose(3) == (doc[20:23], 20)  # keyed on 4 tokens, agreeing for 20
-    index.extend(doc[20:])
-    assert index.propose(1)[1] == MAX_RUN  # capped
-    index = NgramIndex(max_n=4)
-    index.extend([1, 2, 3, 4, 5, 9, 2, 3, 4])  # "2 3 4" recurs after a different token
-    assert index.propose(2) == ([5, 9], 3)
+        assert index.propose(5)[0] == brute_force(shadow, 5, 4, 1)
 
 
 def test_periodic_tail_drafts_a_loop_at_full_length():
@@ -109,22 +91,16 @@ def test_engine_rolls_the_index_back_with_the_sequence():
 
 
 def test_calibration_starts_at_the_prior_and_learns_each_match_length_apart():
-    cal = MatchCalibration()
+    cal = MatchCalibration(max_n=4)
     assert cal.survival(4, 3) == pytest.approx([0.85, 0.85 * 0.9, 0.85 * 0.9 ** 2])
-    assert cal.survival(20, 3) == cal.survival(4, 3)  # longer runs start from the 4-token prior
     assert cal.survival(1, 1)[0] == pytest.approx(0.2)
-    assert cal.survival(0, 2) == [0.0, 0.0]  # no match
     for _ in range(40):
         cal.observe(1, [5, 6], [7, 6])  # 1-token matches: wrong at once
-        cal.observe(4, [1, 2, 3], [1, 2, 9])  # 4-token runs (a 4-gram recurring by chance): 2 right
-        cal.observe(20, [1, 2, 3], [1, 2, 3, 4])  # 20-token runs (a passage being copied): right all along
+        cal.observe(4, [1, 2, 3], [1, 2, 3, 4])  # 4-token matches: right all along
     assert cal.survival(1, 1)[0] < 0.05
-    assert cal.survival(4, 3)[2] < 0.1
-    assert cal.survival(16, 3)[2] > 0.9 and cal.survival(23, 3) == cal.survival(16, 3)  # one class: 16..23
-    with pytest.raises(ValueError):
-        MatchCalibration(classes=(2, 4))
+    assert cal.survival(4, 3)[2] > 0.9
     # A miss ends the count: tokens after it are not trials (Kaplan-Meier), nor are unknown ones.
-    cal = MatchCalibration(prior_weight=0.0 + 1e-9)
+    cal = MatchCalibration(max_n=2, prior_weight=0.0 + 1e-9)
     cal.observe(2, [1, 2, 3], [1, 9, 3])
     cal.observe(2, [1, 2, 3], [1])  # the truth is known for one token only
     assert cal._trials[2][:3] == pytest.approx([2, 1, 0], abs=1e-6)
