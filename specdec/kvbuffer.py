@@ -8,9 +8,9 @@ in-place cache made a forward 1.0x as fast at 300 tokens of context, 1.05-1.09x 
 blocks, llama.cpp's fixed-size cache).
 
 `GrowingLayer` keeps keys and values in buffers with spare room, doubling when full (amortised
-O(1) per appended position), and exposes `keys`/`values` as views of the filled part, so attention
-reads exactly what DynamicLayer would hand it: the logits are bit-identical
-(tests/test_kvbuffer.py). Rollback (`crop`) only moves the end. Code that replaces `keys`/`values`
+O(1) per appended position, for at most about twice the memory of the filled part), and exposes
+`keys`/`values` as views of the filled part, so attention reads exactly what DynamicLayer would
+hand it: the logits are bit-identical (tests/test_kvbuffer.py). Rollback (`crop`) only moves the end. Code that replaces `keys`/`values`
 outright (a tree's path compaction, transformers' beam reordering) is honoured: the next append
 adopts whatever the layer then holds.
 """
@@ -66,7 +66,9 @@ class GrowingLayer(DynamicLayer):
         if self._buffers is not None and self._buffers[0].shape[-2] >= needed \
                 and self._buffers[0].shape[:2] == key_states.shape[:2]:
             return
-        capacity = max(MIN_CAPACITY, needed, 2 * (self._buffers[0].shape[-2] if self._buffers is not None else 0))
+        # Half again the need (a prefill or a re-filled sequence goes on appending), at least double
+        # the old room (amortised O(1) per position).
+        capacity = max(MIN_CAPACITY, needed + needed // 2, 2 * (self._buffers[0].shape[-2] if self._buffers is not None else 0))
         k = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[-1])
         v = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[-1])
         if held is not None and self._length:

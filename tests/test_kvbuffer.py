@@ -21,7 +21,7 @@ def test_appends_crops_and_replacements_match_dynamic_layer():
     gen = torch.Generator().manual_seed(0)
     grow, plain = GrowingLayer(), DynamicLayer()
     capacities = set()
-    for step in range(300):
+    for _ in range(300):
         roll = rng.random()
         if roll < 0.2 and plain.get_seq_length():
             drop = rng.randint(1, plain.get_seq_length())
