@@ -10,9 +10,9 @@ blocks, llama.cpp's fixed-size cache).
 `GrowingLayer` keeps keys and values in buffers with spare room, doubling when full (amortised
 O(1) per appended position, for at most about twice the memory of the filled part), and exposes
 `keys`/`values` as views of the filled part, so attention reads exactly what DynamicLayer would
-hand it: the logits are bit-identical (tests/test_kvbuffer.py). Rollback (`crop`) only moves the end. Code that replaces `keys`/`values`
-outright (a tree's path compaction, transformers' beam reordering) is honoured: the next append
-adopts whatever the layer then holds.
+hand it: the logits are bit-identical (tests/test_kvbuffer.py). Rollback (`crop`) only moves the
+end. Code that replaces `keys`/`values` outright (a tree's path compaction, transformers' beam
+reordering) is honoured: the next append adopts whatever the layer then holds.
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ MIN_CAPACITY = 64  # positions
 class GrowingLayer(DynamicLayer):
     """A full-attention layer whose keys/values [B, H, T, D] are views into buffers [B, H, capacity, D]."""
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._length = 0
 
     def _owned(self) -> bool:
         """Are keys/values still the views this layer made? (False after an outside replacement.)"""
-        return (self._buffers is not None and self.keys.shape[-2] == self._length
+        return (self._buffers is not None and self.keys is not None and self.keys.dim() == 4
+                and self.keys.shape[-2] == self._length
                 and self.keys.data_ptr() == self._buffers[0].data_ptr()
                 and self.values.data_ptr() == self._buffers[1].data_ptr())
 
@@ -43,8 +44,10 @@ class GrowingLayer(DynamicLayer):
         self.keys, self.values = k[..., :self._length, :], v[..., :self._length, :]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        if not self.is_initialized:  # by hand: lazy_initialization's signature differs across transformers 5.x
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.keys, self.values = key_states.new_zeros(0), value_states.new_zeros(0)
+            self.is_initialized = True
         if not self._owned():  # first append, or keys/values were replaced: adopt them as the contents
             self._length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
             held = (self.keys, self.values) if self._length else None

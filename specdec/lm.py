@@ -13,7 +13,6 @@ import torch
 from transformers import DynamicCache
 
 from specdec.kvbuffer import new_cache
-
 from specdec.kvcache import Sequence
 
 

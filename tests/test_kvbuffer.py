@@ -45,6 +45,15 @@ def test_appends_crops_and_replacements_match_dynamic_layer():
         grow.crop(1)
 
 
+def test_a_reset_layer_starts_over():
+    layer = GrowingLayer()
+    layer.update(torch.ones(1, 1, 3, 2), torch.ones(1, 1, 3, 2))
+    layer.reset()
+    assert layer.get_seq_length() == 0
+    keys, _ = layer.update(torch.zeros(1, 1, 2, 2), torch.zeros(1, 1, 2, 2))
+    assert keys.shape == (1, 1, 2, 2) and keys.sum() == 0
+
+
 def test_appending_does_not_copy_what_is_cached():
     layer = GrowingLayer()
     layer.update(torch.zeros(1, 1, 3, 2), torch.zeros(1, 1, 3, 2))
