@@ -25,47 +25,23 @@ Why copy caches per step rather than keep one resident padded cache: measured wi
 on these 2 CPU cores, a SmolLM2-width model (30 layers, 3 KV heads x 64, 49,152-token head), 8 rows
 of 300-370 cached tokens + 5 new each: one batched step ~230 ms against ~660 ms for the 8 rows one
 by one; gathering the rows into the batch buffer and copying them back costs ~39 ms of it (17%),
-about what the unbatched path already spends in transformers' per-step torch.cat of every cache.
-Not enough to pay for a resident cache's bookkeeping (compaction, per-row crops, eviction and
+about what the unbatched path spent in transformers' per-step torch.cat of every cache before its
+layers appended in place (specdec/kvbuffer.py). Not enough to pay for a resident cache's bookkeeping (compaction, per-row crops, eviction and
 re-fill inside a shared buffer), and per-sequence caches keep rollback, eviction, re-fill and the
-unbatched path exactly as they were. The batch buffer is preallocated at P + N, so the forward
-appends in place instead of copying the cache once more.
+unbatched path exactly as they were. The batch buffer is preallocated at P + N and held by a
+`GrowingLayer`, so the forward appends in place instead of copying the cache once more.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from specdec.kvbuffer import full_attention
+from specdec.kvbuffer import GrowingLayer, full_attention
 from specdec.kvcache import Sequence
 from specdec.lm import CausalLM
 from specdec.treeforward import tree_attention
 from target_service.tree import depths
-
-
-class _BatchLayer(DynamicLayer):
-    """One layer of the batch: a preallocated [B, H, P+N, D] buffer, its first `length` positions
-    exposed as keys/values; the forward's new keys are written in place (no torch.cat copy)."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
-        super().__init__()
-        self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
-        self.buffer_k, self.buffer_v, self.length = keys, values, length
-        self.keys, self.values = keys[..., :length, :], values[..., :length, :]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        n = key_states.shape[-2]
-        self.buffer_k[..., self.length:self.length + n, :] = key_states
-        self.buffer_v[..., self.length:self.length + n, :] = value_states
-        self.length += n
-        self.keys, self.values = self.buffer_k[..., :self.length, :], self.buffer_v[..., :self.length, :]
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.length
 
 
 def batchable(lm: CausalLM) -> bool:
@@ -124,7 +100,7 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
     for layer_idx in range(len(cache.layers)):
         first = next((kv for seq in seqs if (kv := _layer_kv(seq, layer_idx)) is not None), None)
         if first is None:  # nothing cached in any row (all new sequences): learn the shape from the forward
-            cache.layers[layer_idx] = _LazyBatchLayer(width_n)
+            cache.layers[layer_idx] = GrowingLayer()
             continue
         _, heads, _, dim_k = first[0].shape
         dim_v = first[1].shape[-1]
@@ -138,7 +114,7 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
             if kv is not None:
                 keys[i, :, width_p - past[i]:width_p] = kv[0][0, :, :past[i]]
                 values[i, :, width_p - past[i]:width_p] = kv[1][0, :, :past[i]]
-        cache.layers[layer_idx] = _BatchLayer(keys, values, width_p)
+        cache.layers[layer_idx] = GrowingLayer.holding(keys, values, width_p)  # the forward appends in place
 
     out = lm.model(
         input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=position_ids.to(device),
@@ -150,22 +126,6 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
     if to_vocab is not None:
         logits = [to_vocab(rows) for rows in logits]
     return logits, BatchState(out.past_key_values, past, [len(t) for t in pending], width_p)
-
-
-class _LazyBatchLayer(_BatchLayer):
-    """A batch layer with nothing cached yet: allocates its buffer on the first update."""
-
-    def __init__(self, width_n: int):
-        DynamicLayer.__init__(self)
-        self.width_n, self.length = width_n, 0
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            batch, heads, _, _ = key_states.shape
-            keys = key_states.new_zeros(batch, heads, self.width_n, key_states.shape[-1])
-            values = value_states.new_zeros(batch, heads, self.width_n, value_states.shape[-1])
-            _BatchLayer.__init__(self, keys, values, 0)
-        return super().update(key_states, value_states)
 
 
 class BatchState:
@@ -190,7 +150,7 @@ class BatchState:
         own = lm.new_cache()
         for layer_idx, layer in enumerate(self.cache.layers):
             idx = index.to(layer.keys.device)
-            # update() copies (torch.cat, or into a buffer layer), whatever cache class lm uses.
+            # update() copies into the new cache's own layer, whatever cache class lm uses.
             own.layers[layer_idx].update(layer.keys[i:i + 1].index_select(-2, idx),  # [1, H, length + len(extra), D]
                                          layer.values[i:i + 1].index_select(-2, idx))
         seq.cache = own

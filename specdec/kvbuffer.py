@@ -30,18 +30,27 @@ class GrowingLayer(DynamicLayer):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values this layer exposed
         self._length = 0
+
+    @classmethod
+    def holding(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> GrowingLayer:
+        """A layer over buffers the caller filled: their first `length` positions are the cache, the
+        rest is room to append into (a batch's padded cache, specdec/batching.py)."""
+        layer = cls()
+        layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
+        layer._buffers, layer._length = (keys, values), length
+        layer._expose()
+        return layer
 
     def _owned(self) -> bool:
         """Are keys/values still the views this layer made? (False after an outside replacement.)"""
-        return (self._buffers is not None and self.keys is not None and self.keys.dim() == 4
-                and self.keys.shape[-2] == self._length
-                and self.keys.data_ptr() == self._buffers[0].data_ptr()
-                and self.values.data_ptr() == self._buffers[1].data_ptr())
+        return self._views is not None and self.keys is self._views[0] and self.values is self._views[1]
 
     def _expose(self) -> None:
         k, v = self._buffers
         self.keys, self.values = k[..., :self._length, :], v[..., :self._length, :]
+        self._views = (self.keys, self.values)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:  # by hand: lazy_initialization's signature differs across transformers 5.x
