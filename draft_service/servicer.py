@@ -105,7 +105,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             m.propose_seconds.observe(spent[0])
         m.sequences.set(len(self.engine.store))
 
-    async def _propose_alone(self, request, settings: DraftSettings, spent: list[float] | None = None):
+    async def _propose_alone(self, request, settings: DraftSettings, spent: list[float]):
         """The drafter's own loop runs on the worker thread and hands each token to the event loop the
         moment it exists, without waiting for it to be sent: one thread hop per token instead of a
         round trip per token. The round trips (the loop asking the worker for the next token) cost
@@ -138,14 +138,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         try:
             while (proposal := await ready.get()) is not _DONE:
                 yield proposal
-            seconds = await worker  # raises the drafter's error, if it failed
-            if spent is not None:
-                spent.append(seconds)
+            spent.append(await worker)  # the call's seconds; raises the drafter's error, if it failed
         finally:
             stop.set()
             await asyncio.wait([worker])
 
-    async def _propose_batched(self, request, settings: DraftSettings, spent: list[float] | None = None):
+    async def _propose_batched(self, request, settings: DraftSettings, spent: list[float]):
         """The same chain, its forwards shared with the other streams drafting at the same time
         (draft_service/batcher.py); the token choices are the drafter's own (ModelDrafter.choose)."""
         start = time.perf_counter()
@@ -161,8 +159,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     break
                 seq.tokens.append(proposal.token)
                 yield proposal
-            if spent is not None:
-                spent.append(time.perf_counter() - start)
+            spent.append(time.perf_counter() - start)
         finally:
             self.batcher.closed()
 
