@@ -39,6 +39,7 @@ import uuid
 
 import torch
 
+from specdec import packedgemm
 from specdec import plan as planlib
 from specdec.children import ServiceProcesses
 
@@ -193,8 +194,9 @@ def hf_runner(model, max_new: int, eos: list[int], **generate_kwargs):
     def run(prompt: list[int]) -> Sample:
         ids = torch.tensor([prompt])
         start = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                             eos_token_id=eos, pad_token_id=eos[0] if eos else None, **generate_kwargs)
+        with packedgemm.disabled():  # transformers as users run it, not through specdec's packed layers
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos[0] if eos else None, **generate_kwargs)
         seconds = time.perf_counter() - start
         return Sample(out[0, len(prompt):].tolist(), seconds)
 
@@ -418,6 +420,8 @@ def run(opts: Options, argv: list[str]) -> dict:
         print(f"specdec bench: loading {target}", file=sys.stderr, flush=True)
         loaded = load_model(target, "cpu")
         tokenizer = loaded.tokenizer or load_tokenizer(target)
+        # specdec's own configurations run the target as its service does; hf_runner switches it off
+        packedgemm.apply(loaded.model, loaded.device, loaded.dtype, packedgemm.DEFAULT_ROWS, packedgemm.DEFAULT_MIN_ROWS)
         lm = CausalLM(loaded.model, loaded.device)
         prompts = {name: load_prompts(tokenizer, name, opts.limit) for name in opts.prompt_sets}
         if lm.max_context:  # tiny test models have short contexts: keep each prompt's tail

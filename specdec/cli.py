@@ -298,11 +298,13 @@ def cmd_plan(argv: list[str]) -> int:
         parser.error("give exactly one of --cost-curve and --measure")
     try:
         if args.measure:
+            from specdec import packedgemm
             from specdec.bench import measure_cost_curve
             from specdec.lm import CausalLM
             from specdec.models import load_model
 
             loaded = load_model(args.measure, "cpu")
+            packedgemm.apply(loaded.model, loaded.device, loaded.dtype, packedgemm.DEFAULT_ROWS, packedgemm.DEFAULT_MIN_ROWS)  # as the target service runs it
             context = list(range(100, 356))  # 256 tokens of context
             curve = measure_cost_curve(CausalLM(loaded.model, loaded.device), context, sorted({*range(1, 10), 12, 16, args.max_draft + 1}))
             print("measured V(n), ms: " + ", ".join(f"{n}:{v * 1e3:.1f}" for n, v in curve.points))

@@ -102,6 +102,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
 
     `ready` (tests, `specdec up` in-process) receives the Server once it is serving.
     """
+    from specdec import packedgemm
     from specdec.lm import CausalLM
     from specdec.models import load_model
 
@@ -116,6 +117,8 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
         server.install_signal_handlers(config.grace_s)
     log.info("target listening", port=server.port, model=config.model, metrics_port=metrics_port)
     loaded = await server.loading(servicer.host.run(load_model, config.model, config.device, config.dtype))  # on the compute thread
+    await server.loading(servicer.host.run(packedgemm.apply, loaded.model, loaded.device, loaded.dtype,
+                                           config.packed_gemm_rows, config.packed_gemm_min_rows))
     engine = TargetEngine(CausalLM(loaded.model, loaded.device), config.max_sequences, config.idle_timeout_s)
     await server.loading(servicer.host.run(engine.warm_up))
     info = pb.ModelInfo(

@@ -1,0 +1,72 @@
+"""Target forward time V(n) with the stock fp32 GEMM against MKL's packed one (specdec/packedgemm.py).
+
+Usage: .venv/bin/python benchmarks/packed_gemm.py [--model smollm2-135m-instruct] [--rows 9] [--min-rows 5]
+
+Packs the model's linear layers once, then measures the verification cost curve (one forward over
+n new positions after a 300-token context, n logits kept) with packing switched off and on,
+interleaved round by round so drift on a shared machine hits both alike, and prints the medians and
+their ratio. It then compares the logits of both paths over a verify-sized forward: the largest
+difference and whether every position's argmax (the greedy token) agrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specdec import packedgemm  # noqa: E402
+from specdec.bench import measure_cost_curve  # noqa: E402
+from specdec.kvcache import Sequence  # noqa: E402
+from specdec.lm import CausalLM  # noqa: E402
+from specdec.models import load_model  # noqa: E402
+
+
+def mode(arm: str):
+    return packedgemm.disabled() if arm == "stock" else contextlib.nullcontext()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rows", type=int, default=packedgemm.DEFAULT_ROWS)
+    parser.add_argument("--min-rows", type=int, default=packedgemm.DEFAULT_MIN_ROWS)
+    parser.add_argument("--positions", default="1,2,3,4,5,6,7,8,9,10,12,16")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    loaded = load_model(args.model, "cpu", "float32")
+    report = packedgemm.pack_linears(loaded.model, args.rows, args.min_rows)
+    grown = "unknown" if report.resident_bytes is None else f"+{report.resident_bytes / 2**20:.0f} MiB"
+    print(f"packed {report.layers} linear layers for {args.min_rows}-{args.rows} rows (resident memory {grown})")
+    lm = CausalLM(loaded.model, loaded.device)
+    context = [100 + (i * 37) % 40000 for i in range(300)]
+    ns = [int(x) for x in args.positions.split(",")]
+    curves: dict[str, list] = {"stock": [], "packed": []}
+    for rnd in range(args.rounds):
+        for arm in (("stock", "packed") if rnd % 2 == 0 else ("packed", "stock")):
+            with mode(arm):
+                curves[arm].append(measure_cost_curve(lm, context, ns, repeats=2))
+    print(f"{'n':>3} {'stock ms':>9} {'packed ms':>10} {'ratio':>6}")
+    for n in ns:
+        a, b = (statistics.median(c(n) for c in curves[arm]) * 1000 for arm in ("stock", "packed"))
+        print(f"{n:>3} {a:>9.1f} {b:>10.1f} {a / b:>5.2f}x")
+    logits = {}
+    for arm in ("stock", "packed"):
+        seq = Sequence(arm, tokens=list(context))
+        lm.forward(seq)
+        seq.crop_cache(len(context) - 1)
+        with mode(arm):
+            logits[arm] = lm.forward(seq, context[:args.rows - 1], keep=args.rows)
+    diff = (logits["stock"] - logits["packed"]).abs().max().item()
+    same = bool(torch.equal(logits["stock"].argmax(-1), logits["packed"].argmax(-1)))
+    print(f"logits over {args.rows} positions: max |difference| {diff:.2e}, greedy tokens agree: {'yes' if same else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
