@@ -21,7 +21,7 @@ class TargetConfig:
     model: str = option(DEFAULT_TARGET, "Target model: alias, hub id, local folder or .gguf file.")
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16 or bfloat16.")
-    packed_gemm_rows: int = option(packedgemm.DEFAULT_ROWS, "CPU float32 only: verify forwards over --packed-gemm-min-rows..N positions use MKL's packed GEMM (flat cost across that range; packing adds about 2x the model's size in memory); 0 turns it off.")
+    packed_gemm_rows: int = option(packedgemm.DEFAULT_ROWS, "CPU float32 only: verify forwards over --packed-gemm-min-rows..N positions use MKL's packed GEMM (flat cost across that range; the packed copy adds about the model's size in memory); 0 turns it off.")
     packed_gemm_min_rows: int = option(packedgemm.DEFAULT_MIN_ROWS, "Fewest positions that take the packed path (it pads them up to --packed-gemm-rows); shorter forwards keep the stock kernel, cheaper below 5 on a 2-core CPU.")
     max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted (and re-filled on demand).")
     idle_timeout_s: float = option(600.0, "Free a sequence untouched this long (a coordinator that vanished); 0 disables.")
