@@ -270,6 +270,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         except grpc.aio.AioRpcError as exc:
             # A backend failed past its retries: the client learns which, with the backend's code.
             code = exc.code()
+            log.warning("request failed: a backend call failed", code=code.name, details=exc.details())
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and REQUEST_DEADLINE.get() is not None and time.monotonic() >= REQUEST_DEADLINE.get():
                 raise DeadlineExceeded("the request's deadline passed") from exc
             if code == grpc.StatusCode.INVALID_ARGUMENT:

@@ -44,7 +44,14 @@ class Service:
         if self.netns:
             command = ["ip", "netns", "exec", self.netns, *command]
         env = {**os.environ, "GRPC_VERBOSITY": "ERROR", f"SPECDEC_{self.role.upper()}_LOG_FORMAT": "json", **self.extra_env}
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # SPECDEC_TEST_LOGS=DIR keeps each service's log (DIR/ROLE-PORT.log, appended across restarts)
+        logs = os.environ.get("SPECDEC_TEST_LOGS")
+        sink = open(os.path.join(logs, f"{self.role}-{self.port}.log"), "ab") if logs else subprocess.DEVNULL
+        try:
+            self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=sink)
+        finally:
+            if logs:
+                sink.close()
         if wait:
             self.wait_healthy(wait)
         return self

@@ -137,3 +137,33 @@ def test_a_propose_session_counts_the_forward_that_proposed_nothing(services):
     assert session.tokens == stream.tokens == []
     assert 0 < session.compute_seconds <= session.wall_seconds
     assert stream.compute_seconds == 0.0
+
+
+@pytest.mark.parametrize("details, retried", [("Stream removed", True), ("something else", False)])
+def test_a_stream_removed_by_a_connection_reset_is_retried_like_unavailable(target, details, retried):
+    """gRPC can report a connection reset on a stream as UNKNOWN "Stream removed" (grpc/grpc#34076):
+    Verify retries it as it retries UNAVAILABLE; any other UNKNOWN still fails at once."""
+    async def main():
+        client = TargetClient(target, timeout_s=30)
+        real, calls = client.sessions.exchange, []
+
+        async def reset_once(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 1:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNKNOWN, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+            return await real(*args, **kwargs)
+
+        client.sessions.exchange = reset_once
+        try:
+            prompt = tiny.prompts(1, seed=5)[0]
+            if not retried:
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await client.verify("reset", 0, prompt, [], [], SamplingConfig())
+                assert failed.value.code() == grpc.StatusCode.UNKNOWN and len(calls) == 1
+                return
+            out = await client.verify("reset", 0, prompt, [], [], SamplingConfig())
+            assert len(calls) == 2 and out.next_token == tiny.reference_greedy(tiny.tiny_pair(seed=0)[0], prompt, 1)[0]
+        finally:
+            await client.close()
+
+    asyncio.run(main())
