@@ -1,24 +1,23 @@
-"""CPU verification forwards through MKL's packed GEMM: checking 8 draft tokens costs about what 3 did.
+"""CPU target forwards over 1-16 positions through specdec's own small-M GEMM: verifying 8 draft
+tokens costs about what decoding one does.
 
 Why: speculative decoding pays off when a forward over n new positions costs about what a forward
-over one does. On a GPU that holds; on a CPU with fp32 weights MKL's plain GEMM does not: its
-small-M kernels are neither bandwidth- nor compute-bound. SmolLM2-135M on 2 cores measured V(1) 45,
-V(3) 51, V(4) 68, V(8) 81, V(12) 99 ms, so every draft token past the third made verification
-markedly dearer. MKL's packed API (`cblas_sgemm_pack` then `cblas_sgemm_compute`, reached through
-`torch.ops.mkl._mkl_linear`) stores each weight in the layout its kernel reads for one row count M,
-and the same forwards cost about as much for 5 positions as for 9 (`benchmarks/packed_gemm.py`).
+over one does. On a GPU that holds; on a CPU with fp32 weights the stock (MKL) kernels do not get
+there: their small-M GEMMs are neither bandwidth- nor compute-bound. SmolLM2-135M's 211 linear
+layers on 2 cores took 43 ms for one row and 63 ms for nine, and the whole forward measured V(1)
+45, V(4) 68, V(9) 89 ms. The kernel in specdec/csrc/smallgemm.c (built by specdec/smallgemm.py)
+streams each weight once from a panel layout and reads it at about the memory's speed: 19-20 ms
+for the same 211 layers at 1 and at 9 rows (`benchmarks/packed_gemm.py` measures whole forwards).
 
-A packed weight only serves exactly M rows, so a forward over fewer rows (but at least
-`min_rows`) is padded with zero rows whose outputs are dropped. That is sound because a row's
-result does not depend on the other rows, and cheap because the packed kernel's time hardly moves
-between min_rows and M rows. Below `min_rows` (decode steps, short verifies) and above M
-(prefills) the stock kernel runs.
+Rows 1..`rows` take the kernel (`min_rows` can keep short forwards on the stock kernel); prefills
+(more rows than that) keep the stock kernel, which is compute-bound there and faster than 16-row
+slices would be. A row's result does not depend on the other rows (one fused multiply-add chain
+per output, in k order), so a verify pass's logits equal the decode step's for the same position.
 
-Costs: the packed copies sit beside the original weights, which the other row counts still use.
-The target service's peak resident memory went from 0.95 to 1.45 GiB for SmolLM2-135M's 0.5 GiB
-of fp32 weights: about the model's size again. Results differ from the stock kernel's in the last
-bits (another summation order), as they already do between MKL's kernels for 1 row and for more;
-`specdec bench` found every greedy output identical to transformers' `generate()`.
+Costs: the panels sit beside the original weights, which prefills still use: about the model's
+size again in memory (SmolLM2-135M: +0.5 GiB). Results differ from MKL's in the last bits (another
+summation order), as MKL's own kernels for one row and for more already differ from each other;
+`specdec bench` checks every greedy output against transformers' `generate()`.
 """
 
 from __future__ import annotations
@@ -33,22 +32,23 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from specdec import smallgemm
+
 log = structlog.get_logger(__name__)
 
-# Defaults of the target service's --packed-gemm-rows / --packed-gemm-min-rows. 9 rows hold the
-# coordinator's default draft length (8) plus the target's own position; a packed weight costs the
-# same for 8 rows and for 9. Padding 4 rows up to 9 was no cheaper than the stock kernel over 4
-# (2 cores, benchmarks/packed_gemm.py), so the stock kernel keeps 1-4.
-DEFAULT_ROWS = 9
-DEFAULT_MIN_ROWS = 5
+# Defaults of the target service's --packed-gemm-rows / --packed-gemm-min-rows: the kernel's whole
+# range. 16 rows cover the coordinator's longest default draft (8) plus the target's own position
+# and small batches of short verifies; decode steps (1 row) gain the most of all (2.3x per layer).
+DEFAULT_ROWS = 16
+DEFAULT_MIN_ROWS = 1
+MAX_ROWS = 16  # the kernel's accumulators: one vector register per row (specdec/csrc/smallgemm.c)
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("specdec_packed_gemm", default=True)
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """MKL's packed sgemm exists only for float32 on CPU builds linked with MKL."""
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkl.is_available()
-            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+    """The kernel serves float32 on CPUs, where a C compiler could build it (specdec/smallgemm.py)."""
+    return device.type == "cpu" and dtype == torch.float32 and smallgemm.load() is not None
 
 
 @contextlib.contextmanager
@@ -64,25 +64,23 @@ def disabled() -> Iterator[None]:
 
 
 class PackedLinear(torch.nn.Linear):
-    """An nn.Linear that also keeps its weight packed for `rows` rows (shares weight and bias)."""
+    """An nn.Linear that also keeps its weight in the small-M kernel's panels (shares weight and bias)."""
 
-    def __init__(self, linear: torch.nn.Linear, rows: int, min_rows: int):
+    def __init__(self, linear: torch.nn.Linear, rows: int, min_rows: int, kernel: smallgemm.Kernel):
         torch.nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a fresh weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.rows, self.min_rows = rows, min_rows
+        self.kernel = kernel
         # A plain attribute, not a buffer: it stays out of state_dict and is rebuilt, not moved.
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(linear.weight.detach(), rows)
+        self.packed = kernel.pack(linear.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel() // self.in_features
-        if not self.min_rows <= n <= self.rows or not _ENABLED.get():
+        if not self.min_rows <= n <= self.rows or not _ENABLED.get() or x.dtype != torch.float32 or x.requires_grad:
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(n, self.in_features)
-        if n < self.rows:
-            flat = F.pad(flat, (0, 0, 0, self.rows - n))
-        out = torch.ops.mkl._mkl_linear(flat, self.packed, self.weight, self.bias, self.rows)
-        return out[:n].reshape(*x.shape[:-1], self.out_features)
+        out = self.kernel.linear(x.reshape(n, self.in_features), self.packed, self.out_features, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, packed_rows={self.min_rows}..{self.rows}"
@@ -95,9 +93,8 @@ class PackReport:
 
 
 def _resident_bytes() -> int | None:
-    # The packed tensors' own sizes mislead: torch allocates MKL's byte count as floats (4x), and
-    # only what MKL writes becomes resident. Anonymous memory only: weights loaded from safetensors
-    # are file-backed pages that packing reads in, which the serving process would read in anyway.
+    # Anonymous memory only: weights loaded from safetensors are file-backed pages that packing
+    # reads in, which the serving process would read in anyway.
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -110,15 +107,18 @@ def _resident_bytes() -> int | None:
 
 def pack_linears(model: torch.nn.Module, rows: int, min_rows: int) -> PackReport:
     """Swaps every float32 nn.Linear of `model` for a PackedLinear in place; tied weights stay tied."""
-    if not 1 <= min_rows <= rows:
-        raise ValueError(f"packed rows must satisfy 1 <= min_rows <= rows, got min_rows={min_rows}, rows={rows}")
+    if not 1 <= min_rows <= rows <= MAX_ROWS:
+        raise ValueError(f"packed rows must satisfy 1 <= min_rows <= rows <= {MAX_ROWS}, got min_rows={min_rows}, rows={rows}")
+    kernel = smallgemm.load()
+    if kernel is None:
+        raise RuntimeError("the small-M GEMM kernel could not be built here (see the log); call available() first")
     before = _resident_bytes()
     swapped: dict[int, PackedLinear] = {}  # a module reachable from two parents is packed once
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
                 if id(child) not in swapped:
-                    swapped[id(child)] = PackedLinear(child, rows, min_rows)
+                    swapped[id(child)] = PackedLinear(child, rows, min_rows, kernel)
                 setattr(parent, name, swapped[id(child)])
     after = _resident_bytes()
     return PackReport(len(swapped), after - before if before is not None and after is not None else None)
@@ -129,7 +129,7 @@ def apply(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, rows
     if rows <= 0:
         return None
     if not available(device, dtype):
-        log.info("packed GEMM skipped: it needs float32 on a CPU build of torch with MKL", device=str(device),
+        log.info("packed GEMM skipped: it needs float32 on a CPU and a C compiler to build its kernel", device=str(device),
                  dtype=str(dtype).removeprefix("torch."))
         return None
     start = time.perf_counter()

@@ -1,4 +1,5 @@
-"""MKL packed GEMM for verification forwards (specdec/packedgemm.py): same results, same tokens."""
+"""specdec's small-M GEMM kernel for target forwards (specdec/smallgemm.py, specdec/packedgemm.py):
+the same results as the stock kernel, rows that do not interact, the same tokens."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from coordinator.adapt import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from draft_service.engine import DraftEngine, ModelDrafter
-from specdec import packedgemm
+from specdec import packedgemm, smallgemm
 from specdec.kvcache import Sequence
 from specdec.lm import CausalLM
 from target_service.config import TargetConfig
@@ -21,7 +22,7 @@ from tests import tiny
 from tests.test_loop import MAX_NEW, run
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(not packedgemm.available(CPU, torch.float32), reason="torch built without MKL's packed sgemm")
+pytestmark = pytest.mark.skipif(not packedgemm.available(CPU, torch.float32), reason="no C compiler to build the small-M kernel")
 
 
 @pytest.fixture(scope="module")
@@ -29,39 +30,70 @@ def pair():
     return tiny.tiny_pair(seed=3)
 
 
-def packed_copy(model, rows=8, min_rows=5):
+def packed_copy(model, rows=16, min_rows=1):
     model = copy.deepcopy(model)
     report = packedgemm.pack_linears(model, rows, min_rows)
     return model, report
 
 
-def test_a_packed_layer_matches_the_stock_kernel_and_rows_do_not_interact():
+@pytest.mark.parametrize("out_features, in_features, bias", [(80, 48, True), (16, 16, False), (37, 5, True), (1, 64, False)])
+def test_the_kernel_matches_the_stock_linear_for_every_row_count(out_features, in_features, bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    kernel = smallgemm.load()
+    panels = kernel.pack(linear.weight)
+    assert panels.data_ptr() % smallgemm.ALIGNMENT == 0
+    for m in range(1, kernel.max_rows + 1):
+        x = torch.randn(m, in_features)
+        out = kernel.linear(x, panels, out_features, linear.bias)
+        torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    # What keeps a verify pass's logits equal to a decode step's: bit-identical, not merely close.
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(96, 200)
+    kernel = smallgemm.load()
+    panels = kernel.pack(linear.weight)
+    x = torch.randn(16, 96)
+    together = kernel.linear(x, panels, 200, linear.bias)
+    for m in range(16):
+        assert torch.equal(kernel.linear(x[m:m + 1], panels, 200, linear.bias)[0], together[m])
+    assert torch.equal(kernel.linear(x[3:12], panels, 200, linear.bias), together[3:12])
+    assert torch.equal(kernel.linear(torch.cat([x[:5], torch.randn(4, 96)]), panels, 200, linear.bias)[:5], together[:5])
+
+
+def test_a_packed_layer_uses_the_kernel_in_range_and_the_stock_one_outside():
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 80)
-    layer = packedgemm.PackedLinear(linear, rows=8, min_rows=3)
-    for n in range(1, 11):
+    layer = packedgemm.PackedLinear(linear, rows=8, min_rows=3, kernel=smallgemm.load())
+    for n in range(1, 12):
         x = torch.randn(1, n, 48)
         out = layer(x)
         assert out.shape == (1, n, 80)
         if 3 <= n <= 8:
+            assert torch.equal(out[0], layer.kernel.linear(x[0], layer.packed, 80, layer.bias))
             torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
-        else:  # outside the packed range the stock kernel runs: bit-identical
+        else:  # outside the range the stock kernel runs: bit-identical
             assert torch.equal(out, linear(x))
-    # Padding is sound only if a row's result does not depend on the other rows in the call.
-    x = torch.randn(5, 48)
-    alone = layer(x)
-    with_others = torch.ops.mkl._mkl_linear(torch.cat([x, torch.randn(3, 48)]), layer.packed, layer.weight, layer.bias, 8)[:5]
-    assert torch.equal(alone, with_others)
 
 
 def test_disabled_runs_the_stock_kernel():
     linear = torch.nn.Linear(32, 40)
-    layer = packedgemm.PackedLinear(linear, rows=4, min_rows=2)
+    layer = packedgemm.PackedLinear(linear, rows=4, min_rows=1, kernel=smallgemm.load())
     x = torch.randn(3, 32)
-    packed = torch.ops.mkl._mkl_linear(torch.nn.functional.pad(x, (0, 0, 0, 1)), layer.packed, layer.weight, layer.bias, 4)[:3]
+    packed = layer.kernel.linear(x, layer.packed, 40, layer.bias)
     with packedgemm.disabled():
         assert torch.equal(layer(x), linear(x))
     assert torch.equal(layer(x), packed)  # back on after the block
+
+
+def test_gradients_take_the_stock_kernel():
+    linear = torch.nn.Linear(8, 8)
+    layer = packedgemm.PackedLinear(linear, rows=4, min_rows=1, kernel=smallgemm.load())
+    x = torch.randn(2, 8, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and linear.weight.grad is not None
 
 
 def test_packing_keeps_the_models_parameters_ties_and_state_dict(pair):
@@ -76,16 +108,16 @@ def test_packing_keeps_the_models_parameters_ties_and_state_dict(pair):
     assert not any(type(m) is torch.nn.Linear for m in tied.modules())
 
 
-def test_verify_logits_agree_with_the_stock_path(pair):
+def test_verify_logits_agree_with_the_stock_path_and_with_decode(pair):
     target, _ = pair
     model, _ = packed_copy(target)
     lm = CausalLM(model, CPU)
     context = tiny.prompts(1, seed=4)[0]
-    for n in (1, 4, 5, 8, 9):
+    for n in (1, 4, 5, 8, 9, 16):
         logits = {}
         for arm in ("stock", "packed"):
             seq = Sequence(arm, tokens=list(context))
-            lm.forward(seq)  # the prefill: more rows than the pack holds, so the stock kernel
+            lm.forward(seq)  # the prefill: more rows than the kernel takes, so the stock kernel
             seq.crop_cache(len(context) - 1)  # the verify below feeds exactly n positions
             with packedgemm.disabled() if arm == "stock" else contextlib.nullcontext():
                 logits[arm] = lm.forward(seq, list(range(10, 10 + n - 1)), keep=n)
@@ -95,12 +127,12 @@ def test_verify_logits_agree_with_the_stock_path(pair):
 
 def test_speculative_output_with_a_packed_target_equals_the_target_alone(pair):
     target, draft = pair
-    model, _ = packed_copy(target, rows=8, min_rows=2)  # every verify of 2..8 positions takes the packed path
+    model, _ = packed_copy(target)  # decode steps and every verify take the kernel
     loop = SpeculativeLoop(LocalVerifier(TargetEngine(CausalLM(model, CPU))), LocalProposer(DraftEngine(ModelDrafter(CausalLM(draft, CPU)))),
                            CostModel(MODEL_DRAFT_PRIOR), MODEL_DRAFT_PRIOR)
     for prompt in tiny.prompts(4, seed=11):
         expected = tiny.reference_greedy(target, prompt, MAX_NEW)
-        for gamma in (3, 7):
+        for gamma in (3, 7, 15):
             assert run(loop, prompt, draft_length=gamma)[0] == expected
 
 
@@ -113,7 +145,34 @@ def test_apply_is_skipped_when_off_or_unavailable(pair):
     assert packedgemm.apply(model, CPU, torch.float32, 8, 5).layers > 0
 
 
-@pytest.mark.parametrize("rows, min_rows", [(-1, 5), (8, 0), (8, 9)])
+def test_no_compiler_means_no_kernel_and_a_stock_model(pair, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    smallgemm.load.cache_clear()
+    try:
+        assert smallgemm.load() is None
+        assert not packedgemm.available(CPU, torch.float32)
+        model = copy.deepcopy(pair[0])
+        assert packedgemm.apply(model, CPU, torch.float32, 8, 1) is None
+        assert not any(isinstance(m, packedgemm.PackedLinear) for m in model.modules())
+    finally:
+        smallgemm.load.cache_clear()
+
+
+def test_a_fresh_cache_compiles_the_kernel_once(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    smallgemm.load.cache_clear()
+    try:
+        kernel = smallgemm.load()
+        assert kernel is not None and kernel.path.parent == tmp_path / "kernels"
+        built = kernel.path.stat().st_mtime_ns
+        smallgemm.load.cache_clear()
+        assert smallgemm.load().path == kernel.path and kernel.path.stat().st_mtime_ns == built
+        assert [p.name for p in (tmp_path / "kernels").iterdir()] == [kernel.path.name]  # no temporary left behind
+    finally:
+        smallgemm.load.cache_clear()
+
+
+@pytest.mark.parametrize("rows, min_rows", [(-1, 5), (8, 0), (8, 9), (17, 1)])
 def test_target_config_rejects_bad_packed_rows(rows, min_rows):
     with pytest.raises(ValueError, match="packed-gemm"):
         TargetConfig(packed_gemm_rows=rows, packed_gemm_min_rows=min_rows)
@@ -122,3 +181,5 @@ def test_target_config_rejects_bad_packed_rows(rows, min_rows):
 def test_pack_linears_rejects_a_bad_range(pair):
     with pytest.raises(ValueError, match="min_rows"):
         packedgemm.pack_linears(copy.deepcopy(pair[0]), 4, 6)
+    with pytest.raises(ValueError, match="min_rows"):
+        packedgemm.pack_linears(copy.deepcopy(pair[0]), 17, 1)
