@@ -229,6 +229,14 @@ def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
             eos_token_ids=lm.eos_token_ids, device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."), drafter="model",
         )
+    import torch
+
+    from specdec import packedgemm
+
+    model = getattr(getattr(drafter, "lm", None), "model", None)
+    if isinstance(model, torch.nn.Module) and config.packed_gemm_rows:  # a model draft: its decode steps are 1-row GEMMs
+        parameter = next(model.parameters())
+        packedgemm.apply(model, parameter.device, parameter.dtype, config.packed_gemm_rows, 1)
     engine = DraftEngine(drafter, config.max_sequences, config.idle_timeout_s)
     engine.warm_up()
     return engine, info
