@@ -1,8 +1,8 @@
-"""Target forward time V(n) with the stock fp32 GEMM against MKL's packed one (specdec/packedgemm.py).
+"""Target forward time V(n) with the stock fp32 GEMM against specdec's small-M kernel (specdec/packedgemm.py).
 
-Usage: .venv/bin/python benchmarks/packed_gemm.py [--model smollm2-135m-instruct] [--rows 9] [--min-rows 5]
+Usage: .venv/bin/python benchmarks/packed_gemm.py [--model smollm2-135m-instruct] [--rows 16] [--min-rows 1]
 
-Packs the model's linear layers once, then measures the verification cost curve (one forward over
+Packs the model's linear layers once into the kernel's panels, then measures the verification cost curve (one forward over
 n new positions after a 300-token context, n logits kept) with packing switched off and on,
 interleaved round by round so drift on a shared machine hits both alike, and prints the medians and
 their ratio. It then compares the logits of both paths over a verify-sized forward: the largest
@@ -37,13 +37,13 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rows", type=int, default=packedgemm.DEFAULT_ROWS)
     parser.add_argument("--min-rows", type=int, default=packedgemm.DEFAULT_MIN_ROWS)
-    parser.add_argument("--positions", default="1,2,3,4,5,6,7,8,9,10,12,16")
+    parser.add_argument("--positions", default="1,2,3,4,5,6,8,9,12,16,17")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     loaded = load_model(args.model, "cpu", "float32")
     report = packedgemm.pack_linears(loaded.model, args.rows, args.min_rows)
     grown = "unknown" if report.resident_bytes is None else f"+{report.resident_bytes / 2**20:.0f} MiB"
-    print(f"packed {report.layers} linear layers for {args.min_rows}-{args.rows} rows (resident memory {grown})")
+    print(f"packed {report.layers} linear layers for the small-M kernel at {args.min_rows}-{args.rows} rows (resident memory {grown})")
     lm = CausalLM(loaded.model, loaded.device)
     context = [100 + (i * 37) % 40000 for i in range(300)]
     ns = [int(x) for x in args.positions.split(",")]
