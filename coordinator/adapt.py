@@ -161,6 +161,7 @@ class DraftLengthPolicy:
     empty_asks: int = 0
     rest: int = 0
     max_rest: int = 8
+    idle: bool = False  # the last plan() chose not to draft at the acceptance seen (not a rest, not a probe)
 
     @property
     def acceptance(self) -> float:
@@ -171,6 +172,7 @@ class DraftLengthPolicy:
         """(max draft tokens, min cumulative probability) for the next step."""
         if not self.adaptive or self.max_length == 0:
             return self.max_length, 0.0
+        self.idle = False
         if self.rest:
             self.rest -= 1
             return 0, self.threshold
@@ -186,12 +188,36 @@ class DraftLengthPolicy:
             # nothing come ever more rarely (up to every 8 * 4 steps).
             self.idle_steps += 1
             if self.idle_steps % self.probe_every:
+                self.idle = True
                 return 0, self.threshold
             self.probing = True
             gamma = min(max_length, 4)
         else:
             self.probe_every = self.min_probe_every
         return gamma, self.threshold
+
+    def quiet_steps(self) -> int | None:
+        """Steps after the one just planned that will not draft (None: no step will, speculation is
+        off). The coordinator lets the target decode those in the same exchange (decode_ahead):
+        a rest after empty asks, or the idle steps before the next probe. The idle count assumes
+        the acceptance stays where it is, which only a drafting step could change."""
+        if self.max_length == 0:
+            return None
+        if not self.adaptive:
+            return 0
+        if self.rest:
+            return self.rest
+        if self.idle:
+            return self.probe_every - 1 - self.idle_steps % self.probe_every
+        return 0
+
+    def skip(self, steps: int) -> None:
+        """`steps` steps passed without drafting, inside quiet_steps(): as if plan() had run for each."""
+        for _ in range(steps):
+            if self.rest:
+                self.rest -= 1
+            elif self.idle:
+                self.idle_steps += 1
 
     def cut(self, confidence: list[float] | None) -> int | None:
         """How many tokens of a calibrated draft's proposal to verify (None: keep them all)."""

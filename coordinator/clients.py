@@ -174,9 +174,11 @@ class TargetClient:
         return response.info
 
     async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
-                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False) -> VerifyOutcome:
+                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False,
+                     decode_ahead: int = 0) -> VerifyOutcome:
         request = pb.VerifyRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append,
-                                   draft_tokens=draft_tokens, sampling=_sampling_proto(sampling), return_features=return_features)
+                                   draft_tokens=draft_tokens, sampling=_sampling_proto(sampling), return_features=return_features,
+                                   decode_ahead=decode_ahead)
         if not sampling.greedy and any(d is not None for d in draft_dists):
             for dist in draft_dists:
                 ids, probs = dist if dist is not None else ([], [])
@@ -189,7 +191,7 @@ class TargetClient:
             f = response.features
             features = FeatureRows.from_wire(f.start, f.rows, f.dim, f.data, "VerifyResponse.features")
         return VerifyOutcome(response.accepted, response.next_token, response.compute_seconds, wall,
-                             request.ByteSize() + response.ByteSize(), features=features)
+                             request.ByteSize() + response.ByteSize(), features=features, decoded=tuple(response.decoded_tokens))
 
     async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
                           tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:

@@ -69,6 +69,7 @@ class VerifyOutcome:
     wire_bytes: int = 0
     path: tuple[int, ...] = ()  # a tree's accepted nodes, root to leaf
     features: FeatureRows | None = None  # asked for with return_features: for a feature draft
+    decoded: tuple[int, ...] = ()  # asked for with decode_ahead: the target's tokens after next_token
 
 
 @dataclasses.dataclass
@@ -101,7 +102,8 @@ class Proposer(Protocol):
 
 class Verifier(Protocol):
     async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
-                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False) -> VerifyOutcome: ...
+                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False,
+                     decode_ahead: int = 0) -> VerifyOutcome: ...
 
     async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
                           tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome: ...
@@ -165,17 +167,22 @@ class Step:
 
 # After the draft fails, decode this many steps with the target alone before trying it again.
 DRAFT_RETRY_STEPS = 16
+# Default of the most tokens the target decodes ahead in one exchange when no step drafts (no draft,
+# or speculation off): the exchange's cost is spread over 9 tokens, and a stream still gets tokens
+# every 9 forwards.
+MAX_DECODE_AHEAD = 8
 
 
 class SpeculativeLoop:
     def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs,
-                 overlap: str = "off", features: bool = False, calibrated: bool = False):
+                 overlap: str = "off", features: bool = False, calibrated: bool = False, decode_ahead: int = MAX_DECODE_AHEAD):
         """`overlap`: off, auto or on: whether the draft drafts the next step while the target
         verifies this one (coordinator/overlap.py). `features`: the draft drafts from the target's
         hidden states (specdec/eagle.py), so every Verify asks for them and the next Propose
         carries the ones the draft lacks. `calibrated`: the draft's cumulative probabilities are
         calibrated chances of acceptance (the n-gram drafter), so each unseeded adaptive proposal
-        is cut where its expected tokens per second peak (coordinator/adapt.py)."""
+        is cut where its expected tokens per second peak (coordinator/adapt.py). `decode_ahead`: the
+        most tokens the target may decode in one exchange for steps that will not draft (0: none)."""
         RunAheadPolicy(overlap)  # validates the mode
         self.verifier = verifier
         self.proposer = proposer
@@ -184,6 +191,7 @@ class SpeculativeLoop:
         self.overlap = overlap
         self.features = features and proposer is not None
         self.calibrated = calibrated
+        self.decode_ahead = decode_ahead
 
     async def run(self, spec: GenerationSpec, stats: Stats) -> AsyncIterator[Step]:
         """Yields each step's new tokens until max_new_tokens or end-of-sequence.
@@ -256,14 +264,26 @@ class SpeculativeLoop:
                 if draft.tokens and draft.parents is None and ahead.should_run_ahead():
                     runahead = self._run_ahead(sequence_id, tokens, draft, planned, min_prob, spec)
                 appended = len(tokens) - target_known
+                decode_ahead = 0
+                if self.decode_ahead and not draft.tokens and not self.features and runahead is None:
+                    quiet = (None if self.proposer is None else skip_draft_until - stats.steps - 1
+                             if stats.steps < skip_draft_until else policy.quiet_steps())
+                    decode_ahead = min(self.decode_ahead, self.decode_ahead if quiet is None else quiet, remaining - 1)
+                    if spec.max_context:
+                        decode_ahead = min(decode_ahead, spec.max_context - len(tokens) - 2)
+                    decode_ahead = max(0, decode_ahead)
                 try:
-                    verdict = await self._verify(sequence_id, tokens, target_known, draft, spec.sampling)
+                    verdict = await self._verify(sequence_id, tokens, target_known, draft, spec.sampling, decode_ahead)
                 except BaseException:
                     if runahead is not None:
                         await runahead.cancel()
                     raise
                 accepted = verdict.accepted
-                target_known = len(tokens) + accepted
+                if len(verdict.decoded) > decode_ahead:  # a target that decoded more than asked: keep what was asked
+                    verdict = dataclasses.replace(verdict, decoded=verdict.decoded[:decode_ahead])
+                decoded = list(verdict.decoded)
+                policy.skip(len(decoded))
+                target_known = len(tokens) + accepted + len(decoded)
                 if feature_log is not None and verdict.features is not None:
                     if verdict.features.start <= len(feature_log):
                         feature_log.put(verdict.features)
@@ -274,9 +294,9 @@ class SpeculativeLoop:
                     draft_known = len(tokens) + accepted  # the draft holds its accepted tokens already
                 # (after a tree the draft holds the canonical tokens only: it gets the path next time)
                 if draft.parents is not None:
-                    new = [draft.tokens[i] for i in verdict.path] + [verdict.next_token]
+                    new = [draft.tokens[i] for i in verdict.path] + [verdict.next_token] + decoded
                 else:
-                    new = draft.tokens[:accepted] + [verdict.next_token]
+                    new = draft.tokens[:accepted] + [verdict.next_token] + decoded
                 self._account(stats, policy, draft, verdict, appended)
                 if from_ahead:
                     stats.runahead_used_tokens += accepted
@@ -358,24 +378,26 @@ class SpeculativeLoop:
             log.info("draft lost the sequence; re-sending it whole")
             return await self.proposer.propose_tree(sequence_id, 0, list(tokens), tree, max_depth, sampling.temperature, seed)
 
-    async def _verify(self, sequence_id, tokens, known, draft: DraftOutcome, sampling) -> VerifyOutcome:
+    async def _verify(self, sequence_id, tokens, known, draft: DraftOutcome, sampling, decode_ahead: int = 0) -> VerifyOutcome:
         try:
-            return await self._verify_call(sequence_id, known, tokens[known:], draft, sampling)
+            return await self._verify_call(sequence_id, known, tokens[known:], draft, sampling, decode_ahead)
         except SequenceNotFound:
             log.info("target lost the sequence; re-filling it from the canonical tokens")
-            return await self._verify_call(sequence_id, 0, list(tokens), draft, sampling)
+            return await self._verify_call(sequence_id, 0, list(tokens), draft, sampling, decode_ahead)
 
-    async def _verify_call(self, sequence_id, known, append, draft: DraftOutcome, sampling) -> VerifyOutcome:
+    async def _verify_call(self, sequence_id, known, append, draft: DraftOutcome, sampling, decode_ahead: int = 0) -> VerifyOutcome:
         if draft.parents is not None and draft.tokens:
             return await self.verifier.verify_tree(sequence_id, known, append, draft.parents, draft.tokens, draft.dists, sampling)
         extra = {"return_features": True} if self.features else {}
+        if decode_ahead:
+            extra["decode_ahead"] = decode_ahead
         return await self.verifier.verify(sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [],
                                           sampling, **extra)
 
     def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyOutcome, appended: int) -> None:
         drafted, accepted = len(draft.tokens), verdict.accepted
         depth = draft.depth  # a tree's deepest branch plays the chain's length in the policy
-        stats.steps += 1
+        stats.steps += 1 + len(verdict.decoded)  # target passes: each token decoded ahead took one
         stats.draft_tokens += drafted
         stats.draft_steps += 1 if drafted else 0
         stats.accepted_tokens += accepted
@@ -389,8 +411,9 @@ class SpeculativeLoop:
         for i in range(accepted):
             stats.accepted_per_position[i] += 1
         policy.observe(depth, accepted)
-        # Only steady-state steps (one catch-up token) describe the per-step costs; a prefill does not.
-        if self.cost_model is not None and appended <= 1:
+        # Only steady-state steps (one catch-up token) describe the per-step costs; a prefill does not,
+        # nor an exchange that decoded ahead (its compute spans several forwards, its wire one exchange).
+        if self.cost_model is not None and appended <= 1 and not verdict.decoded:
             self.cost_model.observe(depth, draft.compute_seconds, drafted + 1, verdict.compute_seconds, wire)
 
     async def _release(self, sequence_id: str) -> None:

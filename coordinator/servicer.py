@@ -111,7 +111,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         cost_model.draft_cap = self.admission.draft_cap  # draft less as more requests share the target's batch
         features = bool(draft_info is not None and draft_info.needs_features)  # a feature draft (specdec/eagle.py)
         self.loop = SpeculativeLoop(target, draft, cost_model, prior, self.config.overlap, features=features,
-                                    calibrated=ngram)
+                                    calibrated=ngram, decode_ahead=self.config.decode_ahead)
 
     # --- request validation: every field checked here, named in the error ---
 

@@ -81,8 +81,10 @@ class VerifyBatcher:
             batch = self._take()
             if not batch:
                 continue
+            # Decoding ahead would hold the other active sequences' next calls up: only when alone.
+            alone = len(self._expected()) <= 1
             try:
-                results = await self._run(self._verify_batch, [item.call for item in batch])
+                results = await self._run(self._verify_batch, [item.call for item in batch], alone)
             except Exception as exc:  # noqa: BLE001 - a failed pass fails its rows, never the batcher
                 results = [exc] * len(batch)
             for item, result in zip(batch, results):

@@ -34,8 +34,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.host = EngineHost("target")
         self.batcher = VerifyBatcher(self.host.run, self._verify_batch, batch_window_ms / 1000, max_batch_size, max_batch_tokens)
 
-    def _verify_batch(self, calls):
-        return self.engine.verify_batch(calls)
+    def _verify_batch(self, calls, decode_ahead: bool = True):
+        return self.engine.verify_batch(calls, decode_ahead)
 
     @property
     def engine(self) -> TargetEngine:
@@ -71,6 +71,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             sampling_from_proto(request.sampling),
             tree,
             request.return_features,
+            request.decode_ahead,
         ))
         m = metrics.target()
         m.verify_seconds.observe(result.compute_seconds)
@@ -84,6 +85,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             compute_seconds=result.compute_seconds,
             cached_len=result.cached_len,
             accepted_path=result.path,
+            decoded_tokens=result.decoded,
         )
         if result.features is not None:
             f = result.features
