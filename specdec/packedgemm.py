@@ -4,8 +4,8 @@ tokens costs about what decoding one does.
 Why: speculative decoding pays off when a forward over n new positions costs about what a forward
 over one does. On a GPU that holds; on a CPU with fp32 weights the stock (MKL) kernels do not get
 there: their small-M GEMMs are neither bandwidth- nor compute-bound. SmolLM2-135M's 211 linear
-layers on 2 cores took 43 ms for one row and 63 ms for nine, and the whole forward measured V(1)
-45, V(4) 68, V(9) 89 ms. The kernel in specdec/csrc/smallgemm.c (built by specdec/smallgemm.py)
+layers on 2 cores (AMD EPYC) took 43 ms for one row and 63 ms for nine; whole forwards measured
+V(1) 55, V(4) 82, V(9) 86 ms there, and V(1) 45, V(4) 68, V(9) 89 ms on an Intel Xeon. The kernel in specdec/csrc/smallgemm.c (built by specdec/smallgemm.py)
 streams each weight once from a panel layout and reads it at about the memory's speed: 19-20 ms
 for the same 211 layers at 1 and at 9 rows (`benchmarks/packed_gemm.py` measures whole forwards).
 
@@ -64,7 +64,11 @@ def disabled() -> Iterator[None]:
 
 
 class PackedLinear(torch.nn.Linear):
-    """An nn.Linear that also keeps its weight in the small-M kernel's panels (shares weight and bias)."""
+    """An nn.Linear that also keeps its weight in the small-M kernel's panels (shares weight and bias).
+
+    The panels are a copy taken when the layer is built: serving never changes weights after
+    loading, and code that does (training, load_state_dict) must pack again or call `disabled()`.
+    """
 
     def __init__(self, linear: torch.nn.Linear, rows: int, min_rows: int, kernel: smallgemm.Kernel):
         torch.nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a fresh weight
