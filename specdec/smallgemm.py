@@ -42,7 +42,7 @@ class Kernel:
         self._pack = lib.sg_pack
         self._pack.argtypes, self._pack.restype = [p, i, i, p], None
         self._linear = lib.sg_linear
-        self._linear.argtypes, self._linear.restype = [p, i, i, p, i, p, p], None
+        self._linear.argtypes, self._linear.restype = [p, i, i, p, i, p, p], ctypes.c_int
         self.max_rows: int = lib.sg_max_rows()
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -57,12 +57,16 @@ class Kernel:
         return panels
 
     def linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-        """x: [M, K] float32 with 1 <= M <= max_rows -> [M, out_features]."""
+        """x: [M, K] float32 with 1 <= M <= max_rows -> [M, out_features]. The caller keeps K and
+        out_features those of the packed weight: the kernel reads the panels by them."""
+        if x.dtype != torch.float32 or x.dim() != 2:
+            raise ValueError(f"the small-M kernel takes a 2-D float32 x, got {x.dtype} of shape {tuple(x.shape)}")
         x = x.contiguous()
         m, k = x.shape
         y = torch.empty(m, out_features, dtype=torch.float32)
-        self._linear(x.data_ptr(), m, k, panels.data_ptr(), out_features,
-                     None if bias is None else bias.detach().contiguous().data_ptr(), y.data_ptr())
+        if self._linear(x.data_ptr(), m, k, panels.data_ptr(), out_features,
+                        None if bias is None else bias.detach().contiguous().data_ptr(), y.data_ptr()):
+            raise ValueError(f"the small-M kernel takes 1 to {self.max_rows} rows, got {m}")
         return y
 
 

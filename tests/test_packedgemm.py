@@ -49,6 +49,15 @@ def test_the_kernel_matches_the_stock_linear_for_every_row_count(out_features, i
         torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
 
 
+def test_the_kernel_refuses_what_it_cannot_compute():
+    kernel = smallgemm.load()
+    panels = kernel.pack(torch.randn(8, 4))
+    with pytest.raises(ValueError, match="rows"):
+        kernel.linear(torch.randn(17, 4), panels, 8, None)
+    with pytest.raises(ValueError, match="float32"):
+        kernel.linear(torch.randn(2, 4, dtype=torch.float64), panels, 8, None)
+
+
 def test_a_rows_result_does_not_depend_on_the_other_rows():
     # What keeps a verify pass's logits equal to a decode step's: bit-identical, not merely close.
     torch.manual_seed(1)

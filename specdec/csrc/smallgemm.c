@@ -61,8 +61,10 @@ void sg_pack(const float *w, int N, int K, float *wp) {
             }
 }
 
-/* y[M][N] = x[M][K] @ w^T + bias, for 1 <= M <= 16; x and y row-major and contiguous; bias may be NULL. */
-void sg_linear(const float *x, int M, int K, const float *wp, int N, const float *bias, float *y) {
+/* y[M][N] = x[M][K] @ w^T + bias, for 1 <= M <= 16; x and y row-major and contiguous; bias may be NULL.
+ * Returns 0, or -1 (and writes nothing) for a row count or size outside the kernel's range. */
+int sg_linear(const float *x, int M, int K, const float *wp, int N, const float *bias, float *y) {
+    if (M < 1 || M > LANES || K < 0 || N < 0) return -1;
     int panels = (N + LANES - 1) / LANES;
     panel_fn fn = PANELS[M];
 #pragma omp parallel for schedule(static)
@@ -81,4 +83,5 @@ void sg_linear(const float *x, int M, int K, const float *wp, int N, const float
             }
         }
     }
+    return 0;
 }
