@@ -266,12 +266,7 @@ class SpeculativeLoop:
                 appended = len(tokens) - target_known
                 decode_ahead = 0
                 if self.decode_ahead and not draft.tokens and not self.features and runahead is None:
-                    quiet = (None if self.proposer is None else skip_draft_until - stats.steps - 1
-                             if stats.steps < skip_draft_until else policy.quiet_steps())
-                    decode_ahead = min(self.decode_ahead, self.decode_ahead if quiet is None else quiet, remaining - 1)
-                    if spec.max_context:
-                        decode_ahead = min(decode_ahead, spec.max_context - len(tokens) - 2)
-                    decode_ahead = max(0, decode_ahead)
+                    decode_ahead = self._ahead_budget(policy, stats.steps, skip_draft_until, remaining, len(tokens), spec.max_context)
                 try:
                     verdict = await self._verify(sequence_id, tokens, target_known, draft, spec.sampling, decode_ahead)
                 except BaseException:
@@ -331,6 +326,23 @@ class SpeculativeLoop:
         finally:
             stats.total_seconds = time.perf_counter() - start
             await self._release(sequence_id)
+
+    def _ahead_budget(self, policy: DraftLengthPolicy, steps: int, skip_draft_until: int, remaining: int, length: int,
+                      max_context: int) -> int:
+        """Tokens the target may decode after this step, which drafted nothing: the steps after it
+        that will not draft either (every one without a draft, the rest of a failed draft's wait,
+        else the policy's quiet steps), within --decode-ahead and the request's tokens and context."""
+        if self.proposer is None:
+            quiet = self.decode_ahead
+        elif steps < skip_draft_until:
+            quiet = skip_draft_until - steps - 1
+        else:
+            quiet = policy.quiet_steps()
+            quiet = self.decode_ahead if quiet is None else quiet
+        budget = min(self.decode_ahead, quiet, remaining - 1)
+        if max_context:
+            budget = min(budget, max_context - length - 2)
+        return max(0, budget)
 
     def _run_ahead(self, sequence_id: str, tokens: list[int], draft: DraftOutcome, planned: int, min_prob: float,
                    spec: GenerationSpec) -> RunAhead | None:

@@ -8,6 +8,7 @@ import threading
 import time
 
 import structlog
+import torch
 
 from draft_service.batcher import DraftBatcher
 from draft_service.config import DraftConfig
@@ -15,7 +16,7 @@ from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter, Ngram
 from draft_service.tree import TreeSettings
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec import metrics, tls
+from specdec import metrics, packedgemm, tls
 from specdec.errors import InvalidArgument
 from specdec.features import FeatureRows
 from specdec.grpcutil import EngineHost, Server, rpc_method
@@ -229,10 +230,6 @@ def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
             eos_token_ids=lm.eos_token_ids, device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."), drafter="model",
         )
-    import torch
-
-    from specdec import packedgemm
-
     model = getattr(getattr(drafter, "lm", None), "model", None)
     if isinstance(model, torch.nn.Module) and config.packed_gemm_rows:  # a model draft: its decode steps are 1-row GEMMs
         parameter = next(model.parameters())
