@@ -50,9 +50,10 @@ class Kernel:
         w = weight.detach().contiguous()
         n, k = w.shape
         # One extra vector of room so the panels can start on a 64-byte boundary whatever the allocator gives.
-        raw = torch.empty(-(-n // 16) * k * 16 + ALIGNMENT // 4, dtype=torch.float32)
+        size = -(-n // 16) * k * 16
+        raw = torch.empty(size + ALIGNMENT // 4, dtype=torch.float32)
         offset = (-raw.data_ptr() % ALIGNMENT) // 4
-        panels = raw[offset: offset + -(-n // 16) * k * 16]
+        panels = raw[offset: offset + size]
         self._pack(w.data_ptr(), n, k, panels.data_ptr())
         return panels
 
