@@ -11,6 +11,13 @@
  * accumulators (one per input row) with a broadcast of x[m][k]. Weights stream from memory exactly
  * once per call whatever M is; no horizontal reductions; the accumulators stay in registers.
  *
+ * Prefetch: for 2-16 rows the loop asks for the weights 24 cache lines (1.5 KB) ahead, with the
+ * non-temporal hint (__builtin_prefetch locality 0): the weights are read once per forward and never
+ * again before they are evicted, so they should not push the interpreter's and the KV cache's data
+ * out of the caches. Measured on an AMD EPYC (2 cores, 211 SmolLM2 layers, median of 9): 9 rows
+ * 25.2-25.9 -> 18.8-19.5 ms; one row is as fast without (the hardware prefetcher keeps up), so
+ * one row does not prefetch.
+ *
  * Numerics: every output y[m][n] is one fused multiply-add chain over k = 0..K-1 in order, whatever
  * M is and whatever the other rows hold, so a row's result is bit-identical whether it is computed
  * alone (a decode step) or among the positions of a verification pass. That is what keeps the
@@ -21,8 +28,10 @@
  * the calling thread's team (the same libgomp that torch uses, so no second thread pool).
  */
 #include <stddef.h>
+#include <stdint.h>
 
 #define LANES 16
+#define AHEAD 24 /* weight vectors (cache lines) prefetched ahead of the multiply */
 typedef float vec __attribute__((vector_size(LANES * 4)));                 /* aligned: packed panels */
 typedef float vec_u __attribute__((vector_size(LANES * 4), aligned(4)));   /* unaligned: x, y, bias */
 
@@ -33,6 +42,7 @@ typedef float vec_u __attribute__((vector_size(LANES * 4), aligned(4)));   /* un
         vec acc[MM];                                                                                   \
         _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[m] = (vec){0};                       \
         for (int k = 0; k < K; k++) {                                                                  \
+            if (MM > 1) __builtin_prefetch((const void *)((uintptr_t)wp + ((size_t)k + AHEAD) * LANES * 4), 0, 0); \
             vec w = *(const vec *)(wp + (size_t)k * LANES);                                            \
             _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[m] += x[(size_t)m * ldx + k] * w; \
         }                                                                                              \
