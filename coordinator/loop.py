@@ -265,7 +265,7 @@ class SpeculativeLoop:
                     runahead = self._run_ahead(sequence_id, tokens, draft, planned, min_prob, spec)
                 appended = len(tokens) - target_known
                 decode_ahead = 0
-                if self.decode_ahead and not draft.tokens and not self.features and runahead is None:
+                if self.decode_ahead and not draft.tokens and runahead is None:
                     decode_ahead = self._ahead_budget(policy, stats.steps, skip_draft_until, remaining, len(tokens), spec.max_context)
                 try:
                     verdict = await self._verify(sequence_id, tokens, target_known, draft, spec.sampling, decode_ahead)

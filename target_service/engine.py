@@ -120,19 +120,29 @@ class TargetEngine:
         (`_verdict` with no draft tokens: the argmax, or a sample from the position-keyed generator),
         so the tokens are the ones those steps would have made. Stops after an end-of-sequence
         token and before the context is full; the coordinator cuts anything past its own stops.
+
+        With return_features (a feature draft resting), each forward's hidden state extends the
+        features, so they still cover every position the target holds: the draft catches up on
+        the decoded tokens next time as it does on accepted ones.
         """
         if not call.decode_ahead:
             return result
         plain = dataclasses.replace(call, append=[], draft_tokens=[], draft_dists=[])
-        pending, decoded = result.next_token, []
+        pending, decoded, rows = result.next_token, [], []
         while (len(decoded) < call.decode_ahead and pending not in self.lm.eos_token_ids
                and not (self.lm.max_context and len(seq.tokens) + 2 > self.lm.max_context)):
             seq.tokens.append(pending)  # canonical now; it is the forward's one new position
-            logits = self.lm.forward(seq, [], keep=1)  # [1, V]
+            with self._capturing(call.return_features) as hidden:
+                logits = self.lm.forward(seq, [], keep=1)  # [1, V]
+            if hidden:
+                rows.append(hidden[0][0].float().cpu())  # [1, H]: the position just fed
             _, pending = self._verdict(plain, logits, len(seq.tokens))
             decoded.append(pending)
+        features = result.features
+        if rows and features is not None:
+            features = FeatureRows(features.start, torch.cat([features.values, *rows]))
         return dataclasses.replace(result, cached_len=len(seq.tokens), compute_seconds=time.perf_counter() - start,
-                                   decoded=tuple(decoded))
+                                   decoded=tuple(decoded), features=features)
 
     def _capturing(self, wanted: bool):
         """The final hidden states of the forwards inside, when a call asked for them."""
@@ -239,8 +249,8 @@ class TargetEngine:
             raise InvalidArgument("return_features", "this target model has no final norm to read hidden states from")
         if not 0 <= call.decode_ahead <= MAX_DECODE_AHEAD:
             raise InvalidArgument("decode_ahead", f"must be in [0, {MAX_DECODE_AHEAD}], got {call.decode_ahead}")
-        if call.decode_ahead and (call.tree is not None or call.return_features):
-            raise InvalidArgument("decode_ahead", "is for chains without return_features")
+        if call.decode_ahead and call.tree is not None:
+            raise InvalidArgument("decode_ahead", "is for chains: a draft_tree cannot decode ahead")
         seq = self.store.sync(call.sequence_id, call.known_len, call.append)
         total = len(seq.tokens) + len(call.draft_tokens)
         if call.tree is not None and call.tree.tokens:

@@ -92,7 +92,6 @@ def test_a_batch_of_several_rows_decodes_nothing_ahead(pair):
     (VerifyCall("x", 0, [1, 2], [], [], GREEDY, decode_ahead=-1), "decode_ahead"),
     (VerifyCall("x", 0, [1, 2], [], [], GREEDY, decode_ahead=65), "decode_ahead"),
     (VerifyCall("x", 0, [1, 2], [], [], GREEDY, DraftTree([-1], [3]), decode_ahead=2), "decode_ahead"),
-    (VerifyCall("x", 0, [1, 2], [], [], GREEDY, return_features=True, decode_ahead=2), "decode_ahead"),
 ])
 def test_bad_decode_ahead_is_invalid_argument(pair, call, field):
     target = engine(pair)

@@ -3,6 +3,7 @@ and the output stays the target's own, in process and over gRPC, through rollbac
 
 from __future__ import annotations
 
+import dataclasses
 
 import grpc
 import pytest
@@ -22,6 +23,7 @@ from specdec.sampling import SamplingConfig
 from target_service.engine import TargetEngine, VerifyCall
 from tests import tiny
 from tests.stack import Stack
+from tests.test_decode_ahead import CountingVerifier
 from tests.test_loop import EvictingVerifier, FlakyProposer
 from tests.test_loop import run as run_loop
 
@@ -79,6 +81,66 @@ def test_batched_verify_returns_each_rows_features(target):
     for prompt, result in zip(prompts, results):
         assert result.features.rows == len(prompt)
         torch.testing.assert_close(result.features.values, final_hidden(target, prompt), atol=1e-4, rtol=1e-4)
+
+
+def test_decoding_ahead_returns_the_features_of_every_position_it_fed(target):
+    engine = TargetEngine(CausalLM(target, CPU))
+    prompt = tiny.prompts()[2]
+    expected = tiny.reference_greedy(target, prompt, 8)
+    out = engine.verify("s", 0, prompt, [], [], SamplingConfig(), return_features=True, decode_ahead=4)
+    assert [out.next_token, *out.decoded] == expected[:5]
+    # the prompt, next_token and the decoded tokens but the last: what the target now holds
+    assert out.features.start == 0 and out.features.end == out.cached_len == len(prompt) + 4
+    torch.testing.assert_close(out.features.values, final_hidden(target, prompt + expected[:4]), atol=1e-4, rtol=1e-4)
+    # after a verified draft, the decoded positions follow the accepted ones
+    more = engine.verify("s", out.cached_len, [expected[4]], expected[5:7], [], SamplingConfig(), return_features=True, decode_ahead=1)
+    assert more.accepted == 2 and more.features.start == len(prompt) + 4 and more.features.end == more.cached_len
+    canonical = prompt + expected[:7] + [more.next_token]
+    torch.testing.assert_close(more.features.values, final_hidden(target, canonical)[len(prompt) + 4:], atol=1e-4, rtol=1e-4)
+
+
+class ShyProposer(LocalProposer):
+    """Every other ask comes back empty (the draft drafted, the tokens are dropped), so a calibrated
+    policy rests and the target decodes the rest steps ahead; the other asks claim full confidence,
+    so the policy checks what the draft proposed whatever the tiny draft's probabilities are."""
+
+    asks = 0
+
+    async def propose(self, *args, **kwargs):
+        out = await super().propose(*args, **kwargs)
+        self.asks += 1
+        if self.asks % 2:
+            return dataclasses.replace(out, tokens=[], dists=[], confidence=[])
+        return dataclasses.replace(out, confidence=[1.0] * len(out.tokens))
+
+
+class FeatureGaps(CountingVerifier):
+    """Counts the Verify answers whose features do not start where the last ones ended."""
+
+    end = gaps = 0
+
+    async def verify(self, *args, **kwargs):
+        out = await super().verify(*args, **kwargs)
+        if out.features is not None:
+            self.gaps += out.features.start != self.end
+            self.end = out.features.end
+        return out
+
+
+def test_a_resting_feature_draft_lets_the_target_decode_ahead_and_catches_up_from_its_features(target):
+    verifier_engine, draft_engine = engines(target)
+    saved = accepted = drafted = 0
+    for prompt in tiny.prompts(6, seed=12):
+        verifier = FeatureGaps(verifier_engine)
+        # static costs (no cost model), as for seeded requests: the same steps on every run
+        loop = SpeculativeLoop(verifier, ShyProposer(draft_engine), None, MODEL_DRAFT_PRIOR, features=True, calibrated=True)
+        tokens, stats = run(loop, prompt, draft_length=4, adaptive=True)
+        assert tokens == tiny.reference_greedy(target, prompt, MAX_NEW), prompt
+        assert verifier.gaps == 0  # every position's features reached the coordinator, decoded ones too
+        saved += stats.steps - verifier.calls
+        accepted, drafted = accepted + stats.accepted_tokens, drafted + stats.draft_tokens
+    # exchanges were saved, and the draft, fed the decoded positions' features, still nearly agrees
+    assert saved > 0 and drafted > 0 and accepted / drafted > 0.3
 
 
 @pytest.mark.parametrize("draft_length", [1, 3, 8])
