@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from specdec.hfcache import cache_kwargs, returned_cache
 from specdec.kvbuffer import GrowingLayer, full_attention
 from specdec.kvcache import Sequence
 from specdec.lm import CausalLM
@@ -118,14 +119,14 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
 
     out = lm.model(
         input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=position_ids.to(device),
-        past_key_values=cache, use_cache=True,
+        **cache_kwargs(lm.model, cache), use_cache=True,
         logits_to_keep=width_n,  # only the new positions; each row's own last keeps[i] are picked below
     )
     logits = [out.logits[i, len(tokens) - keep:len(tokens)].float().cpu() for i, (tokens, keep) in enumerate(zip(pending, keeps))]
     to_vocab = getattr(lm.model, "to_target_logits", None)  # a pruned draft scores only its kept ids
     if to_vocab is not None:
         logits = [to_vocab(rows) for rows in logits]
-    return logits, BatchState(out.past_key_values, past, [len(t) for t in pending], width_p)
+    return logits, BatchState(returned_cache(out), past, [len(t) for t in pending], width_p)
 
 
 class BatchState:

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from specdec.hfcache import cache_kwargs
 from specdec.pruned import PrunedDraft, save_draft
 
 FORTUNES = pathlib.Path("/usr/share/games/fortunes")
@@ -405,14 +406,14 @@ def measure_cost(target, draft: PrunedDraft, context: int = 128, reps: int = 40)
     caches = {}
     for name, m in (("target", target), ("draft", draft)):
         cache = DynamicCache(config=m.config)
-        m(input_ids=ids, past_key_values=cache, use_cache=True)
+        m(input_ids=ids, **cache_kwargs(m, cache), use_cache=True)
         caches[name] = cache
     times: dict[str, list[float]] = {"target": [], "draft": []}
     nxt = torch.tensor([[42]])
     for _ in range(reps):
         for name, m in (("target", target), ("draft", draft)):
             start = time.perf_counter()
-            m(input_ids=nxt, past_key_values=caches[name], use_cache=True, logits_to_keep=1)
+            m(input_ids=nxt, **cache_kwargs(m, caches[name]), use_cache=True, logits_to_keep=1)
             times[name].append(time.perf_counter() - start)
             caches[name].crop(-1)  # drop the timed token again
     t, d = statistics.median(times["target"]), statistics.median(times["draft"])

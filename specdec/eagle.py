@@ -31,6 +31,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
+from specdec.hfcache import cache_kwargs
+
 MARKER = "specdec_feature_draft.json"
 KEPT = "kept_vocab.json"
 WEIGHTS = "model.safetensors"
@@ -68,7 +70,7 @@ class FeatureDraft(torch.nn.Module):
                 use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, T, H] (f_i), next_tokens [B, T] (x_{i+1}) -> (predicted f_{i+1} [B, T, H], logits [B, T, N])."""
         x = self.fc(torch.cat([self.embed(next_tokens).to(features.dtype), features], dim=-1))
-        out = self.body(inputs_embeds=x, past_key_values=past_key_values, use_cache=use_cache)
+        out = self.body(inputs_embeds=x, **cache_kwargs(self.body, past_key_values), use_cache=use_cache)
         predicted = out.last_hidden_state
         return predicted, self.head(predicted)
 

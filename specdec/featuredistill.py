@@ -25,6 +25,7 @@ import time
 import torch
 
 from specdec.distill import _progress, chat_ids, data_dir, load_corpus, make_prompts, target_eos, train_loop
+from specdec.hfcache import cache_kwargs
 from specdec.kvcache import crop_to
 from specdec.eagle import FeatureDraft, init_from_target, save_feature_draft
 
@@ -185,7 +186,7 @@ def measure_cost(target, draft: FeatureDraft, context: int = 128, reps: int = 40
 
     ids = torch.arange(100, 100 + context)[None]
     tcache = DynamicCache(config=target.config)
-    target(input_ids=ids, past_key_values=tcache, use_cache=True)
+    target(input_ids=ids, **cache_kwargs(target, tcache), use_cache=True)
     dcache = draft.new_cache()
     hidden = draft.config.hidden_size
     draft(torch.zeros(1, context, hidden), ids, dcache, use_cache=True)
@@ -193,7 +194,7 @@ def measure_cost(target, draft: FeatureDraft, context: int = 128, reps: int = 40
     nxt, feature = torch.tensor([[42]]), torch.zeros(1, 1, hidden)
     for _ in range(reps):
         start = time.perf_counter()
-        target(input_ids=nxt, past_key_values=tcache, use_cache=True, logits_to_keep=1)
+        target(input_ids=nxt, **cache_kwargs(target, tcache), use_cache=True, logits_to_keep=1)
         times["target"].append(time.perf_counter() - start)
         crop_to(tcache, context)
         start = time.perf_counter()

@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.kvbuffer import new_cache
+from specdec.hfcache import cache_kwargs, returned_cache
 from specdec.kvcache import Sequence
 
 
@@ -74,7 +75,7 @@ class CausalLM:
         if keep > len(pending):
             raise ValueError(f"cannot keep {keep} logits from {len(pending)} new positions")
         input_ids = torch.tensor([pending], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=input_ids, past_key_values=seq.cache, use_cache=True, logits_to_keep=keep)
-        seq.cache = out.past_key_values
+        out = self.model(input_ids=input_ids, **cache_kwargs(self.model, seq.cache), use_cache=True, logits_to_keep=keep)
+        seq.cache = returned_cache(out)
         seq.cached += len(pending)
         return out.logits[0, -keep:].float().cpu()  # [keep, V]

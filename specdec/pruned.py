@@ -26,6 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
+from specdec.hfcache import cache_kwargs, output_field, returned_cache
 from specdec.kvbuffer import new_cache
 from specdec.kvcache import Sequence
 
@@ -66,12 +67,12 @@ class PrunedDraft(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, past_key_values: DynamicCache | None = None, use_cache: bool = False,
                 logits_to_keep: int = 0, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> DraftOutput:
-        out = self.body(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache,
+        out = self.body(input_ids=input_ids, **cache_kwargs(self.body, past_key_values), use_cache=use_cache,
                         attention_mask=attention_mask, position_ids=position_ids)  # explicit: tree drafts
         hidden = out.last_hidden_state  # [B, T, H]
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
-        return DraftOutput(self.head(hidden), out.past_key_values if use_cache else None)
+        return DraftOutput(self.head(hidden), returned_cache(out) if use_cache else None)
 
     def to_target_logits(self, pruned: torch.Tensor) -> torch.Tensor:
         """[..., N] pruned logits -> [..., V] target-vocabulary logits, -inf outside the kept ids.
@@ -187,14 +188,16 @@ def hf_assistant(folder: str | pathlib.Path, target_override: str | None = None)
 
     class PrunedAssistant(LlamaForCausalLM):
         def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-                    use_cache=None, logits_to_keep=0, **kwargs):
+                    use_cache=None, logits_to_keep=0, cache=None, **kwargs):
             kwargs.pop("labels", None)
+            cache = cache if cache is not None else past_key_values  # generate() passes `cache` from transformers 5.24
             out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                             **cache_kwargs(self.model, cache), inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
             hidden = out.last_hidden_state
             if isinstance(logits_to_keep, int) and logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
-            return CausalLMOutputWithPast(logits=draft.to_target_logits(draft.head(hidden)), past_key_values=out.past_key_values)
+            return CausalLMOutputWithPast(logits=draft.to_target_logits(draft.head(hidden)),
+                                          **{output_field(CausalLMOutputWithPast): returned_cache(out) if use_cache else None})
 
     config = LlamaConfig(**{**draft.config.to_dict(), "tie_word_embeddings": False})
     with torch.device("meta"):  # the full-vocabulary lm_head is never used: do not allocate it

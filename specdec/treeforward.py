@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.hfcache import cache_kwargs, returned_cache
 from specdec.kvbuffer import full_attention
 from specdec.kvcache import Sequence
 from target_service.tree import ancestor_mask
@@ -60,9 +61,9 @@ def forward_masked(lm, seq: Sequence, tokens: list[int], positions: list[int], a
         input_ids=torch.tensor([tokens], dtype=torch.long, device=lm.device),
         position_ids=torch.tensor([positions], dtype=torch.long, device=lm.device),
         attention_mask=mask[None, None].to(lm.device),  # [1, 1, n, cached + n]: used as given
-        past_key_values=seq.cache, use_cache=True, logits_to_keep=keep,
+        **cache_kwargs(model, seq.cache), use_cache=True, logits_to_keep=keep,
     )
-    seq.cache = out.past_key_values
+    seq.cache = returned_cache(out)
     seq.cached += len(tokens)
     logits = out.logits[0, -keep:].float().cpu()
     to_vocab = getattr(model, "to_target_logits", None)  # a pruned draft's head covers part of the vocabulary
