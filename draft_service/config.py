@@ -26,7 +26,7 @@ class DraftConfig:
     ngram_max: int = option(4, "Longest suffix n-gram the n-gram drafter looks up.")
     ngram_min: int = option(1, "Shortest suffix n-gram it accepts as a match.")
     staged: bool = option(False, "Staged drafting for --drafter model, greedy: an n-gram index guesses the draft model's own next tokens and one draft forward checks them (same tokens, fewer draft passes).")
-    packed_gemm_rows: int = option(packedgemm.DEFAULT_ROWS, "CPU float32 model drafts: forwards over 1..N positions (N <= 16) use specdec's small-M GEMM kernel, compiled on first use (the feature draft's token: 3.7 -> 1.6 ms on 2 cores); 0 turns it off.")
+    packed_gemm_rows: int = option(packedgemm.DEFAULT_ROWS, "CPU float32 model drafts: forwards over 1..N positions use specdec's GEMM kernel, compiled on first use (the feature draft's token: 3.7 -> 1.6 ms on 2 cores); 0 turns it off.")
     batch_window_ms: float = option(2.0, "How long a drafting step waits for the other streams' steps to share its forward pass (continuous batching of model drafts); 0: no wait.")
     max_batch_size: int = option(16, "Most sequences drafted in one forward pass; 1 turns draft batching off.")
     max_batch_tokens: int = option(256, "Most padded positions (rows x longest row's new tokens) in one draft pass: long catch-ups run alone.")

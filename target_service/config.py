@@ -21,7 +21,7 @@ class TargetConfig:
     model: str = option(DEFAULT_TARGET, "Target model: alias, hub id, local folder or .gguf file.")
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16 or bfloat16.")
-    packed_gemm_rows: int = option(packedgemm.DEFAULT_ROWS, "CPU float32 only: forwards over --packed-gemm-min-rows..N positions (N <= 16) use specdec's small-M GEMM kernel, compiled on first use (about the cost of one position across that range; its weight panels add about the model's size in memory); 0 turns it off.")
+    packed_gemm_rows: int = option(packedgemm.DEFAULT_ROWS, "CPU float32 only: forwards over --packed-gemm-min-rows..N positions use specdec's GEMM kernel, compiled on first use (verifying up to 16 positions costs about what one does; batches and prefills cost less than with the stock kernel; its weight panels add about the model's size in memory); 0 turns it off.")
     packed_gemm_min_rows: int = option(packedgemm.DEFAULT_MIN_ROWS, "Fewest positions that take the small-M kernel; shorter forwards keep the stock kernel (1: decode steps take it too, 2.2x faster on a 2-core CPU).")
     max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted (and re-filled on demand).")
     idle_timeout_s: float = option(600.0, "Free a sequence untouched this long (a coordinator that vanished); 0 disables.")

@@ -16,6 +16,7 @@ from draft_service.engine import DraftEngine, ModelDrafter
 from specdec import packedgemm, smallgemm
 from specdec.kvcache import Sequence
 from specdec.lm import CausalLM
+from specdec.sampling import SamplingConfig
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
 from tests import tiny
@@ -43,7 +44,7 @@ def test_the_kernel_matches_the_stock_linear_for_every_row_count(out_features, i
     kernel = smallgemm.load()
     panels = kernel.pack(linear.weight)
     assert panels.data_ptr() % smallgemm.ALIGNMENT == 0
-    for m in range(1, kernel.max_rows + 1):
+    for m in [*range(1, 34), 48, 64, 100]:  # 1-16 rows in one group; more in groups of 16 per panel
         x = torch.randn(m, in_features)
         out = kernel.linear(x, panels, out_features, linear.bias)
         torch.testing.assert_close(out, linear(x), atol=1e-5, rtol=1e-5)
@@ -53,7 +54,7 @@ def test_the_kernel_refuses_what_it_cannot_compute():
     kernel = smallgemm.load()
     panels = kernel.pack(torch.randn(8, 4))
     with pytest.raises(ValueError, match="rows"):
-        kernel.linear(torch.randn(17, 4), panels, 8, None)
+        kernel.linear(torch.randn(0, 4), panels, 8, None)
     with pytest.raises(ValueError, match="float32"):
         kernel.linear(torch.randn(2, 4, dtype=torch.float64), panels, 8, None)
 
@@ -64,11 +65,12 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     linear = torch.nn.Linear(96, 200)
     kernel = smallgemm.load()
     panels = kernel.pack(linear.weight)
-    x = torch.randn(16, 96)
+    x = torch.randn(40, 96)  # three groups of rows: 16, 16 and 8
     together = kernel.linear(x, panels, 200, linear.bias)
-    for m in range(16):
+    for m in range(40):
         assert torch.equal(kernel.linear(x[m:m + 1], panels, 200, linear.bias)[0], together[m])
     assert torch.equal(kernel.linear(x[3:12], panels, 200, linear.bias), together[3:12])
+    assert torch.equal(kernel.linear(x[5:37], panels, 200, linear.bias), together[5:37])
     assert torch.equal(kernel.linear(torch.cat([x[:5], torch.randn(4, 96)]), panels, 200, linear.bias)[:5], together[:5])
 
 
@@ -119,19 +121,40 @@ def test_packing_keeps_the_models_parameters_ties_and_state_dict(pair):
 
 def test_verify_logits_agree_with_the_stock_path_and_with_decode(pair):
     target, _ = pair
-    model, _ = packed_copy(target)
+    model, _ = packed_copy(target, rows=packedgemm.DEFAULT_ROWS)
     lm = CausalLM(model, CPU)
     context = tiny.prompts(1, seed=4)[0]
-    for n in (1, 4, 5, 8, 9, 16):
+    for n in (1, 4, 5, 8, 9, 16, 17, 40):  # past 16 rows the kernel goes through each panel in groups
         logits = {}
         for arm in ("stock", "packed"):
             seq = Sequence(arm, tokens=list(context))
-            lm.forward(seq)  # the prefill: more rows than the kernel takes, so the stock kernel
+            lm.forward(seq)  # the prefill, the same in both arms
             seq.crop_cache(len(context) - 1)  # the verify below feeds exactly n positions
             with packedgemm.disabled() if arm == "stock" else contextlib.nullcontext():
                 logits[arm] = lm.forward(seq, list(range(10, 10 + n - 1)), keep=n)
         torch.testing.assert_close(logits["packed"], logits["stock"], atol=1e-4, rtol=1e-4)
         assert torch.equal(logits["packed"].argmax(-1), logits["stock"].argmax(-1))
+
+
+def test_a_prefill_through_the_kernel_agrees_with_the_stock_one_and_decodes_the_same(pair):
+    target, _ = pair
+    model, _ = packed_copy(target, rows=packedgemm.DEFAULT_ROWS)
+    lm = CausalLM(model, CPU)
+    prompt = tiny.prompts(1, seed=8)[0] * 3  # well past 16 positions in one forward
+    logits = {}
+    for arm in ("stock", "packed"):
+        with packedgemm.disabled() if arm == "stock" else contextlib.nullcontext():
+            logits[arm] = lm.forward(Sequence(arm, tokens=list(prompt)), keep=len(prompt))
+    torch.testing.assert_close(logits["packed"], logits["stock"], atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits["packed"].argmax(-1), logits["stock"].argmax(-1))
+    engine = TargetEngine(CausalLM(model, CPU))  # and greedy decoding after a kernel prefill is the target's own
+    out, tokens = engine.verify("p", 0, prompt, [], [], SamplingConfig()), []
+    tokens.append(out.next_token)
+    for _ in range(MAX_NEW - 1):
+        out = engine.verify("p", len(prompt) + len(tokens) - 1, tokens[-1:], [], [], SamplingConfig())
+        tokens.append(out.next_token)
+    expected = tiny.reference_greedy(target, prompt, MAX_NEW)
+    assert tokens[:len(expected)] == expected
 
 
 def test_speculative_output_with_a_packed_target_equals_the_target_alone(pair):
@@ -181,7 +204,7 @@ def test_a_fresh_cache_compiles_the_kernel_once(monkeypatch, tmp_path):
         smallgemm.load.cache_clear()
 
 
-@pytest.mark.parametrize("rows, min_rows", [(-1, 5), (8, 0), (8, 9), (17, 1)])
+@pytest.mark.parametrize("rows, min_rows", [(-1, 5), (8, 0), (8, 9), (packedgemm.MAX_ROWS + 1, 1)])
 def test_target_config_rejects_bad_packed_rows(rows, min_rows):
     with pytest.raises(ValueError, match="packed-gemm"):
         TargetConfig(packed_gemm_rows=rows, packed_gemm_min_rows=min_rows)
@@ -191,4 +214,4 @@ def test_pack_linears_rejects_a_bad_range(pair):
     with pytest.raises(ValueError, match="min_rows"):
         packedgemm.pack_linears(copy.deepcopy(pair[0]), 4, 6)
     with pytest.raises(ValueError, match="min_rows"):
-        packedgemm.pack_linears(copy.deepcopy(pair[0]), 17, 1)
+        packedgemm.pack_linears(copy.deepcopy(pair[0]), packedgemm.MAX_ROWS + 1, 1)
