@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import torch
 from transformers import DynamicCache
 
-from specdec.kvbuffer import new_cache
 from specdec.hfcache import cache_kwargs, returned_cache
+from specdec.kvbuffer import new_cache
 from specdec.kvcache import Sequence
 
 
