@@ -31,9 +31,9 @@ def cache_kwargs(model, cache) -> dict[str, Any]:
 
 
 def returned_cache(output):
-    """The cache a forward returned (call with use_cache=True)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
+    """The cache a forward returned (None if it returned none), read from the field the output's
+    class declares: the old name is a property under 5.24 that logs a deprecation."""
+    return getattr(output, output_field(type(output)))
 
 
 @functools.cache

@@ -197,7 +197,7 @@ def hf_assistant(folder: str | pathlib.Path, target_override: str | None = None)
             if isinstance(logits_to_keep, int) and logits_to_keep:
                 hidden = hidden[:, -logits_to_keep:]
             return CausalLMOutputWithPast(logits=draft.to_target_logits(draft.head(hidden)),
-                                          **{output_field(CausalLMOutputWithPast): returned_cache(out) if use_cache else None})
+                                          **{output_field(CausalLMOutputWithPast): returned_cache(out)})
 
     config = LlamaConfig(**{**draft.config.to_dict(), "tie_word_embeddings": False})
     with torch.device("meta"):  # the full-vocabulary lm_head is never used: do not allocate it
