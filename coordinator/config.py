@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from coordinator.loop import DEFAULT_DECODE_AHEAD
 from draft_service.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 from specdec.config import option
 from specdec.models import DEFAULT_TARGET
+from target_service.engine import MAX_DECODE_AHEAD
 
 ENV_PREFIX = "SPECDEC_COORDINATOR_"
 
@@ -24,7 +26,7 @@ class CoordinatorConfig:
     tokenizer: str = option(DEFAULT_TARGET, "Tokenizer of the target model: alias, hub id, folder or .gguf file.")
     draft_length: int = option(8, "Default upper bound on draft tokens per step (requests may ask for another, up to 32).")
     adaptive: bool = option(True, "Adapt the draft length per request unless the request says otherwise.")
-    decode_ahead: int = option(8, "When the coordinator will not draft for the next steps (speculation off, an n-gram draft resting after empty asks, drafting not paying), the target decodes up to this many of them in the same Verify exchange; tokens then stream in bursts of up to N+1. 0 turns it off.")
+    decode_ahead: int = option(DEFAULT_DECODE_AHEAD, "When the coordinator will not draft for the next steps (speculation off, an n-gram draft resting after empty asks, drafting not paying), the target decodes up to this many of them in the same Verify exchange; tokens then stream in bursts of up to N+1. 0 turns it off.")
     overlap: str = option("off", "Overlapped speculation: while the target verifies a step, the draft drafts the next one ahead, assuming full acceptance. on, off, or auto (per request, only while the hits it observes pay for the misses). Pays when draft and target run on separate hardware.", choices=("off", "auto", "on"))
     tree_budget: int = option(0, "Default draft tree budget: most nodes the target verifies per step, the draft length capping their depth (requests may ask for another, up to 64); 0: chains.")
     tree_top_k: int = option(4, "Children per expanded node, and nodes expanded per level, of a dynamic draft tree (1 to 16).")
@@ -50,8 +52,8 @@ class CoordinatorConfig:
     log_level: str = option("info", "debug, info, warning or error.")
 
     def __post_init__(self):
-        if not 0 <= self.decode_ahead <= 64:
-            raise ValueError(f"--decode-ahead must be in [0, 64], got {self.decode_ahead}")
+        if not 0 <= self.decode_ahead <= MAX_DECODE_AHEAD:
+            raise ValueError(f"--decode-ahead must be in [0, {MAX_DECODE_AHEAD}], got {self.decode_ahead}")
         for flag in ("max_concurrent_requests", "max_queue", "verify_token_budget", "target_retry_s"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")

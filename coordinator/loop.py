@@ -169,13 +169,13 @@ class Step:
 DRAFT_RETRY_STEPS = 16
 # Default of the most tokens the target decodes ahead in one exchange when no step drafts (no draft,
 # or speculation off): the exchange's cost is spread over 9 tokens, and a stream still gets tokens
-# every 9 forwards.
-MAX_DECODE_AHEAD = 8
+# every 9 forwards. (The contract's bound is target_service.engine.MAX_DECODE_AHEAD.)
+DEFAULT_DECODE_AHEAD = 8
 
 
 class SpeculativeLoop:
     def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs,
-                 overlap: str = "off", features: bool = False, calibrated: bool = False, decode_ahead: int = MAX_DECODE_AHEAD):
+                 overlap: str = "off", features: bool = False, calibrated: bool = False, decode_ahead: int = DEFAULT_DECODE_AHEAD):
         """`overlap`: off, auto or on: whether the draft drafts the next step while the target
         verifies this one (coordinator/overlap.py). `features`: the draft drafts from the target's
         hidden states (specdec/eagle.py), so every Verify asks for them and the next Propose

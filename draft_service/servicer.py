@@ -233,7 +233,7 @@ def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
     model = getattr(getattr(drafter, "lm", None), "model", None)
     if isinstance(model, torch.nn.Module) and config.packed_gemm_rows:  # a model draft: its decode steps are 1-row GEMMs
         parameter = next(model.parameters())
-        packedgemm.apply(model, parameter.device, parameter.dtype, config.packed_gemm_rows, 1)
+        packedgemm.apply(model, parameter.device, parameter.dtype, config.packed_gemm_rows, packedgemm.DEFAULT_MIN_ROWS)
     engine = DraftEngine(drafter, config.max_sequences, config.idle_timeout_s)
     engine.warm_up()
     return engine, info

@@ -14,7 +14,7 @@ import pytest
 from coordinator.adapt import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, DraftLengthPolicy
 from coordinator.clients import TargetClient
 from coordinator.local import LocalProposer, LocalVerifier
-from coordinator.loop import MAX_DECODE_AHEAD, SpeculativeLoop
+from coordinator.loop import DEFAULT_DECODE_AHEAD, SpeculativeLoop
 from draft_service.engine import DraftEngine, NgramDrafter
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
@@ -134,7 +134,7 @@ def test_speculation_off_decodes_in_chunks_with_the_targets_own_tokens(pair):
         verifier = CountingVerifier(target)
         tokens, stats = run(SpeculativeLoop(verifier, None, None, MODEL_DRAFT_PRIOR), prompt, draft_length=0)
         assert tokens == tiny.reference_greedy(pair[0], prompt, MAX_NEW)
-        assert verifier.calls <= -(-len(tokens) // (MAX_DECODE_AHEAD + 1)) + 1
+        assert verifier.calls <= -(-len(tokens) // (DEFAULT_DECODE_AHEAD + 1)) + 1
         assert stats.steps == len(tokens)  # every token still counts one target pass
         off = CountingVerifier(target)
         tokens_off, _ = run(SpeculativeLoop(off, None, None, MODEL_DRAFT_PRIOR, decode_ahead=0), prompt, draft_length=0)
