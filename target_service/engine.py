@@ -99,16 +99,13 @@ class TargetEngine:
         return_features: bool = False,
         decode_ahead: int = 0,
     ) -> StepResult:
-        start = time.perf_counter()
+        """One sequence's chain: verify_batch's one-row path, with its error raised."""
         call = VerifyCall(sequence_id, known_len, append, draft_tokens, draft_dists, sampling, return_features=return_features,
                           decode_ahead=decode_ahead)
-        seq = self._prepare(call)
-        before = seq.cached
-        with self._capturing(return_features) as hidden:
-            logits = self.lm.forward(seq, draft_tokens, keep=len(draft_tokens) + 1)  # [G+1, V]
-        result = self._finish(call, seq, logits, start, 1, hidden[0][0] if hidden else None, before)
-        seq.crop_cache(len(seq.tokens))  # roll the rejected draft positions out of the cache
-        return self._decode_ahead(call, seq, result, start)
+        result = self.verify_batch([call])[0]
+        if isinstance(result, SpecdecError):
+            raise result
+        return result
 
     def _decode_ahead(self, call: VerifyCall, seq: Sequence, result: StepResult, start: float) -> StepResult:
         """Decodes up to call.decode_ahead more tokens after the verdict, one forward each.
