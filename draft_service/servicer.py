@@ -115,11 +115,24 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
         The handler (and so the sequence's lock) ends only once the worker is done with the
         sequence, also when the client cancels the stream: the worker stops after its current token.
+
+        An n-gram draft with a short catch-up is the exception (DraftEngine.answers_inline): with
+        the worker idle it is answered right here, since two thread hops cost more than drafting.
         """
         features = None
         if request.HasField("features"):
             f = request.features
             features = FeatureRows.from_wire(f.start, f.rows, f.dim, f.data)
+        if self.host.idle and self.engine.answers_inline(len(request.append_tokens)):
+            # Drafted whole before the first yield: the messages' sends may let other calls run,
+            # and those must find the worker's engine as this call left it.
+            started = time.perf_counter()
+            proposals = list(self.engine.propose(request.sequence_id, request.known_len, list(request.append_tokens),
+                                                 settings, features))
+            spent.append(time.perf_counter() - started)
+            for proposal in proposals:
+                yield proposal
+            return
         loop = asyncio.get_running_loop()
         ready: asyncio.Queue = asyncio.Queue()
         stop = threading.Event()

@@ -301,9 +301,19 @@ class EngineHost:
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=role,
                                                               initializer=enter_compute_thread)
 
+        # Calls handed to the worker and not finished there, cancelled or not: while any is left the
+        # worker may be touching the engine, so nothing else may (`idle`).
+        self._in_flight: set[concurrent.futures.Future] = set()
+
     def attach(self, engine, info) -> None:
         self.info = info
         self._engine = engine
+
+    @property
+    def idle(self) -> bool:
+        """No call is on the worker or queued for it. Only the event loop hands the worker work, so
+        while the loop runs something synchronously after seeing `idle`, the engine is its alone."""
+        return not self._in_flight
 
     @property
     def engine(self):
@@ -312,4 +322,10 @@ class EngineHost:
         return self._engine
 
     async def run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        future = self.executor.submit(fn, *args)
+        self._in_flight.add(future)
+        # Discarded in the worker the moment fn returns (done callbacks run in the thread that
+        # finishes the future), not when the awaiting task resumes: a cancelled caller stops
+        # waiting at once, but its fn may still be running.
+        future.add_done_callback(self._in_flight.discard)
+        return await asyncio.wrap_future(future)
