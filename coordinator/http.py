@@ -90,7 +90,8 @@ def speculation_json(s) -> dict:
         "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
         "accepted_per_position": list(s.accepted_per_position), "draft_seconds": round(s.draft_seconds, 6),
         "verify_seconds": round(s.verify_seconds, 6), "wire_seconds": round(s.wire_seconds, 6),
-        "time_to_first_token_seconds": round(s.time_to_first_token_seconds, 6), "total_seconds": round(s.total_seconds, 6),
+        "time_to_first_token_seconds": round(s.time_to_first_token_seconds, 6), "first_step_tokens": s.first_step_tokens,
+        "total_seconds": round(s.total_seconds, 6),
         "runahead_steps": s.runahead_steps, "runahead_hits": s.runahead_hits, "runahead_tokens": s.runahead_tokens,
         "runahead_used_tokens": s.runahead_used_tokens,
     }

@@ -140,6 +140,7 @@ class Stats:
     wire_seconds: float = 0.0
     total_seconds: float = 0.0
     time_to_first_token_seconds: float = 0.0
+    first_step_tokens: int = 0  # tokens the first step returned; decoding is what comes after
     wire_bytes: int = 0
     draft_failures: int = 0
     runahead_steps: int = 0  # steps during whose Verify the draft ran ahead (overlap.py)
@@ -265,7 +266,8 @@ class SpeculativeLoop:
                     runahead = self._run_ahead(sequence_id, tokens, draft, planned, min_prob, spec)
                 appended = len(tokens) - target_known
                 decode_ahead = 0
-                if self.decode_ahead and not draft.tokens and runahead is None:
+                # Not before the first token: a client waiting on it would wait for the tokens after it too.
+                if self.decode_ahead and not draft.tokens and runahead is None and stats.completion_tokens:
                     decode_ahead = self._ahead_budget(policy, stats.steps, skip_draft_until, remaining, len(tokens), spec.max_context)
                 try:
                     verdict = await self._verify(sequence_id, tokens, target_known, draft, spec.sampling, decode_ahead)
@@ -318,6 +320,7 @@ class SpeculativeLoop:
                     draft_known = len(tokens)  # the draft holds the canonical tokens, then `ready`
                 if stats.completion_tokens == 0:
                     stats.time_to_first_token_seconds = time.perf_counter() - start
+                    stats.first_step_tokens = len(new)
                 stats.completion_tokens += len(new)
                 stats.total_seconds = time.perf_counter() - start
                 yield Step(new, finish)

@@ -62,6 +62,7 @@ def stats_proto(stats: Stats) -> pb.GenerationStats:
         runahead_hits=stats.runahead_hits,
         runahead_tokens=stats.runahead_tokens,
         runahead_used_tokens=stats.runahead_used_tokens,
+        first_step_tokens=stats.first_step_tokens,
     )
 
 

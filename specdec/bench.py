@@ -255,7 +255,7 @@ def stats_dict(s) -> dict:
         "verify_seconds": s.verify_seconds, "wire_seconds": s.wire_seconds, "total_seconds": s.total_seconds,
         "wire_bytes": s.wire_bytes, "completion_tokens": s.completion_tokens,
         "runahead_steps": s.runahead_steps, "runahead_hits": s.runahead_hits, "runahead_tokens": s.runahead_tokens,
-        "runahead_used_tokens": s.runahead_used_tokens,
+        "runahead_used_tokens": s.runahead_used_tokens, "first_step_tokens": s.first_step_tokens,
     }
 
 

@@ -4,7 +4,8 @@ Kept apart from the runners so the numbers' definitions sit in one place:
 - tokens/s of a repetition = tokens generated over all prompts / seconds over all prompts (end to
   end: prefill included, the client's clock for gRPC); min / median / max over repetitions.
 - speed-ups compare medians of the same prompt set.
-- predicted tokens/s (specdec.plan) is for the decoding phase (after the first token), from the
+- predicted tokens/s (specdec.plan) is for the decoding phase (after the first step: its tokens
+  and time are the first token's, with any draft tokens verified beside the prompt), from the
   run's own acceptance and draft lengths, the draft's measured cost per token, the target's
   measured V(n) and, over gRPC, the measured round trip; efficiency = measured decode tokens/s
   over predicted.
@@ -74,7 +75,8 @@ def predict(record: dict, flat, config, ctx: dict) -> dict:
         c = (record["time_split"]["draft"] * record["seconds"] / drafted) / curve.single if drafted else 0.0
     hops = config.hops
     prediction = planlib.predict_mix(acceptance, c, curve, mean_draft, draft_steps / steps if steps else 0.0, ctx["rtt"], hops)
-    decode_tokens = sum(max(0, s.stats["completion_tokens"] - 1) for s in flat)
+    # After the first step (0 from a coordinator older than the field: then after the first token)
+    decode_tokens = sum(max(0, s.stats["completion_tokens"] - max(1, s.stats["first_step_tokens"])) for s in flat)
     decode_seconds = sum(max(1e-9, s.stats["total_seconds"] - s.ttft) for s in flat)
     measured = decode_tokens / decode_seconds
     rows, best = planlib.plan_table(acceptance, c, curve, 16, ctx["rtt"], hops) if draft_steps else ([], 0)

@@ -123,8 +123,13 @@ def test_the_batcher_lets_a_call_decode_ahead_only_while_its_sequence_is_the_onl
 class CountingVerifier(LocalVerifier):
     calls = 0
 
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.aheads: list[int] = []  # decode_ahead of each call
+
     async def verify(self, *args, **kwargs):
         self.calls += 1
+        self.aheads.append(kwargs.get("decode_ahead", 0))
         return await super().verify(*args, **kwargs)
 
 
@@ -136,6 +141,8 @@ def test_speculation_off_decodes_in_chunks_with_the_targets_own_tokens(pair):
         assert tokens == tiny.reference_greedy(pair[0], prompt, MAX_NEW)
         assert verifier.calls <= -(-len(tokens) // (DEFAULT_DECODE_AHEAD + 1)) + 1
         assert stats.steps == len(tokens)  # every token still counts one target pass
+        # The first token comes alone, after the prefill only; the steps after it come in chunks.
+        assert verifier.aheads[0] == 0 and stats.first_step_tokens == 1 and max(verifier.aheads) > 0
         off = CountingVerifier(target)
         tokens_off, _ = run(SpeculativeLoop(off, None, None, MODEL_DRAFT_PRIOR, decode_ahead=0), prompt, draft_length=0)
         assert tokens_off == tokens and off.calls == len(tokens)  # --decode-ahead 0: one exchange a token

@@ -97,6 +97,7 @@ def test_stream_matches_unary_and_reports_stats(env):
     stats = final.stats
     assert stats.completion_tokens == len(unary.token_ids) and stats.prompt_tokens == len(prompt)
     assert stats.steps >= 1 and stats.verify_seconds > 0 and stats.wire_bytes > 0
+    assert 1 <= stats.first_step_tokens <= stats.completion_tokens
     assert sum(stats.accepted_per_position[:1]) <= stats.accepted_tokens
     assert 0 <= stats.acceptance_rate <= 1 and stats.mean_accepted_length >= 1
 

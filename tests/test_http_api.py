@@ -56,6 +56,7 @@ def test_completions_greedy_match_the_target_alone(env):
     assert result.choices[0].finish_reason in ("length", "stop")
     extra = result.model_extra["speculation"]
     assert extra["steps"] >= 1 and 0 <= extra["acceptance_rate"] <= 1
+    assert 1 <= extra["first_step_tokens"] <= result.usage.completion_tokens
 
 
 def test_completions_stream_equals_non_stream(env):
