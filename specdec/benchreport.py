@@ -9,6 +9,8 @@ Kept apart from the runners so the numbers' definitions sit in one place:
   run's own acceptance and draft lengths, the draft's cost per token as the run spent it, the
   target's measured V(n) and, over gRPC, the measured round trip; efficiency = measured decode
   tokens/s over predicted.
+- TTFT = time to first token, median over the prompts and repetitions (specdec's rows: the
+  loop's own clock, the coordinator's for gRPC).
 - overhead = the share of wall time that is neither draft nor target compute: wire, gRPC,
   coordination and Python between the calls.
 """
@@ -57,6 +59,7 @@ def summarise(result, baseline_tokens: dict[int, list[int]] | None, ctx: dict) -
                            "other": max(0.0, wall - draft_s - verify_s - wire_s) / wall},
             "overhead_share": max(0.0, wall - draft_s - verify_s) / wall,
             "wire_bytes_per_step": _sum(flat, "wire_bytes") / steps if steps else 0.0,
+            "time_to_first_token_seconds": {"median": statistics.median(s.ttft for s in flat), "max": max(s.ttft for s in flat)},
         })
         if config.kind != "tree":  # the analytic model describes chains
             record.update(predict(record, flat, config, ctx))
@@ -141,7 +144,7 @@ def print_table(document: dict) -> None:
                   f"RTT {document['rtt_seconds'] * 1e3:.2f} ms")
     for set_name in document["prompts"]:
         table = Table(title=f"prompt set: {set_name} ({len(document['prompts'][set_name])} prompts)")
-        for column in ("configuration", "tok/s median [min-max]", "vs hf", "vs hf-assisted", "identical", "accept",
+        for column in ("configuration", "tok/s median [min-max]", "TTFT ms", "vs hf", "vs hf-assisted", "identical", "accept",
                        "tokens/step", "decode tok/s", "predicted", "efficiency", "draft/verify/wire/other %", "overhead",
                        "bytes/step"):
             table.add_column(column, justify="left" if column == "configuration" else "right")
@@ -151,6 +154,7 @@ def print_table(document: dict) -> None:
             split = r.get("time_split")
             table.add_row(
                 escape(r["configuration"]), escape(f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]"),
+                f"{r['time_to_first_token_seconds']['median'] * 1e3:.0f}" if "time_to_first_token_seconds" in r else "",
                 f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else "",
                 f"{r['speedup_vs_hf_assisted']:.2f}x" if "speedup_vs_hf_assisted" in r else "",
                 f"{ident['identical']}/{ident['runs']}" if ident else "",

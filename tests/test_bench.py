@@ -45,6 +45,8 @@ def test_records_carry_rates_splits_and_predictions(document):
             assert sum(r["time_split"].values()) == pytest.approx(1.0, abs=0.02)
             assert r["predicted_decode_tokens_per_second"] > 0 and 0 < r["efficiency"] < 10
             assert 0.0 <= r["acceptance_rate"] <= 1.0 and r["mean_accepted_length"] >= 1.0
+            ttft = r["time_to_first_token_seconds"]
+            assert 0 < ttft["median"] <= ttft["max"] < r["seconds"]
         if r["kind"] == "specdec-grpc":  # n-gram inside the coordinator: the Verify hop only
             assert r["wire_bytes_per_step"] > 0 and r["model"]["hops"] == (1 if "in-coordinator" in r["configuration"] else 2)
     assert "specdec-grpc[ngram,in-coordinator]" in {r["configuration"] for r in doc["results"]}
