@@ -21,15 +21,15 @@ Padding is masked out of every softmax (exp(-inf) = 0 exactly), positions are pe
 sees exactly what it would see alone; only the floating-point order of the matmuls differs, which
 tests/test_batching.py checks never flips a greedy token on the test models.
 
-Why copy caches per step rather than keep one resident padded cache: measured with torch.profiler
-on these 2 CPU cores, a SmolLM2-width model (30 layers, 3 KV heads x 64, 49,152-token head), 8 rows
-of 300-370 cached tokens + 5 new each: one batched step ~230 ms against ~660 ms for the 8 rows one
-by one; gathering the rows into the batch buffer and copying them back costs ~39 ms of it (17%),
-about what the unbatched path spent in transformers' per-step torch.cat of every cache before its
-layers appended in place (specdec/kvbuffer.py). Not enough to pay for a resident cache's bookkeeping (compaction, per-row crops, eviction and
-re-fill inside a shared buffer), and per-sequence caches keep rollback, eviction, re-fill and the
-unbatched path exactly as they were. The batch buffer is preallocated at P + N and held by a
-`GrowingLayer`, so the forward appends in place instead of copying the cache once more.
+Why copy caches per step rather than keep one resident padded cache: per-sequence caches keep
+rollback, eviction, re-fill and the unbatched path exactly as they were, and a resident cache would
+need compaction, per-row crops and eviction inside a shared buffer. What made the copies expensive
+was their number, not their bytes: layer by layer, 8 rows of a 30-layer model meant ~2,000 small
+tensor copies a step, 30-45 ms next to a 33 ms batched forward (SmolLM2-135M with the small-M
+kernel, 2 CPU cores). So a sequence whose layers share one shape keeps all of them in one tensor,
+its arena [L, 2, H, capacity, D] (specdec/kvbuffer.py), the batch is one tensor too, and a row
+goes in with one copy and comes back with one copy of its new positions only (its arena still
+holds the rest). Models whose layers differ in shape copy layer by layer, as before.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.hfcache import cache_kwargs, returned_cache
-from specdec.kvbuffer import GrowingLayer, full_attention
+from specdec.kvbuffer import GrowingLayer, arena_of, arena_shape, bind_arena, full_attention, move_to_arena, new_arena
 from specdec.kvcache import Sequence
 from specdec.lm import CausalLM
 from specdec.treeforward import tree_attention
@@ -98,7 +98,11 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
 
     config = lm.model.config
     cache = DynamicCache(config=config)
-    for layer_idx in range(len(cache.layers)):
+    block = _arena_batch(lm, seqs, past, width_p, width_n)
+    if block is not None:  # every layer of every row in one tensor: a copy per row, not per row and layer
+        for layer_idx in range(len(cache.layers)):
+            cache.layers[layer_idx] = GrowingLayer.holding(block[layer_idx, 0], block[layer_idx, 1], width_p)
+    for layer_idx in range(len(cache.layers) if block is None else 0):
         first = next((kv for seq in seqs if (kv := _layer_kv(seq, layer_idx)) is not None), None)
         if first is None:  # nothing cached in any row (all new sequences): learn the shape from the forward
             cache.layers[layer_idx] = GrowingLayer()
@@ -126,14 +130,72 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
     to_vocab = getattr(lm.model, "to_target_logits", None)  # a pruned draft scores only its kept ids
     if to_vocab is not None:
         logits = [to_vocab(rows) for rows in logits]
-    return logits, BatchState(returned_cache(out), past, [len(t) for t in pending], width_p)
+    return logits, BatchState(returned_cache(out), past, [len(t) for t in pending], width_p, block)
+
+
+def _arena_batch(lm: CausalLM, seqs: list[Sequence], past: list[int], width_p: int, width_n: int) -> torch.Tensor | None:
+    """The batch's keys and values as ONE tensor [L, 2, B, H, P + N, D], each row's cache copied in
+    from its sequence's arena (specdec/kvbuffer.py) with one copy; None when some row's layers differ
+    in shape (then the caller fills the batch layer by layer) or no row has a cache yet.
+
+    Why: with the small-M kernel a batched model forward over 8 one-token rows took 33 ms, and
+    copying the rows' caches in layer by layer and back out again another 30-45 ms, nearly all of
+    it the dispatch of ~2,000 small tensor copies. The tensor lives in memory kept from the last
+    batch (_scratch)."""
+    shapes = {arena_shape(seq.cache) for seq, c in zip(seqs, past) if c}
+    if len(shapes) != 1 or None in shapes:
+        return None
+    layers, heads, dim = shapes.pop()
+    arenas = []
+    for seq, c in zip(seqs, past):
+        arena = arena_of(seq.cache) if c else None
+        arenas.append(move_to_arena(seq.cache, c) if c and arena is None else arena)
+    like = next(a for a in arenas if a is not None)
+    block = _scratch(lm, like, (layers, 2, len(seqs), heads, width_p + width_n, dim))
+    for i, (arena, c) in enumerate(zip(arenas, past)):
+        # Padding is masked out, but must be finite: a masked weight of 0 times a NaN is NaN.
+        if c < width_p:
+            block[:, :, i, :, :width_p - c] = 0
+        if c:
+            block[:, :, i, :, width_p - c:width_p] = arena[:, :, :, :c]
+    return block
+
+
+# Batch caches up to this size stay allocated for the next batch (_scratch); larger ones are freed.
+SCRATCH_KEEP_BYTES = 1 << 30
+
+
+def _scratch(lm: CausalLM, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised tensor of `shape` in memory that the model's previous batch used.
+
+    Why: a batch cache is one large allocation (8 rows of ~200 positions: 78 MB for SmolLM2), which
+    glibc serves with a fresh mmap and returns on free, so every step paid a page fault per 4 KiB
+    on first touch. Measured on 8 one-token rows (2 CPU cores): building the batch took 36-103 ms
+    per step in fresh memory, 5.6-7.5 ms in reused memory, and the step 45-48 ms against 63-78 ms
+    with the old layer-by-layer copies. The batch's cache is done with once every row has its own
+    back (BatchState.write_back), before the model's next batched forward on the same worker."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    held = getattr(lm, "batch_scratch", None)  # per model: each model runs on its own worker thread
+    if held is not None and held.numel() >= numel and held.dtype == like.dtype and held.device == like.device:
+        return held[:numel].view(shape)
+    # A quarter more than asked: the rows grow a few positions a step, so the next steps fit too.
+    buffer = like.new_empty(numel + numel // 4)
+    lm.batch_scratch = buffer if buffer.numel() * buffer.element_size() <= SCRATCH_KEEP_BYTES else None
+    return buffer[:numel].view(shape)
 
 
 class BatchState:
     """The batch's cache after the forward, until each row takes its part back."""
 
-    def __init__(self, cache: DynamicCache, past: list[int], new: list[int], width_p: int):
+    def __init__(self, cache: DynamicCache, past: list[int], new: list[int], width_p: int, block: torch.Tensor | None = None):
         self.cache, self.past, self.new, self.width_p = cache, past, new, width_p
+        # The [L, 2, B, H, P + N, D] tensor the forward appended into, if the batch was built as one
+        # (_arena_batch) and every layer still holds it (the forward had the room it needed).
+        self.block = block if block is not None and all(
+            layer.keys.data_ptr() == block[index, 0].data_ptr() and layer.values.data_ptr() == block[index, 1].data_ptr()
+            for index, layer in enumerate(self.cache.layers)) else None
 
     def write_back(self, i: int, seq: Sequence, lm: CausalLM, length: int, extra: list[int] = ()) -> None:
         """Gives row i's sequence its own cache over its first `length` positions (the accepted ones),
@@ -147,6 +209,9 @@ class BatchState:
         if length <= 0 and not extra:
             seq.cache, seq.cached = None, 0
             return
+        if self.block is not None:
+            self._write_back_arena(i, seq, lm, max(length, 0), list(extra))
+            return
         index = start + torch.cat([torch.arange(max(length, 0)), torch.tensor(list(extra), dtype=torch.long)])
         own = lm.new_cache()
         for layer_idx, layer in enumerate(self.cache.layers):
@@ -156,3 +221,27 @@ class BatchState:
                                          layer.values[i:i + 1].index_select(-2, idx))
         seq.cache = own
         seq.cached = max(length, 0) + len(extra)
+
+    def _write_back_arena(self, i: int, seq: Sequence, lm: CausalLM, length: int, extra: list[int]) -> None:
+        """write_back from a batch built as one tensor: the sequence's own arena still holds its first
+        past[i] positions (the forward only read them), so only the row's new accepted positions
+        (and a tree's path) are copied over, for all layers at once."""
+        block, c, start = self.block, self.past[i], self.width_p - self.past[i]
+        keep = min(length, c)  # positions the sequence's arena holds already
+        total = length + len(extra)
+        arena = arena_of(seq.cache) if c else None
+        if arena is None or arena.shape[-2] < total:
+            old = arena
+            layers, _, _, heads, _, dim = block.shape
+            arena = new_arena(block, layers, heads, dim, max(total, 2 * old.shape[-2] if old is not None else 0))
+            if keep:
+                arena[:, :, :, :keep] = old[:, :, :, :keep] if old is not None else block[:, :, i, :, start:start + keep]
+        if length > keep:
+            arena[:, :, :, keep:length] = block[:, :, i, :, start + keep:start + length]
+        if extra:
+            index = torch.tensor([start + position for position in extra], dtype=torch.long, device=block.device)
+            arena[:, :, :, length:total] = block[:, :, i].index_select(-2, index)
+        if seq.cache is None or not c:
+            seq.cache = lm.new_cache()
+        bind_arena(seq.cache, arena, total)
+        seq.cached = total

@@ -113,3 +113,77 @@ def new_cache(config) -> DynamicCache:
     cache = DynamicCache(config=config)
     cache.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
     return cache
+
+
+# --- one tensor per sequence for every layer (batched forwards, specdec/batching.py) ---------------
+
+def arena_of(cache) -> torch.Tensor | None:
+    """The [L, 2, H, capacity, D] tensor that holds every layer's key and value buffers of `cache`
+    as views (bind_arena), or None if any layer no longer keeps its buffers there (a layer that
+    outgrew its room in a forward of its own reallocated just itself).
+
+    The arena is found through the views' base rather than kept on the cache: once the layers
+    leave it, nothing holds its memory."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not isinstance(layers[0], GrowingLayer) or layers[0]._buffers is None:
+        return None
+    arena = layers[0]._buffers[0]._base
+    if arena is None or arena.dim() != 5 or arena.shape[0] != len(layers) or arena.shape[1] != 2:
+        return None
+    length = layers[0]._length
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, GrowingLayer) or not layer._owned() or layer._length != length:
+            return None
+        keys, values = layer._buffers
+        if keys._base is not arena or values._base is not arena \
+                or keys.data_ptr() != arena[index, 0].data_ptr() or values.data_ptr() != arena[index, 1].data_ptr() \
+                or keys.shape[-2] != arena.shape[-2]:
+            return None
+    return arena
+
+
+def bind_arena(cache, arena: torch.Tensor, length: int) -> None:
+    """Makes every layer of `cache` (GrowingLayers) keep its keys and values in `arena`
+    [L, 2, H, capacity, D], its first `length` positions being the cache. A forward on the sequence
+    alone then appends into the arena in place, as into any GrowingLayer."""
+    for index, layer in enumerate(cache.layers):
+        layer.dtype, layer.device, layer.is_initialized = arena.dtype, arena.device, True
+        layer._buffers, layer._length = (arena[index, 0][None], arena[index, 1][None]), length
+        layer._expose()
+
+
+def arena_shape(cache) -> tuple[int, int, int] | None:
+    """(L, H, D) when every layer is a GrowingLayer holding keys and values of one shape, the
+    condition for one arena to hold them all; None otherwise (or when nothing is cached yet)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(layer, GrowingLayer) and layer.is_initialized and layer.keys.dim() == 4
+                             for layer in layers):
+        return None
+    first = layers[0].keys
+    shape = (first.shape[1], first.shape[3])
+    for layer in layers:
+        if (layer.keys.shape[1], layer.keys.shape[3]) != shape or (layer.values.shape[1], layer.values.shape[3]) != shape \
+                or layer.keys.shape[2] != first.shape[2] or layer.values.shape[2] != first.shape[2] \
+                or layer.keys.dtype != first.dtype or layer.values.dtype != first.dtype:
+            return None
+    return len(layers), shape[0], shape[1]
+
+
+def new_arena(like: torch.Tensor, layers: int, heads: int, dim: int, needed: int) -> torch.Tensor:
+    """Room for `needed` positions and half as many again (a sequence goes on growing)."""
+    capacity = max(MIN_CAPACITY, needed + needed // 2)
+    return like.new_empty(layers, 2, heads, capacity, dim)
+
+
+def move_to_arena(cache, needed: int) -> torch.Tensor:
+    """Copies a cache whose layers have one shape (arena_shape) into a new arena with room for
+    `needed` positions and binds the layers to it: one copy per layer, once per sequence (and
+    again only if a forward of its own outgrows the room)."""
+    layers, heads, dim = arena_shape(cache)
+    length = cache.layers[0].keys.shape[-2]
+    arena = new_arena(cache.layers[0].keys, layers, heads, dim, max(needed, length))
+    for index, layer in enumerate(cache.layers):
+        arena[index, 0, :, :length] = layer.keys[0, :, :length]
+        arena[index, 1, :, :length] = layer.values[0, :, :length]
+    bind_arena(cache, arena, length)
+    return arena

@@ -12,7 +12,9 @@ import random
 import pytest
 import torch
 
+from specdec import batching
 from specdec.errors import InvalidArgument, SequenceNotFound
+from specdec.kvbuffer import MIN_CAPACITY, arena_of
 from specdec.lm import CausalLM
 from specdec.sampling import SamplingConfig
 from target_service.batcher import VerifyBatcher
@@ -26,6 +28,16 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 def target():
     return tiny_pair()[0]
+
+
+@pytest.fixture(autouse=True, params=["arena", "per-layer"])
+def layout(request, monkeypatch):
+    """Every test runs on both ways of building a batch: each row's cache from its sequence's arena
+    with one copy (all layers of these models have one shape), and layer by layer (models whose
+    layers differ in shape)."""
+    if request.param == "per-layer":
+        monkeypatch.setattr(batching, "arena_shape", lambda cache: None)
+    return request.param
 
 
 def engine(model) -> TargetEngine:
@@ -86,6 +98,31 @@ def test_batched_greedy_equals_unbatched_and_the_target_alone(target):
     for d in decoders:
         assert d.tokens[len(d.prompt):][:len(d.reference)] == d.reference, d.name
     assert max(sizes) >= 4 and len(batched.store) == 0
+
+
+def test_sequences_outgrow_their_caches_batched_and_alone(target, layout):
+    """Long sequences that alternate between batched steps and steps alone: their caches grow in
+    both (the arena in a batched write-back, a layer's own buffer in a forward alone, which moves the
+    sequence out of its arena until the next batch copies it back in) and the tokens stay the target's."""
+    batched = engine(target)
+    pool = [p * 3 for p in prompts(3, seed=13)]
+    refs = [reference_greedy(target, p, 100) for p in pool]
+    decoders = [Decoder(f"g{i}", p, r, random.Random(10 + i)) for i, (p, r) in enumerate(zip(pool, refs))]
+    for step in range(200):
+        active = [d for d in decoders if not d.done]
+        if not active:
+            break
+        group = active if step % 3 else active[step % len(active):][:1]  # every third step one row alone
+        calls = [d.call() for d in group]
+        for d, call, result in zip(group, calls, batched.verify_batch(calls)):
+            d.apply(call, result)
+        if layout == "arena" and len(group) > 1:
+            arenas = [arena_of(batched.store._sequences[d.name].cache) for d in group]
+            assert all(a is not None for a in arenas)  # a batched write-back leaves every row in an arena
+    for d in decoders:
+        assert d.tokens[len(d.prompt):][:len(d.reference)] == d.reference, d.name
+    if layout == "arena":
+        assert max(arena_of(batched.store._sequences[d.name].cache).shape[-2] for d in decoders) > 2 * MIN_CAPACITY
 
 
 def test_rows_fail_alone_and_rollback_rows_match(target):

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specdec.kvbuffer import MIN_CAPACITY, GrowingLayer, full_attention, new_cache
+from specdec.kvbuffer import MIN_CAPACITY, GrowingLayer, arena_of, full_attention, move_to_arena, new_cache
 from specdec.kvcache import Sequence
 from specdec.lm import CausalLM
 from specdec.treeforward import keep_positions
@@ -95,3 +95,32 @@ def test_only_full_attention_layers_are_replaced():
     config = tiny.tiny_config()
     assert all(full_attention(layer) for layer in new_cache(config).layers)
     assert not full_attention(object())
+
+
+def test_a_cache_is_in_its_arena_until_any_layer_leaves_it():
+    """specdec/batching.py copies a row in with one copy only while every layer still keeps its
+    buffers in the sequence's arena; a layer that reallocated on its own must send it back to the
+    layer-by-layer copy (move_to_arena)."""
+    gen = torch.Generator().manual_seed(1)
+    cache = DynamicCache()
+    cache.layers = [GrowingLayer() for _ in range(3)]
+    for layer in cache.layers:
+        layer.update(torch.randn(1, 2, 5, 4, generator=gen), torch.randn(1, 2, 5, 4, generator=gen))
+    assert arena_of(cache) is None
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    arena = move_to_arena(cache, 5)
+    assert arena_of(cache) is arena and arena.shape == (3, 2, 2, MIN_CAPACITY, 4)
+    for layer, (keys, values) in zip(cache.layers, before):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    step = [(torch.randn(1, 2, 1, 4, generator=gen), torch.randn(1, 2, 1, 4, generator=gen)) for _ in cache.layers]
+    for layer, (k, v) in zip(cache.layers, step):
+        layer.update(k, v)  # within the room: appended into the arena in place
+    assert arena_of(cache) is arena and torch.equal(arena[1, 0, :, 5], step[1][0][0, :, 0])
+    moved = cache.layers[1]  # one layer's buffers move elsewhere, its length the others' (as a reallocation would)
+    moved._buffers = tuple(buffer.clone() for buffer in moved._buffers)
+    moved._expose()
+    assert arena_of(cache) is None
+    again = move_to_arena(cache, 6)  # copied back in, layer by layer
+    assert arena_of(cache) is again
+    cache.layers[0].update(*(torch.randn(1, 2, MIN_CAPACITY, 4, generator=gen) for _ in range(2)))  # outgrows its room
+    assert arena_of(cache) is None
