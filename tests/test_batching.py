@@ -7,7 +7,9 @@ rollback rows, rows whose sequence was lost (NOT_FOUND) next to healthy ones, an
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
+import threading
 
 import pytest
 import torch
@@ -246,3 +248,49 @@ def test_batcher_merges_streams_that_come_back_at_different_times(target):
     # The first pass holds the streams there at once, the last the ones a call behind; between
     # them every pass holds all eight.
     assert set(sizes[4:-4]) == {8}, sizes
+
+
+def test_a_lone_sequence_runs_from_its_own_call_and_newcomers_wait_for_the_model(target):
+    """The only active sequence, seen before, runs without the batcher's task (no hops to it and
+    back); a sequence that calls meanwhile waits for the model, never runs beside it, and joins
+    through the batch window."""
+    eng, single = engine(target), engine(target)
+    p = prompts(2, seed=17)
+    in_flight, most = [0], [0]
+    gate = threading.Event()
+
+    def verify_batch(calls, decode_ahead=True):
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        gate.wait(10)
+        try:
+            return eng.verify_batch(calls, decode_ahead)
+        finally:
+            in_flight[0] -= 1
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pool = concurrent.futures.ThreadPoolExecutor(4)  # more threads than the engine's one: overlap would show
+        batcher = VerifyBatcher(lambda fn, *args: loop.run_in_executor(pool, fn, *args), verify_batch, window_s=0.01)
+        direct = []
+        run_alone = batcher._run_alone
+        batcher._run_alone = lambda call: direct.append(call.sequence_id) or run_alone(call)
+        gate.set()
+        first = await batcher.submit(VerifyCall("a", 0, p[0], [], [], GREEDY))
+        gate.clear()
+        second = asyncio.ensure_future(batcher.submit(VerifyCall("a", first.cached_len, [first.next_token], [], [], GREEDY)))
+        await asyncio.sleep(0.02)
+        newcomer = asyncio.ensure_future(batcher.submit(VerifyCall("b", 0, p[1], [], [], GREEDY)))
+        await asyncio.sleep(0.02)
+        assert not newcomer.done()
+        gate.set()
+        results = await asyncio.gather(second, newcomer)
+        batcher.close()
+        pool.shutdown()
+        return first, results, direct
+
+    first, (second, newcomer), direct = asyncio.run(main())
+    assert direct == ["a"] and most[0] == 1  # a's first call met the window; its second ran directly
+    expected = single.verify("a", 0, p[0], [], [], GREEDY)
+    assert (first.next_token, second.next_token) == (expected.next_token, single.verify("a", expected.cached_len, [expected.next_token], [], [], GREEDY).next_token)
+    assert newcomer.next_token == single.verify("b", 0, p[1], [], [], GREEDY).next_token
