@@ -259,6 +259,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                     finish = "stop" if text.stopped_at is not None else step.finish_reason
                     if keep < len(step.tokens):
                         stats.completion_tokens -= len(step.tokens) - keep
+                        stats.first_step_tokens = min(stats.first_step_tokens, stats.completion_tokens)
                     now = time.perf_counter()
                     if stats.steps > 1 and keep:
                         for _ in range(keep):

@@ -126,6 +126,8 @@ def test_stop_string_cuts_text_and_tokens(env):
     assert cut.finish_reason == pb.FINISH_REASON_STOP_STRING
     assert cut.text == text[: text.index(stop)]
     assert list(cut.token_ids) == list(full.token_ids[: len(cut.token_ids)])
+    first = client.Generate(pb.GenerateRequest(text="abc", max_new_tokens=24, stop=[text[:1]]), timeout=60)
+    assert first.text == "" and 1 <= first.stats.first_step_tokens <= first.stats.completion_tokens == len(first.token_ids)
 
 
 def test_seeded_sampling_repeats_exactly_and_seeds_differ(env):
