@@ -38,7 +38,8 @@ import torch
 from transformers import DynamicCache
 
 from specdec.hfcache import cache_kwargs, returned_cache
-from specdec.kvbuffer import GrowingLayer, arena_of, arena_shape, bind_arena, full_attention, move_to_arena, new_arena
+from specdec.kvbuffer import (GrowingLayer, arena_of, arena_shape, bind_arena, full_attention, move_to_arena, new_arena,
+                              set_arena_length)
 from specdec.kvcache import Sequence
 from specdec.lm import CausalLM
 from specdec.treeforward import tree_attention
@@ -98,7 +99,7 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
 
     config = lm.model.config
     cache = DynamicCache(config=config)
-    block = _arena_batch(lm, seqs, past, width_p, width_n)
+    block, arenas = _arena_batch(lm, seqs, past, width_p, width_n)
     if block is not None:  # every layer of every row in one tensor: a copy per row, not per row and layer
         for layer_idx in range(len(cache.layers)):
             cache.layers[layer_idx] = GrowingLayer.holding(block[layer_idx, 0], block[layer_idx, 1], width_p)
@@ -130,13 +131,15 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
     to_vocab = getattr(lm.model, "to_target_logits", None)  # a pruned draft scores only its kept ids
     if to_vocab is not None:
         logits = [to_vocab(rows) for rows in logits]
-    return logits, BatchState(returned_cache(out), past, [len(t) for t in pending], width_p, block)
+    return logits, BatchState(returned_cache(out), past, [len(t) for t in pending], width_p, block, arenas)
 
 
-def _arena_batch(lm: CausalLM, seqs: list[Sequence], past: list[int], width_p: int, width_n: int) -> torch.Tensor | None:
+def _arena_batch(lm: CausalLM, seqs: list[Sequence], past: list[int], width_p: int,
+                 width_n: int) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """The batch's keys and values as ONE tensor [L, 2, B, H, P + N, D], each row's cache copied in
-    from its sequence's arena (specdec/kvbuffer.py) with one copy; None when some row's layers differ
-    in shape (then the caller fills the batch layer by layer) or no row has a cache yet.
+    from its sequence's arena (specdec/kvbuffer.py) with one copy, and each row's arena (None for a
+    row with nothing cached); (None, []) when some row's layers differ in shape (then the caller
+    fills the batch layer by layer) or no row has a cache yet.
 
     Why: with the small-M kernel a batched model forward over 8 one-token rows took 33 ms, and
     copying the rows' caches in layer by layer and back out again another 30-45 ms, nearly all of
@@ -144,7 +147,7 @@ def _arena_batch(lm: CausalLM, seqs: list[Sequence], past: list[int], width_p: i
     batch (_scratch)."""
     shapes = {arena_shape(seq.cache) for seq, c in zip(seqs, past) if c}
     if len(shapes) != 1 or None in shapes:
-        return None
+        return None, []
     layers, heads, dim = shapes.pop()
     arenas = []
     for seq, c in zip(seqs, past):
@@ -155,10 +158,10 @@ def _arena_batch(lm: CausalLM, seqs: list[Sequence], past: list[int], width_p: i
     for i, (arena, c) in enumerate(zip(arenas, past)):
         # Padding is masked out, but must be finite: a masked weight of 0 times a NaN is NaN.
         if c < width_p:
-            block[:, :, i, :, :width_p - c] = 0
+            block[:, :, i, :, :width_p - c].zero_()
         if c:
             block[:, :, i, :, width_p - c:width_p] = arena[:, :, :, :c]
-    return block
+    return block, arenas
 
 
 # Batch caches up to this size stay allocated for the next batch (_scratch); larger ones are freed.
@@ -189,14 +192,19 @@ def _scratch(lm: CausalLM, like: torch.Tensor, shape: tuple[int, ...]) -> torch.
 class BatchState:
     """The batch's cache after the forward, until each row takes its part back."""
 
-    def __init__(self, cache: DynamicCache, past: list[int], new: list[int], width_p: int, block: torch.Tensor | None = None):
+    def __init__(self, cache: DynamicCache, past: list[int], new: list[int], width_p: int, block: torch.Tensor | None = None,
+                 arenas: list[torch.Tensor | None] = ()):
         self.cache, self.past, self.new, self.width_p = cache, past, new, width_p
+        # Each row's arena, bound to its sequence's cache just before the forward: write_back runs
+        # right after it on the same worker, so nothing can have moved them since.
+        self.arenas = list(arenas)
         # The [L, 2, B, H, P + N, D] tensor the forward appended into, if the batch was built as one
         # (_arena_batch) and every layer still holds it (the forward had the room it needed).
         self.block = block if block is not None and all(
             layer.keys.data_ptr() == block[index, 0].data_ptr() and layer.values.data_ptr() == block[index, 1].data_ptr()
             for index, layer in enumerate(self.cache.layers)) else None
 
+    @torch.inference_mode()  # the arenas are inference tensors (made in forward_batch): appended to in place
     def write_back(self, i: int, seq: Sequence, lm: CausalLM, length: int, extra: list[int] = ()) -> None:
         """Gives row i's sequence its own cache over its first `length` positions (the accepted ones),
         followed by the row's positions `extra` (a tree's accepted path, gathered by index).
@@ -229,8 +237,9 @@ class BatchState:
         block, c, start = self.block, self.past[i], self.width_p - self.past[i]
         keep = min(length, c)  # positions the sequence's arena holds already
         total = length + len(extra)
-        arena = arena_of(seq.cache) if c else None
-        if arena is None or arena.shape[-2] < total:
+        arena = self.arenas[i]  # bound to seq.cache by _arena_batch just before the forward
+        rebind = arena is None or arena.shape[-2] < total
+        if rebind:
             old = arena
             layers, _, _, heads, _, dim = block.shape
             arena = new_arena(block, layers, heads, dim, max(total, 2 * old.shape[-2] if old is not None else 0))
@@ -243,5 +252,8 @@ class BatchState:
             arena[:, :, :, length:total] = block[:, :, i].index_select(-2, index)
         if seq.cache is None or not c:
             seq.cache = lm.new_cache()
-        bind_arena(seq.cache, arena, total)
+        if rebind:
+            bind_arena(seq.cache, arena, total)
+        else:  # the layers keep their buffers in this arena already: only their length moves
+            set_arena_length(seq.cache, total)
         seq.cached = total

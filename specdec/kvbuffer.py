@@ -32,6 +32,7 @@ class GrowingLayer(DynamicLayer):
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values this layer exposed
         self._length = 0
+        self._arena: torch.Tensor | None = None  # the tensor _buffers are views of (bind_arena), if any
 
     @classmethod
     def holding(cls, keys: torch.Tensor, values: torch.Tensor, length: int) -> GrowingLayer:
@@ -86,7 +87,7 @@ class GrowingLayer(DynamicLayer):
         if held is not None and self._length:
             k[..., :self._length, :] = held[0][..., :self._length, :]
             v[..., :self._length, :] = held[1][..., :self._length, :]
-        self._buffers = (k, v)
+        self._buffers, self._arena = (k, v), None  # out of any arena now (and not keeping it alive)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drops the last -tokens_to_remove positions (negative, as DynamicLayer.crop takes it)."""
@@ -120,23 +121,22 @@ def new_cache(config) -> DynamicCache:
 def arena_of(cache) -> torch.Tensor | None:
     """The [L, 2, H, capacity, D] tensor that holds every layer's key and value buffers of `cache`
     as views (bind_arena), or None if any layer no longer keeps its buffers there (a layer that
-    outgrew its room in a forward of its own reallocated just itself).
+    outgrew its room in a forward of its own reallocated just itself, and let go of the arena).
 
-    The arena is found through the views' base rather than kept on the cache: once the layers
-    leave it, nothing holds its memory."""
+    Each layer names its arena (views made under torch.inference_mode() do not record their base),
+    and its buffers must still start where that arena puts them."""
     layers = getattr(cache, "layers", None)
-    if not layers or not isinstance(layers[0], GrowingLayer) or layers[0]._buffers is None:
+    if not layers or not isinstance(layers[0], GrowingLayer):
         return None
-    arena = layers[0]._buffers[0]._base
+    arena = layers[0]._arena
     if arena is None or arena.dim() != 5 or arena.shape[0] != len(layers) or arena.shape[1] != 2:
         return None
-    length = layers[0]._length
+    base, step, length = arena.data_ptr(), arena.stride(1) * arena.element_size(), layers[0]._length
     for index, layer in enumerate(layers):
-        if not isinstance(layer, GrowingLayer) or not layer._owned() or layer._length != length:
+        if not isinstance(layer, GrowingLayer) or layer._arena is not arena or not layer._owned() or layer._length != length:
             return None
         keys, values = layer._buffers
-        if keys._base is not arena or values._base is not arena \
-                or keys.data_ptr() != arena[index, 0].data_ptr() or values.data_ptr() != arena[index, 1].data_ptr() \
+        if keys.data_ptr() != base + 2 * index * step or values.data_ptr() != base + (2 * index + 1) * step \
                 or keys.shape[-2] != arena.shape[-2]:
             return None
     return arena
@@ -148,7 +148,15 @@ def bind_arena(cache, arena: torch.Tensor, length: int) -> None:
     alone then appends into the arena in place, as into any GrowingLayer."""
     for index, layer in enumerate(cache.layers):
         layer.dtype, layer.device, layer.is_initialized = arena.dtype, arena.device, True
-        layer._buffers, layer._length = (arena[index, 0][None], arena[index, 1][None]), length
+        layer._buffers, layer._length, layer._arena = (arena[index, 0][None], arena[index, 1][None]), length, arena
+        layer._expose()
+
+
+def set_arena_length(cache, length: int) -> None:
+    """Moves the end of every layer of a cache bound to an arena (bind_arena) with room for
+    `length`: a batched write-back that only appended positions in place."""
+    for layer in cache.layers:
+        layer._length = length
         layer._expose()
 
 
