@@ -123,12 +123,14 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         if request.HasField("features"):
             f = request.features
             features = FeatureRows.from_wire(f.start, f.rows, f.dim, f.data)
+        def draft():
+            return self.engine.propose(request.sequence_id, request.known_len, list(request.append_tokens), settings, features)
+
         if self.host.idle and self.engine.answers_inline(len(request.append_tokens)):
             # Drafted whole before the first yield: the messages' sends may let other calls run,
             # and those must find the worker's engine as this call left it.
             started = time.perf_counter()
-            proposals = list(self.engine.propose(request.sequence_id, request.known_len, list(request.append_tokens),
-                                                 settings, features))
+            proposals = list(draft())
             spent.append(time.perf_counter() - started)
             for proposal in proposals:
                 yield proposal
@@ -139,8 +141,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
         def produce() -> float:
             started = time.perf_counter()
-            proposals = self.engine.propose(request.sequence_id, request.known_len, list(request.append_tokens), settings, features)
-            for proposal in proposals:
+            for proposal in draft():
                 loop.call_soon_threadsafe(ready.put_nowait, proposal)
                 if stop.is_set():
                     break

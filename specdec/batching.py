@@ -239,12 +239,12 @@ class BatchState:
         total = length + len(extra)
         arena = self.arenas[i]  # bound to seq.cache by _arena_batch just before the forward
         rebind = arena is None or arena.shape[-2] < total
-        if rebind:
+        if rebind:  # a new row (nothing kept), or one that outgrew its arena
             old = arena
             layers, _, _, heads, _, dim = block.shape
-            arena = new_arena(block, layers, heads, dim, max(total, 2 * old.shape[-2] if old is not None else 0))
+            arena = new_arena(block, layers, heads, dim, total, old.shape[-2] if old is not None else 0)
             if keep:
-                arena[:, :, :, :keep] = old[:, :, :, :keep] if old is not None else block[:, :, i, :, start:start + keep]
+                arena[:, :, :, :keep] = old[:, :, :, :keep]
         if length > keep:
             arena[:, :, :, keep:length] = block[:, :, i, :, start + keep:start + length]
         if extra:

@@ -24,6 +24,12 @@ from transformers.cache_utils import DynamicLayer
 MIN_CAPACITY = 64  # positions
 
 
+def room(needed: int, held: int = 0) -> int:
+    """Positions to allocate for `needed`, growing from `held`: half again the need (a prefill or a
+    re-filled sequence goes on appending), at least double the old room (amortised O(1) per position)."""
+    return max(MIN_CAPACITY, needed + needed // 2, 2 * held)
+
+
 class GrowingLayer(DynamicLayer):
     """A full-attention layer whose keys/values [B, H, T, D] are views into buffers [B, H, capacity, D]."""
 
@@ -79,9 +85,7 @@ class GrowingLayer(DynamicLayer):
         if self._buffers is not None and self._buffers[0].shape[-2] >= needed \
                 and self._buffers[0].shape[:2] == key_states.shape[:2]:
             return
-        # Half again the need (a prefill or a re-filled sequence goes on appending), at least double
-        # the old room (amortised O(1) per position).
-        capacity = max(MIN_CAPACITY, needed + needed // 2, 2 * (self._buffers[0].shape[-2] if self._buffers is not None else 0))
+        capacity = room(needed, self._buffers[0].shape[-2] if self._buffers is not None else 0)
         k = key_states.new_empty(*key_states.shape[:2], capacity, key_states.shape[-1])
         v = value_states.new_empty(*value_states.shape[:2], capacity, value_states.shape[-1])
         if held is not None and self._length:
@@ -177,10 +181,9 @@ def arena_shape(cache) -> tuple[int, int, int] | None:
     return len(layers), shape[0], shape[1]
 
 
-def new_arena(like: torch.Tensor, layers: int, heads: int, dim: int, needed: int) -> torch.Tensor:
-    """Room for `needed` positions and half as many again (a sequence goes on growing)."""
-    capacity = max(MIN_CAPACITY, needed + needed // 2)
-    return like.new_empty(layers, 2, heads, capacity, dim)
+def new_arena(like: torch.Tensor, layers: int, heads: int, dim: int, needed: int, held: int = 0) -> torch.Tensor:
+    """An arena with `room` for `needed` positions, growing from one of `held` positions."""
+    return like.new_empty(layers, 2, heads, room(needed, held), dim)
 
 
 def move_to_arena(cache, needed: int) -> torch.Tensor:
