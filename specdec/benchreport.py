@@ -7,8 +7,9 @@ Kept apart from the runners so the numbers' definitions sit in one place:
 - predicted tokens/s (specdec.plan) is for the decoding phase (after the first step: its tokens
   and time are the first token's, with any draft tokens verified beside the prompt), from the
   run's own acceptance and draft lengths, the draft's cost per token as the run spent it, the
-  target's measured V(n) and, over gRPC, the measured round trip; efficiency = measured decode
-  tokens/s over predicted.
+  target's V(n) measured right before and after each of the configuration's passes (point-wise
+  median; at a context of the prompt set's median prompt plus half the new tokens) and, over gRPC,
+  the measured round trip; efficiency = measured decode tokens/s over predicted.
 - TTFT = time to first token, median over the prompts and repetitions (specdec's rows: the
   loop's own clock, the coordinator's for gRPC).
 - overhead = the share of wall time that is neither draft nor target compute: wire, gRPC,
@@ -62,12 +63,11 @@ def summarise(result, baseline_tokens: dict[int, list[int]] | None, ctx: dict) -
             "time_to_first_token_seconds": {"median": statistics.median(s.ttft for s in flat), "max": max(s.ttft for s in flat)},
         })
         if config.kind != "tree":  # the analytic model describes chains
-            record.update(predict(record, flat, config, ctx))
+            record.update(predict(record, flat, config, planlib.median_curve(result.curves), ctx))
     return record
 
 
-def predict(record: dict, flat, config, ctx: dict) -> dict:
-    curve: planlib.CostCurve = ctx["cost_curve"]
+def predict(record: dict, flat, config, curve: planlib.CostCurve, ctx: dict) -> dict:
     steps, draft_steps = record["steps"], record["draft_steps"]
     drafted, accepted = record["draft_tokens"], record["accepted_tokens"]
     mean_draft = drafted / draft_steps if draft_steps else 0.0
@@ -91,7 +91,8 @@ def predict(record: dict, flat, config, ctx: dict) -> dict:
         "model": {"acceptance_per_token": acceptance, "draft_cost_c": c, "draft_cost_c_isolated": isolated,
                   "mean_draft_length": mean_draft,
                   "drafting_share": draft_steps / steps if steps else 0.0, "hops": hops, "rtt_seconds": ctx["rtt"] if hops else 0.0,
-                  "best_draft_length": best, "best_predicted_speedup": planlib.speedup(rows[best], curve) if rows else 1.0},
+                  "best_draft_length": best, "best_predicted_speedup": planlib.speedup(rows[best], curve) if rows else 1.0,
+                  "cost_curve_seconds": {str(n): v for n, v in curve.points}},
         "decode_tokens_per_second": measured,
         "predicted_decode_tokens_per_second": prediction.tokens_per_second,
         "efficiency": measured / prediction.tokens_per_second,
@@ -114,12 +115,13 @@ def report(results, ctx: dict, opts) -> dict:
             if peer is not None and s["kind"].startswith("specdec"):
                 s["speedup_vs_hf_assisted"] = median / peer["tokens_per_second"]["median"]
         records.extend(summaries)
-    curve: planlib.CostCurve = ctx["cost_curve"]
+    by_set = {name: planlib.median_curve([c for r in results if r.prompt_set == name for c in r.curves]) for name in opts.prompt_sets}
     document = {
         "command": ctx["command"], "machine": ctx["machine"], "target": ctx["target"], "drafters": ctx["drafters"],
         "options": {k: (str(v) if not isinstance(v, (int, float, bool, list, tuple, str)) else v) for k, v in dataclasses.asdict(opts).items()},
         "prompts": ctx["prompts"],
-        "cost_curve_seconds": {str(n): v for n, v in curve.points},
+        "cost_curve_seconds": {str(n): v for n, v in planlib.median_curve([c for r in results for c in r.curves]).points},
+        "cost_curve_seconds_by_set": {name: {str(n): v for n, v in c.points} for name, c in by_set.items()},
         "draft_cost_seconds_per_token": {k: v for k, v in ctx["draft_cost"].items()},
         "rtt_seconds": ctx["rtt"], "notes": ctx["notes"], "results": records,
     }
@@ -137,9 +139,10 @@ def print_table(document: dict) -> None:
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets every column
-    curve = ", ".join(f"V({n})={v * 1e3:.1f}" for n, v in document["cost_curve_seconds"].items())
+    curves = "; ".join(f"{name}: " + ", ".join(f"V({n})={v * 1e3:.1f}" for n, v in points.items())
+                       for name, points in document["cost_curve_seconds_by_set"].items())
     console.print(f"[bold]{document['command']}[/bold]\nmachine: {document['machine']['cpu']} x{document['machine']['cores']}, "
-                  f"torch {document['machine']['torch']}; target {document['target']}\ncost curve (ms): {curve}; "
+                  f"torch {document['machine']['torch']}; target {document['target']}\ncost curve (ms, median of the run's): {curves}\n"
                   f"draft cost (ms/token): {', '.join(f'{k}={v * 1e3:.2f}' for k, v in document['draft_cost_seconds_per_token'].items()) or 'n/a'}; "
                   f"RTT {document['rtt_seconds'] * 1e3:.2f} ms")
     for set_name in document["prompts"]:
@@ -195,7 +198,6 @@ def plot(document: dict, out) -> None:
     fig.savefig(out / "tokens_per_second.png", dpi=110)
     plt.close(fig)
     # 2. speed-up over the target alone vs draft length: measured fixed lengths, and the prediction.
-    curve = planlib.CostCurve(tuple((int(n), v) for n, v in document["cost_curve_seconds"].items()))
     fig, ax = plt.subplots(figsize=(7, 5))
     for set_name in sets:
         off = next(r for r in results if r["prompt_set"] == set_name and r["kind"] == "specdec-off")
@@ -208,6 +210,7 @@ def plot(document: dict, out) -> None:
             line = ax.plot(gs, [r["tokens_per_second"]["median"] / off["tokens_per_second"]["median"] for r in fixed], "o-",
                            label=f"{set_name}, {drafter}: measured")
             model = fixed[-1]["model"]
+            curve = planlib.CostCurve(tuple((int(n), v) for n, v in model["cost_curve_seconds"].items()))
             rows, _ = planlib.plan_table(model["acceptance_per_token"], model["draft_cost_c"], curve, max(gs))
             ax.plot(range(len(rows)), [planlib.speedup(p, curve) for p in rows], "--", color=line[0].get_color(),
                     label=f"{set_name}, {drafter}: predicted (a={model['acceptance_per_token']:.2f})")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import statistics
 
 from coordinator.adapt import expected_tokens
 
@@ -80,6 +81,12 @@ class Prediction:
     @property
     def tokens_per_second(self) -> float:
         return self.tokens_per_step / self.step_seconds
+
+
+def median_curve(curves: list[CostCurve]) -> CostCurve:
+    """Point-wise median of curves measured at the same n (on a noisy machine, one curve per pass)."""
+    ns = [n for n, _ in curves[0].points]
+    return CostCurve(tuple((n, statistics.median(c(n) for c in curves)) for n in ns))
 
 
 def expected_tokens_fractional(acceptance: float, gamma: float) -> float:

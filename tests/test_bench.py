@@ -51,6 +51,10 @@ def test_records_carry_rates_splits_and_predictions(document):
             assert r["wire_bytes_per_step"] > 0 and r["model"]["hops"] == (1 if "in-coordinator" in r["configuration"] else 2)
     assert "specdec-grpc[ngram,in-coordinator]" in {r["configuration"] for r in doc["results"]}
     assert doc["rtt_seconds"] > 0 and doc["cost_curve_seconds"]["1"] > 0
+    assert set(doc["cost_curve_seconds_by_set"]) == set(doc["prompts"])
+    for r in doc["results"]:  # each prediction carries the curve measured around its own passes
+        if "model" in r:
+            assert r["model"]["cost_curve_seconds"]["1"] > 0 and r["model"]["cost_curve_seconds"] != doc["cost_curve_seconds"]
     assert "prompt set: chat" in stdout and "efficiency" in stdout
 
 
