@@ -5,11 +5,12 @@ Two levers, both per request:
    soon as the product of its tokens' probabilities falls below it. It rises after a rejection
    (draft less boldly) and falls after a full accept (draft further).
 2. A cap g on the draft length that maximises expected tokens per second (Leviathan et al.):
-       E(g) = (1 - a^(g+1)) / (1 - a)          tokens per step at per-token acceptance a
-       T(g) = g * t_draft + V(g + 1) + t_wire    seconds per step
-   with a measured from this request's verdicts, t_draft (seconds per draft token), V(n) (target
-   seconds for a forward over n new tokens, kept per n) and t_wire from the steps the coordinator
-   has timed (shared across requests: they describe the machines). g = 0 (no drafting) wins when
+       E(g) = (1 - a^(g+1)) / (1 - a)                   tokens per step at per-token acceptance a
+       T(g) = [g > 0] (t_ask + g * t_draft) + V(g + 1) + t_wire   seconds per step
+   with a measured from this request's verdicts, t_ask (the draft exchange's round trip),
+   t_draft (seconds per draft token), V(n) (target seconds for a forward over n new tokens, kept
+   per n and fitted non-decreasing) and t_wire (the target exchange's) from the steps the
+   coordinator has timed (shared across requests: they describe the machines). g = 0 (no drafting) wins when
    acceptance is too low to pay for a longer target forward; a probe step now and then keeps the
    acceptance estimate alive.
 
@@ -47,30 +48,51 @@ MAX_VERIFY_POSITIONS = 33  # a proposal of up to 32 tokens plus the bonus positi
 
 @dataclasses.dataclass(frozen=True)
 class Costs:
-    """Seconds per draft token, target forward cost V(n) for n = 1..33 new positions, wire per step."""
+    """Seconds per draft token, target forward cost V(n) for n = 1..33 new positions, the target
+    exchange's wire per step, and what asking the draft costs a step besides its tokens (the draft
+    exchange's round trip: only steps that draft pay it)."""
 
     draft_per_token: float
     verify: tuple[float, ...]  # verify[n - 1] = V(n)
     wire_per_step: float
+    draft_per_ask: float = 0.0
 
     def step_seconds(self, gamma: int) -> float:
-        return gamma * self.draft_per_token + self.verify[gamma] + self.wire_per_step
+        drafting = self.draft_per_ask + gamma * self.draft_per_token if gamma else 0.0
+        return drafting + self.verify[gamma] + self.wire_per_step
 
 
 def cost_curve(single: float, jump: float, per_token: float) -> tuple[float, ...]:
     """V(1) = single; V(n >= 2) = single * jump + per_token * (n - 2).
 
-    On CPUs a forward over 2 tokens costs far more than over 1 (matrix-vector kernels give way to
-    matrix-matrix ones: 44 ms vs 70 ms for SmolLM2 on 2 cores), then grows slowly; on GPUs the
+    On CPUs a forward over 2 tokens costs more than over 1 (a matrix-vector product gives way to
+    a matrix-matrix one), then grows slowly: SmolLM2-135M on 2 cores with specdec's small-M kernel
+    measured V(2) = 1.2 V(1), V(9) = 1.5 V(1), V(16) = 2.0 V(1) (README, benchmarks). On GPUs the
     jump is near 1. Measurements replace these priors as steps are timed.
     """
     return tuple(single if n == 1 else single * jump + per_token * (n - 2) for n in range(1, MAX_VERIFY_POSITIONS + 1))
 
 
+def monotone(values: list[float], weights: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent
+    violators). A forward over more positions never costs less, but cells of V(n) learn at their
+    own pace: a policy that only ever drafted 5 tokens measured V(6) = 30 ms while V(2..5) still
+    held the prior's 42-45 ms, so 5 looked cheaper than 1..4 and stayed the only length tried."""
+    blocks: list[list[float]] = []  # [weighted sum, weight, cells]
+    for value, weight in zip(values, weights):
+        blocks.append([value * weight, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, w, cells = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += w
+            blocks[-1][2] += cells
+    return [total / w for total, w, cells in blocks for _ in range(cells)]
+
+
 # Priors in units of one target token (DESIGN.md §4, 2-core CPU): a model draft costs ~0.1 of it,
-# an n-gram lookup next to nothing, the wire a few percent on loopback.
-MODEL_DRAFT_PRIOR = Costs(draft_per_token=0.1, verify=cost_curve(1.0, 1.55, 0.03), wire_per_step=0.03)
-NGRAM_DRAFT_PRIOR = Costs(draft_per_token=0.002, verify=cost_curve(1.0, 1.55, 0.03), wire_per_step=0.03)
+# an n-gram lookup next to nothing, each exchange's wire a few percent on loopback.
+MODEL_DRAFT_PRIOR = Costs(draft_per_token=0.1, verify=cost_curve(1.0, 1.2, 0.05), wire_per_step=0.03, draft_per_ask=0.03)
+NGRAM_DRAFT_PRIOR = Costs(draft_per_token=0.002, verify=cost_curve(1.0, 1.2, 0.05), wire_per_step=0.03, draft_per_ask=0.03)
 
 
 class CostModel:
@@ -87,34 +109,38 @@ class CostModel:
         w = prior_weight
         self._draft = [prior.draft_per_token * w, w]  # [decayed seconds, decayed tokens]
         self._wire = [prior.wire_per_step * w, w]  # [decayed seconds, decayed steps]
+        self._ask = [prior.draft_per_ask * w, w]  # [decayed seconds, decayed asks]
         self._verify = [[v * w, w] for v in prior.verify]  # per n: [decayed seconds, decayed count]
         self._scaled = False
         # Most draft tokens a request may verify per step under the current load (set by the
         # coordinator's scheduler: coordinator/scheduler.py); None: no load cap.
         self.draft_cap: Callable[[], int] | None = None
 
-    def observe(self, drafted: int, draft_seconds: float, verified: int, verify_seconds: float, wire_seconds: float) -> None:
+    def observe(self, drafted: int, draft_seconds: float, verified: int, verify_seconds: float, wire_seconds: float,
+                ask_seconds: float | None = None) -> None:
+        """One step: `wire_seconds` the target exchange's, `ask_seconds` the draft exchange's round
+        trip (wall minus the draft's compute) when the step asked the draft, else None."""
         with self._lock:
             if not self._scaled:
                 # The priors are in target-token units; the first timed step gives the unit in seconds.
                 self._rescale(verify_seconds / self.prior.verify[verified - 1])
             if drafted:
                 self._draft = [self._draft[0] * self.decay + draft_seconds, self._draft[1] * self.decay + drafted]
+            if ask_seconds is not None:
+                self._ask = [self._ask[0] * self.decay + ask_seconds, self._ask[1] * self.decay + 1]
             cell = self._verify[min(verified, MAX_VERIFY_POSITIONS) - 1]
             cell[0], cell[1] = cell[0] * self.decay + verify_seconds, cell[1] * self.decay + 1
             self._wire = [self._wire[0] * self.decay + wire_seconds, self._wire[1] * self.decay + 1]
 
     def _rescale(self, unit: float) -> None:
-        self._draft[0] *= unit
-        self._wire[0] *= unit
-        for cell in self._verify:
+        for cell in (self._draft, self._wire, self._ask, *self._verify):
             cell[0] *= unit
         self._scaled = True
 
     def costs(self) -> Costs:
         with self._lock:
-            verify = tuple(seconds / count for seconds, count in self._verify)
-            return Costs(self._draft[0] / self._draft[1], verify, self._wire[0] / self._wire[1])
+            verify = monotone([seconds / count for seconds, count in self._verify], [count for _, count in self._verify])
+            return Costs(self._draft[0] / self._draft[1], tuple(verify), self._wire[0] / self._wire[1], self._ask[0] / self._ask[1])
 
 
 def best_prefix(confidence: list[float], costs: Costs) -> int:

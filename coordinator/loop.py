@@ -294,7 +294,7 @@ class SpeculativeLoop:
                     new = [draft.tokens[i] for i in verdict.path] + [verdict.next_token] + decoded
                 else:
                     new = draft.tokens[:accepted] + [verdict.next_token] + decoded
-                self._account(stats, policy, draft, verdict, appended)
+                self._account(stats, policy, draft, verdict, appended, asked=draft_wall is not None)
                 if from_ahead:
                     stats.runahead_used_tokens += accepted
                 finish = None
@@ -409,7 +409,8 @@ class SpeculativeLoop:
         return await self.verifier.verify(sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [],
                                           sampling, **extra)
 
-    def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyOutcome, appended: int) -> None:
+    def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyOutcome, appended: int,
+                 asked: bool = False) -> None:
         drafted, accepted = len(draft.tokens), verdict.accepted
         depth = draft.depth  # a tree's deepest branch plays the chain's length in the policy
         stats.steps += 1 + len(verdict.decoded)  # target passes: each token decoded ahead took one
@@ -418,8 +419,9 @@ class SpeculativeLoop:
         stats.accepted_tokens += accepted
         stats.draft_seconds += draft.compute_seconds
         stats.verify_seconds += verdict.compute_seconds
-        wire = max(0.0, draft.wall_seconds - draft.compute_seconds) + max(0.0, verdict.wall_seconds - verdict.compute_seconds)
-        stats.wire_seconds += wire
+        draft_wire = max(0.0, draft.wall_seconds - draft.compute_seconds)
+        verify_wire = max(0.0, verdict.wall_seconds - verdict.compute_seconds)
+        stats.wire_seconds += draft_wire + verify_wire
         stats.wire_bytes += draft.wire_bytes + verdict.wire_bytes
         if len(stats.accepted_per_position) < depth:
             stats.accepted_per_position.extend([0] * (depth - len(stats.accepted_per_position)))
@@ -429,7 +431,8 @@ class SpeculativeLoop:
         # Only steady-state steps (one catch-up token) describe the per-step costs; a prefill does not,
         # nor an exchange that decoded ahead (its compute spans several forwards, its wire one exchange).
         if self.cost_model is not None and appended <= 1 and not verdict.decoded:
-            self.cost_model.observe(depth, draft.compute_seconds, drafted + 1, verdict.compute_seconds, wire)
+            self.cost_model.observe(depth, draft.compute_seconds, drafted + 1, verdict.compute_seconds, verify_wire,
+                                    draft_wire if asked else None)
 
     async def _release(self, sequence_id: str) -> None:
         """Releases the sequence in both services, in a task a second cancellation cannot stop.

@@ -1,7 +1,7 @@
 import pytest
 
 from coordinator.adapt import (MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, Costs, DraftLengthPolicy, best_length, best_prefix,
-                               cost_curve, expected_tokens)
+                               cost_curve, expected_tokens, monotone)
 
 
 def test_expected_tokens_matches_leviathan_formula():
@@ -104,7 +104,7 @@ def test_a_calibrated_policy_keeps_the_per_request_cap_and_cuts_only_when_adapti
         assert policy.plan() == uncalibrated.plan()
         policy.observe(4, 0)
         uncalibrated.observe(4, 0)
-    assert policy.cut([0.2, 0.1]) == 0
+    assert policy.cut([0.1, 0.05]) == 0  # at V(2) = 1.2 V(1) plus an ask, 1.15 tokens do not pay
     assert policy.cut(None) is None
     assert DraftLengthPolicy(max_length=8, calibrated=True, adaptive=False).cut([0.2]) is None
     assert DraftLengthPolicy(max_length=8).cut([0.2]) is None  # uncalibrated drafts keep the threshold
@@ -128,3 +128,30 @@ def test_a_calibrated_draft_that_comes_back_empty_is_asked_ever_less_often():
     uncalibrated = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR)
     uncalibrated.asked(0)  # a model draft's empty proposal is the threshold's business (nothing_drafted)
     assert uncalibrated.plan()[0] > 0
+
+
+def test_the_fitted_cost_curve_never_falls_as_positions_grow():
+    assert monotone([1.0, 3.0, 2.0, 4.0], [1, 1, 1, 1]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone([5.0, 1.0], [1, 3]) == [2.0, 2.0]  # pooled by weight
+    assert monotone([1.0, 2.0, 3.0], [1, 1, 1]) == [1.0, 2.0, 3.0]
+    # The case that kept a chat request drafting 5 tokens a step: only V(6) was ever measured, and
+    # the prior's steeper V(2..5) made every shorter draft look dearer than five.
+    model = CostModel(Costs(0.002, cost_curve(1.0, 1.55, 0.03), 0.03))
+    for _ in range(30):
+        model.observe(drafted=5, draft_seconds=0.0001, verified=6, verify_seconds=0.029, wire_seconds=0.0002)
+        model.observe(drafted=0, draft_seconds=0.0, verified=1, verify_seconds=0.022, wire_seconds=0.0002)
+    costs = model.costs()
+    assert all(a <= b for a, b in zip(costs.verify, costs.verify[1:]))
+    assert costs.verify[1] <= costs.verify[5] == pytest.approx(0.029, rel=0.05)
+    assert best_prefix([0.13, 0.12, 0.02, 0.01, 0.01], costs) == 0  # 1.29 tokens for 1.33x the step: no
+
+
+def test_asking_the_draft_costs_only_the_steps_that_draft():
+    model = CostModel(NGRAM_DRAFT_PRIOR)
+    for _ in range(60):
+        model.observe(drafted=2, draft_seconds=0.00001, verified=3, verify_seconds=0.030, wire_seconds=0.001, ask_seconds=0.002)
+        model.observe(drafted=0, draft_seconds=0.0, verified=1, verify_seconds=0.025, wire_seconds=0.001)
+    costs = model.costs()
+    assert costs.draft_per_ask == pytest.approx(0.002, rel=0.1) and costs.wire_per_step == pytest.approx(0.001, rel=0.1)
+    assert costs.step_seconds(0) == pytest.approx(0.026, rel=0.05)
+    assert costs.step_seconds(2) == pytest.approx(0.002 + 0.030 + 0.001, rel=0.05)
