@@ -12,8 +12,10 @@ Kept apart from the runners so the numbers' definitions sit in one place:
   the measured round trip; efficiency = measured decode tokens/s over predicted.
 - TTFT = time to first token, median over the prompts and repetitions (specdec's rows: the
   loop's own clock, the coordinator's for gRPC).
-- overhead = the share of wall time that is neither draft nor target compute: wire, gRPC,
-  coordination and Python between the calls.
+- overhead = the share of the steps' time that is neither draft nor target compute: wire, gRPC,
+  coordination and Python between the calls, on the loop's clock (the coordinator's for gRPC: from
+  the request's first step to its last). request_overhead_share adds what a request costs around
+  its steps (the client's call to the coordinator, the releases it waits for), on the client's clock.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def summarise(result, baseline_tokens: dict[int, list[int]] | None, ctx: dict) -
         drafted, accepted = _sum(flat, "draft_tokens"), _sum(flat, "accepted_tokens")
         draft_s, verify_s, wire_s = _sum(flat, "draft_seconds"), _sum(flat, "verify_seconds"), _sum(flat, "wire_seconds")
         wall = record["seconds"]
+        loop_s = _sum(flat, "total_seconds")
         positions = max((len(s.stats["accepted_per_position"]) for s in flat), default=0)
         by_position = [sum(s.stats["accepted_per_position"][i] for s in flat if i < len(s.stats["accepted_per_position"])) for i in range(positions)]
         record.update({
@@ -58,7 +61,8 @@ def summarise(result, baseline_tokens: dict[int, list[int]] | None, ctx: dict) -
             "accepted_by_position": [c / draft_steps for c in by_position] if draft_steps else [],
             "time_split": {"draft": draft_s / wall, "verify": verify_s / wall, "wire": wire_s / wall,
                            "other": max(0.0, wall - draft_s - verify_s - wire_s) / wall},
-            "overhead_share": max(0.0, wall - draft_s - verify_s) / wall,
+            "overhead_share": max(0.0, loop_s - draft_s - verify_s) / loop_s if loop_s else 0.0,
+            "request_overhead_share": max(0.0, wall - draft_s - verify_s) / wall,
             "wire_bytes_per_step": _sum(flat, "wire_bytes") / steps if steps else 0.0,
             "time_to_first_token_seconds": {"median": statistics.median(s.ttft for s in flat), "max": max(s.ttft for s in flat)},
         })

@@ -43,6 +43,7 @@ def test_records_carry_rates_splits_and_predictions(document):
             assert r["speedup_vs_hf"] == pytest.approx(1.0)
         if r["kind"].startswith("specdec"):
             assert sum(r["time_split"].values()) == pytest.approx(1.0, abs=0.02)
+            assert 0 <= r["overhead_share"] < 1 and 0 <= r["request_overhead_share"] < 1
             assert r["predicted_decode_tokens_per_second"] > 0 and 0 < r["efficiency"] < 10
             assert 0.0 <= r["acceptance_rate"] <= 1.0 and r["mean_accepted_length"] >= 1.0
             ttft = r["time_to_first_token_seconds"]
