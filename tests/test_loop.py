@@ -115,3 +115,25 @@ async def _limited(loop, prompt, limit):
     async for step in loop.run(spec, stats):
         out.extend(step.tokens)
     return out, stats
+
+
+def test_the_cost_model_charges_the_draft_round_trip_to_asking_steps_only(pair):
+    """A draft service's round trip (wall minus compute) is t_ask, paid only by steps that draft;
+    the target exchange's is the per-step wire. Folding the first into the second made drafting
+    look cheap exactly when asking cost the most."""
+    import dataclasses
+
+    class DistantProposer(LocalProposer):  # as if the draft sat 20 ms of network away
+        async def propose(self, *args, **kwargs):
+            outcome = await super().propose(*args, **kwargs)
+            return dataclasses.replace(outcome, wall_seconds=outcome.compute_seconds + 0.020)
+
+    target, draft = engines(pair)
+    model = CostModel(MODEL_DRAFT_PRIOR)
+    loop = SpeculativeLoop(LocalVerifier(target), DistantProposer(draft), model, MODEL_DRAFT_PRIOR)
+    prompt = tiny.prompts()[0]
+    tokens, stats = run(loop, prompt, draft_length=4, adaptive=False)
+    assert tokens == tiny.reference_greedy(pair[0], prompt, MAX_NEW) and stats.draft_steps > 3
+    costs = model.costs()
+    assert costs.draft_per_ask > 0.010 and costs.wire_per_step < 0.005
+    assert costs.step_seconds(1) - costs.step_seconds(0) > 0.010
