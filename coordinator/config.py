@@ -6,7 +6,7 @@ import dataclasses
 
 from coordinator.loop import DEFAULT_DECODE_AHEAD
 from draft_service.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
-from specdec.config import option
+from specdec.config import event_loop_option, option
 from specdec.models import DEFAULT_TARGET
 from target_service.engine import MAX_DECODE_AHEAD
 
@@ -48,6 +48,7 @@ class CoordinatorConfig:
     backend_tls_cert: str = option("", "PEM client certificate presented to the draft and target (mutual TLS).")
     backend_tls_key: str = option("", "PEM private key of --backend-tls-cert.")
     grace_s: float = option(10.0, "Seconds in-flight requests get to finish after SIGTERM.")
+    event_loop: str = event_loop_option()
     log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
     log_level: str = option("info", "debug, info, warning or error.")
 

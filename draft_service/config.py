@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specdec import packedgemm
-from specdec.config import option
+from specdec.config import event_loop_option, option
 
 ENV_PREFIX = "SPECDEC_DRAFT_"
 
@@ -36,6 +36,7 @@ class DraftConfig:
     tls_key: str = option("", "PEM private key of --tls-cert.")
     tls_ca: str = option("", "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).")
     grace_s: float = option(10.0, "Seconds in-flight calls get to finish after SIGTERM.")
+    event_loop: str = event_loop_option()
     log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
     log_level: str = option("info", "debug, info, warning or error.")
 

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import signal
 import subprocess
@@ -56,7 +55,9 @@ def cmd_serve(argv: list[str]) -> int:
 
         confine()
     try:
-        asyncio.run(serve(config))
+        from specdec.grpcutil import run_service
+
+        run_service(serve(config), config.event_loop)
     except (ValueError, OSError) as exc:  # a bad --model/--tokenizer, a busy port: the message, not a traceback
         print(f"specdec serve {argv[0]}: error: {exc}", file=sys.stderr)
         return 2

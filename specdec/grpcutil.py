@@ -284,6 +284,25 @@ class Server:
         await self.server.wait_for_termination()
 
 
+def run_service(main, event_loop: str = "uvloop"):
+    """Runs a service's main coroutine to completion on its event loop (`--event-loop`).
+
+    uvloop by default: every step crosses several event loops (the coordinator's, the draft's,
+    the target's), each woken per message, and libuv's loop costs less per wake-up than the
+    standard library's. Measured on 2 CPU cores: a grpc.aio ping-pong on an open stream 0.21-0.22
+    against 0.30-0.32 ms, and an n-gram step through the services 2.36-2.54 against 2.49-2.73 ms
+    of overhead (three interleaved pairs). Where uvloop is not installed (Windows) asyncio runs.
+    """
+    if event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.warning("uvloop is not installed; running on asyncio's event loop")
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
 class EngineHost:
     """What the draft and target servicers share: an engine that arrives after the server starts,
     and one worker thread that runs every model call in arrival order, off the event loop.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specdec import packedgemm
-from specdec.config import option
+from specdec.config import event_loop_option, option
 from specdec.models import DEFAULT_TARGET
 
 ENV_PREFIX = "SPECDEC_TARGET_"
@@ -32,6 +32,7 @@ class TargetConfig:
     tls_key: str = option("", "PEM private key of --tls-cert.")
     tls_ca: str = option("", "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).")
     grace_s: float = option(10.0, "Seconds in-flight calls get to finish after SIGTERM.")
+    event_loop: str = event_loop_option()
     log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
     log_level: str = option("info", "debug, info, warning or error.")
 
