@@ -363,7 +363,9 @@ class SpeculativeLoop:
         if room < 1:
             return None
         known = len(tokens) + len(draft.tokens)
-        seed = derive_seed(spec.sampling.seed, after, "draft")
+        # Its own stream: when the bet is lost after a full accept, the next fresh draft starts at
+        # this same position, and re-using the draws that decided the bet would bias its tokens.
+        seed = derive_seed(spec.sampling.seed, after, "runahead")
         progress = Progress(asyncio.get_running_loop().create_future())
         task = asyncio.get_running_loop().create_task(self.proposer.propose(
             sequence_id, known, [], room + 1, min_prob, spec.sampling.temperature, seed, progress=progress))

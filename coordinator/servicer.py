@@ -8,6 +8,7 @@ import hmac
 import random
 import time
 import uuid
+from collections.abc import Callable
 
 import grpc
 import structlog
@@ -92,6 +93,19 @@ def client_of(context) -> tuple[str, float | None]:
     return who, (time.monotonic() + remaining if remaining is not None else None)
 
 
+def make_loop(config: CoordinatorConfig, target, draft, draft_info: pb.ModelInfo | None,
+              draft_cap: Callable[[], int] | None = None) -> SpeculativeLoop:
+    """The loop a coordinator with `config` runs over these backends: the one place its defaults
+    are applied, so that tests of the guarantee run exactly what users get."""
+    ngram = draft_info is not None and draft_info.drafter == "ngram"  # its confidences are calibrated (draft_service/ngram.py)
+    prior = NGRAM_DRAFT_PRIOR if ngram else MODEL_DRAFT_PRIOR
+    cost_model = CostModel(prior)
+    cost_model.draft_cap = draft_cap  # draft less as more requests share the target's batch
+    features = bool(draft_info is not None and draft_info.needs_features)  # a feature draft (specdec/eagle.py)
+    return SpeculativeLoop(target, draft, cost_model, prior, config.overlap, features=features,
+                           calibrated=ngram, decode_ahead=config.decode_ahead)
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     """Registered before the server starts; answers UNAVAILABLE until `attach` connects the backends."""
 
@@ -104,15 +118,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.admission = Admission(config.max_concurrent_requests, config.max_queue, config.verify_token_budget)
 
     def attach(self, tokenizer, target: TargetClient, target_info: pb.ModelInfo, draft: DraftClient | None, draft_info: pb.ModelInfo | None) -> None:
-        ngram = draft_info is not None and draft_info.drafter == "ngram"  # its confidences are calibrated (draft_service/ngram.py)
-        prior = NGRAM_DRAFT_PRIOR if ngram else MODEL_DRAFT_PRIOR
         self.tokenizer = tokenizer
         self.target_info = target_info
-        cost_model = CostModel(prior)
-        cost_model.draft_cap = self.admission.draft_cap  # draft less as more requests share the target's batch
-        features = bool(draft_info is not None and draft_info.needs_features)  # a feature draft (specdec/eagle.py)
-        self.loop = SpeculativeLoop(target, draft, cost_model, prior, self.config.overlap, features=features,
-                                    calibrated=ngram, decode_ahead=self.config.decode_ahead)
+        self.loop = make_loop(self.config, target, draft, draft_info, self.admission.draft_cap)
 
     # --- request validation: every field checked here, named in the error ---
 

@@ -144,6 +144,8 @@ class CrossVocabDrafter:
         generator = torch.Generator().manual_seed(settings.seed)
         cumulative = 1.0
         for _ in range(settings.max_tokens):
+            if cumulative < settings.min_cumulative_prob:
+                return  # decided before the draw: a cut by the drawn token's own p would bias it (ModelDrafter.choose)
             logits = self.lm.forward(state.draft, keep=1)[0]  # [V_draft]
             masked = logits.masked_fill(~self.allowed[: logits.shape[-1]], float("-inf"))  # [V_draft]
             k = min(self.top_k, int(self.allowed[: logits.shape[-1]].sum()))
@@ -151,8 +153,6 @@ class CrossVocabDrafter:
             choice = int(torch.multinomial(top_probs, 1, generator=generator))
             token, prob = int(top_ids[choice]), float(top_probs[choice])
             cumulative *= prob
-            if cumulative < settings.min_cumulative_prob:
-                return
             target = int(self.to_target[token])
             self._append_draft(state, token)
             seq.tokens.append(target)

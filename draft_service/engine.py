@@ -80,7 +80,7 @@ class ModelDrafter:
         while (proposal := self.choose(logits, state)) is not None:
             seq.tokens.append(proposal.token)
             yield proposal
-            if state.drafted == settings.max_tokens:
+            if state.done:
                 return
             self.forwards += 1
             logits = self.lm.forward(seq, keep=1)[0]
@@ -93,13 +93,24 @@ class ModelDrafter:
 
         Split from the forward so the batched path (draft_service/batcher.py) draws exactly what
         the one-sequence path draws: the same generator, the same order of draws.
+
+        The cumulative-probability stop must not look at the token it would cut when sampling:
+        dropping a drawn token x because q(x) was small makes the proposals follow q restricted to
+        the tokens that pass, while the target is told they follow q, and the output is no longer
+        the target's distribution. So a sampled token is always kept, and the chain stops AFTER
+        the token that takes the product under the threshold (`state.done`): whether token i+1 is
+        drawn depends only on tokens 1..i. Greedy tokens are no draw, so there the token that
+        would fall under the threshold is left out, which is cheaper and harmless.
         """
         settings = state.settings
-        if state.drafted >= settings.max_tokens:
+        if state.done:
             return None
         if settings.temperature == 0:
             token = int(logits.argmax())
             prob = float(torch.softmax(logits.float(), dim=-1)[token])  # the draft's confidence
+            if state.cumulative * prob < settings.min_cumulative_prob:
+                state.stopped = True  # not confident enough: verifying it would likely waste the slot
+                return None
             ids = probs = None
         else:
             top_ids, top_probs = truncated_probs(logits, settings.temperature, self.top_k)
@@ -107,9 +118,9 @@ class ModelDrafter:
             token, prob = int(top_ids[choice]), float(top_probs[choice])
             ids, probs = top_ids.tolist(), top_probs.tolist()
         state.cumulative *= prob
-        if state.cumulative < settings.min_cumulative_prob:
-            return None  # not confident enough: verifying this token would likely waste the slot
         state.drafted += 1
+        if state.cumulative < settings.min_cumulative_prob:
+            state.stopped = True  # decided from tokens 1..i, before token i+1 is drawn
         return Proposal(token, ids, probs, state.cumulative, time.perf_counter() - state.start)
 
 
@@ -122,6 +133,12 @@ class ChainState:
     generator: torch.Generator
     cumulative: float = 1.0
     drafted: int = 0
+    stopped: bool = False  # the cumulative-probability stop fired (see ModelDrafter.choose)
+
+    @property
+    def done(self) -> bool:
+        """No further token is to be drawn: the stop fired or the proposal is full."""
+        return self.stopped or self.drafted >= self.settings.max_tokens
 
 
 class NgramDrafter:

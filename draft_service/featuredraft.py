@@ -117,7 +117,7 @@ class FeatureDrafter(ModelDrafter):
                     return
                 tokens.append(proposal.token)
                 yield proposal
-                if chain.drafted == settings.max_tokens:
+                if chain.done:
                     return
                 feature, logits = self.model(feature[:, -1:], torch.tensor([[proposal.token]], device=device), seq.cache, use_cache=True)
         finally:

@@ -167,7 +167,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         state = drafter.begin(settings, start)
         self.batcher.opened()
         try:
-            while state.drafted < settings.max_tokens:
+            while not state.done:
                 logits = await self.batcher.logits(seq)
                 proposal = drafter.choose(logits, state)
                 if proposal is None:

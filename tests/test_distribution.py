@@ -1,0 +1,472 @@
+"""Sampling is lossless under the settings users get: the joint distribution of the first three
+tokens the real loop emits equals the target's exact distribution.
+
+Every case drives `SpeculativeLoop` as a coordinator with default flags builds it
+(`coordinator.servicer.make_loop`: adaptive draft length with its cumulative-probability threshold,
+costs learned across requests, decode-ahead on, the load cap), with unseeded requests, a draft that
+differs from the target (acceptance well below 1), and compares the emitted tokens with the
+target's exact distribution, enumerated by brute force over a tiny vocabulary (`exact_joint`).
+
+The check is a chi-square test over the cells (token triples; a sequence that ends at EOS earlier
+is a cell of its own), pooling cells expected fewer than 5 times, at a false-alarm rate of 1e-4
+per case. Each case prints its sample count and the smallest bias it detects with power 0.9: the
+mass moved from the likeliest cell to the next that the test would catch 9 times in 10
+(`detectable_shift`); each asserts that bias is small. The power is shown, not only computed: the
+same check applied to two wrong rules (a verifier that accepts every draft token; a drafter that
+cuts a drawn token by its own probability, the bias this suite was written to catch) fails.
+
+SPECDEC_DISTRIBUTION_SAMPLES scales every case (default 1,000 requests each; 833 through gRPC).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import dataclasses
+import os
+import random
+
+import pytest
+import torch
+from scipy import optimize, stats
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from coordinator.config import CoordinatorConfig
+from coordinator.local import LocalProposer, LocalVerifier
+from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, TreeSpec
+from coordinator.scheduler import Admission
+from coordinator.servicer import make_loop
+from draft_service.engine import ChainState, DraftEngine, DraftSettings, ModelDrafter, NgramDrafter, Proposal
+from draft_service.featuredraft import FeatureDrafter
+from protos import specdec_pb2 as pb
+from specdec.lm import CausalLM
+from specdec.sampling import SamplingConfig, target_probs, truncated_probs
+from target_service.engine import TargetEngine
+from target_service.verify import verify_rejection
+from tests import tiny
+
+pytestmark = pytest.mark.distribution
+
+SAMPLES = int(os.environ.get("SPECDEC_DISTRIBUTION_SAMPLES", "1000"))
+FALSE_ALARM = 1e-4  # per case
+POWER = 0.9
+MAX_DETECTABLE = 0.08  # every case must catch a shift of this much probability mass (see detectable_shift)
+DEPTH = 3  # tokens whose joint distribution is checked
+CPU = torch.device("cpu")
+DEFAULTS = CoordinatorConfig()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny forwards on two shared cores: a second OpenMP thread only spins."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- the models ---------------------------------------------------------------------------------------
+
+V = 12  # small enough to enumerate every three-token continuation (12^3 cells)
+
+
+def small_config(layers: int, vocab: int = V) -> LlamaConfig:
+    """Token V - 1 is the end of sequence; with another vocabulary size, nothing is."""
+    eos = V - 1 if vocab == V else None
+    return LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=layers, num_attention_heads=2,
+                       num_key_value_heads=1, initializer_range=0.5, eos_token_id=eos, bos_token_id=0, pad_token_id=eos)
+
+
+def with_damped_layers(base: LlamaForCausalLM, extra: int = 2, damping: float = 0.3, seed: int = 0) -> LlamaForCausalLM:
+    """`base` with `extra` random layers after its own, damped so they only nudge its distribution.
+
+    A target built so from a draft's own layers (plus noise) agrees with that draft often but not
+    always, and costs several draft forwards: the learned costs then make drafting pay, as with a
+    real draft, and the default adaptive policy drafts."""
+    config = base.config.__class__(**{**base.config.to_dict(), "num_hidden_layers": base.config.num_hidden_layers + extra})
+    torch.manual_seed(seed)
+    deep = LlamaForCausalLM(config).eval()
+    deep.load_state_dict(base.state_dict(), strict=False)  # embeddings, the base's layers, norm, head
+    with torch.no_grad():
+        for layer in deep.model.layers[base.config.num_hidden_layers:]:
+            layer.self_attn.o_proj.weight.mul_(damping)
+            layer.mlp.down_proj.weight.mul_(damping)
+    deep.generation_config.eos_token_id = deep.generation_config.pad_token_id = config.eos_token_id
+    return deep
+
+
+def noisy(model: LlamaForCausalLM, noise: float, seed: int = 1) -> LlamaForCausalLM:
+    copy = LlamaForCausalLM(model.config).eval()
+    copy.load_state_dict(model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in copy.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std().clamp(min=1e-3))
+    return copy
+
+
+def small_pair(seed: int = 0) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """(target, draft) over 12 tokens: a one-layer draft, and a target of its layer and four damped ones."""
+    torch.manual_seed(seed)
+    base = LlamaForCausalLM(small_config(1)).eval()
+    return with_damped_layers(base, extra=4, seed=seed), noisy(base, 0.1, seed + 1)
+
+
+@pytest.fixture(scope="module")
+def models():
+    target, draft = small_pair()
+    return {"target": target, "draft": draft}
+
+
+# -- the exact distribution and the test --------------------------------------------------------------
+
+Cell = tuple[int, ...]
+
+
+@torch.inference_mode()
+def exact_joint(model, prompt: list[int], sampling: SamplingConfig, eos: set[int], depth: int = DEPTH,
+                floor: float = 1e-5) -> dict[Cell, float]:
+    """P(first `depth` tokens) under plain sampling from `model`: every continuation enumerated, a
+    sequence ending at EOS is its own cell, and continuations of prefixes rarer than `floor` are
+    pooled into the cell () with their exact total mass (so the cells always sum to 1)."""
+    cells: dict[Cell, float] = {}
+    frontier: list[tuple[Cell, float]] = [((), 1.0)]
+    for level in range(depth):
+        if not frontier:
+            break
+        ids = torch.tensor([prompt + list(prefix) for prefix, _ in frontier])
+        q = target_probs(model(ids).logits[:, -1], sampling).double()  # [N, V]
+        grown = []
+        for (prefix, mass), row in zip(frontier, q):
+            for token in torch.nonzero(row).flatten().tolist():
+                cell, p = prefix + (token,), mass * float(row[token])
+                if token in eos or level == depth - 1:
+                    cells[cell] = p
+                elif p >= floor:
+                    grown.append((cell, p))
+                else:
+                    cells[()] = cells.get((), 0.0) + p
+        frontier = grown
+    return cells
+
+
+def cell_of(tokens: list[int], eos: set[int], depth: int = DEPTH) -> Cell:
+    out = []
+    for token in tokens[:depth]:
+        out.append(token)
+        if token in eos:
+            break
+    return tuple(out)
+
+
+def pooled(exact: dict[Cell, float], counts: collections.Counter, n: int) -> tuple[list[float], list[int]]:
+    """(probabilities, counts) with every cell expected < 5 times pooled into one."""
+    probs, observed, rest_p, rest_n = [], [], 0.0, 0
+    unknown = sum(c for cell, c in counts.items() if cell not in exact)
+    for cell, p in exact.items():
+        if p * n >= 5 and cell != ():
+            probs.append(p)
+            observed.append(counts.get(cell, 0))
+        else:
+            rest_p += p
+            rest_n += counts.get(cell, 0)
+    if rest_p > 0:
+        probs.append(rest_p)
+        observed.append(rest_n + unknown)
+    elif unknown:
+        raise AssertionError(f"{unknown} samples fell in cells the target gives probability 0")
+    return probs, observed
+
+
+def detectable_shift(probs: list[float], n: int, alpha: float = FALSE_ALARM, power: float = POWER) -> float:
+    """Smallest probability mass moved from the likeliest cell to the second that this test detects
+    with the given power (noncentral chi-square: lambda = n * d^2 * (1/p1 + 1/p2))."""
+    df = len(probs) - 1
+    critical = stats.chi2.isf(alpha, df)
+    lam = optimize.brentq(lambda x: stats.ncx2.sf(critical, df, x) - power, 1e-6, 1e6)
+    p1, p2 = sorted(probs, reverse=True)[:2]
+    return (lam / (n * (1 / p1 + 1 / p2))) ** 0.5
+
+
+def chi_square(samples: list[Cell], exact: dict[Cell, float]) -> tuple[float, float]:
+    """(p-value, detectable shift) of the samples against the exact distribution."""
+    n = len(samples)
+    probs, observed = pooled(exact, collections.Counter(samples), n)
+    assert len(probs) >= 3, "too few cells for a meaningful test"
+    expected = [p / sum(probs) * n for p in probs]  # sums to n exactly (the cells' float sum is 1 to ~1e-9)
+    return float(stats.chisquare(observed, expected).pvalue), detectable_shift(probs, n)
+
+
+def assert_target_distribution(name: str, samples: list[Cell], exact: dict[Cell, float], stats_: Stats | None = None):
+    pvalue, shift = chi_square(samples, exact)
+    extra = ""
+    if stats_ is not None:
+        extra = f", {stats_.accepted_tokens}/{stats_.draft_tokens} draft tokens accepted"
+    print(f"{name}: {len(samples)} samples, p = {pvalue:.3g}, detects a shift of {shift:.3f}{extra}")
+    assert shift <= MAX_DETECTABLE, f"{name}: too few samples to detect a {MAX_DETECTABLE} bias ({shift:.3f})"
+    assert pvalue > FALSE_ALARM, f"{name}: emitted tokens do not follow the target's distribution (p = {pvalue:.3g})"
+
+
+# -- driving the loop ---------------------------------------------------------------------------------
+
+def default_loop(verifier, proposer, drafter: str = "model", needs_features: bool = False, **config) -> SpeculativeLoop:
+    """The loop a coordinator builds with default flags (plus `config`), over in-process engines."""
+    coordinator = dataclasses.replace(DEFAULTS, **config)
+    admission = Admission(coordinator.max_concurrent_requests, coordinator.max_queue, coordinator.verify_token_budget)
+    return make_loop(coordinator, verifier, proposer, pb.ModelInfo(drafter=drafter, needs_features=needs_features),
+                     admission.draft_cap)
+
+
+def spec_for(prompt: list[int], sampling: SamplingConfig, eos: set[int], max_new: int = DEPTH, **overrides) -> GenerationSpec:
+    """An unseeded request as the coordinator makes it from default flags."""
+    fields = dict(request_id="dist", prompt_ids=list(prompt), max_new_tokens=max_new, sampling=sampling,
+                  draft_length=DEFAULTS.draft_length, adaptive=DEFAULTS.adaptive, eos_token_ids=frozenset(eos), seeded=False)
+    return GenerationSpec(**{**fields, **overrides})
+
+
+def sample_loop(loop: SpeculativeLoop, prompt: list[int], sampling: SamplingConfig, eos: set[int], n: int = SAMPLES,
+                **spec) -> tuple[list[Cell], Stats]:
+    """n requests (each with its own random seed, as unseeded requests get), their first tokens."""
+    rng = random.Random(1234)
+    total = Stats()
+
+    async def run_all():
+        samples = []
+        for _ in range(n):
+            request = spec_for(prompt, dataclasses.replace(sampling, seed=rng.getrandbits(63)), eos, **spec)
+            stats_, out = Stats(), []
+            async for step in loop.run(request, stats_):
+                out += step.tokens
+            total.draft_tokens += stats_.draft_tokens
+            total.accepted_tokens += stats_.accepted_tokens
+            samples.append(cell_of(out, eos))
+        return samples
+
+    return asyncio.run(run_all()), total
+
+
+def eos_of(model) -> set[int]:
+    return set(CausalLM(model, CPU).eos_token_ids)
+
+
+PROMPT = [3, 1, 4, 1, 5]
+PLAIN = SamplingConfig(temperature=1.0)
+
+
+def check_case(name, models, drafter, sampling=PLAIN, prompt=PROMPT, loop_kwargs=None, n=SAMPLES,
+               target_engine=TargetEngine, acceptance=(0.1, 0.9), min_drafted=0.3, **spec):
+    """Runs the case and asserts the target's distribution. The case must test speculation, not the
+    target alone: it drafts at least `min_drafted` tokens per request on average, and accepts a
+    share of them inside `acceptance`."""
+    target = models["target"]
+    verifier, proposer = LocalVerifier(target_engine(CausalLM(target, CPU))), LocalProposer(DraftEngine(drafter))
+    loop = default_loop(verifier, proposer, **(loop_kwargs or {}))
+    eos = eos_of(target)
+    samples, total = sample_loop(loop, prompt, sampling, eos, n=n, **spec)
+    low, high = acceptance
+    assert total.draft_tokens > min_drafted * n and low * total.draft_tokens <= total.accepted_tokens <= high * total.draft_tokens, \
+        f"{name}: {total.accepted_tokens} of {total.draft_tokens} draft tokens accepted"
+    assert_target_distribution(name, samples, exact_joint(target, prompt, sampling, eos), total)
+
+
+# -- the cases ----------------------------------------------------------------------------------------
+
+def test_model_chain_draft(models):
+    check_case("model chain", models, ModelDrafter(CausalLM(models["draft"], CPU)))
+
+
+def test_sparse_top_k_draft(models):
+    """The draft draws from its top-3 only: p is 0 elsewhere, and the wire carries 3 entries."""
+    check_case("draft top-3", models, ModelDrafter(CausalLM(models["draft"], CPU), top_k=3))
+
+
+def test_temperature_and_top_k(models):
+    check_case("T=0.7, top-k 5", models, ModelDrafter(CausalLM(models["draft"], CPU)),
+               sampling=SamplingConfig(temperature=0.7, top_k=5))
+
+
+def test_top_p(models):
+    check_case("T=1.3, top-p 0.8", models, ModelDrafter(CausalLM(models["draft"], CPU)),
+               sampling=SamplingConfig(temperature=1.3, top_p=0.8))
+
+
+@pytest.mark.parametrize("shape", [(), (2, 2, 1)], ids=["dynamic", "static"])
+def test_tree_draft(models, shape):
+    tree = TreeSpec(budget=8, top_k=DEFAULTS.tree_top_k, shape=shape)
+    check_case(f"tree {shape or 'dynamic'}", models, ModelDrafter(CausalLM(models["draft"], CPU)), tree=tree)
+
+
+def test_ngram_draft(models):
+    """Prompt lookup: one-hot p, and the coordinator cuts each proposal by its calibrated confidence.
+    The prompt repeats a pattern this target tends to continue (1 after it ~57%, then 0 ~64%)."""
+    check_case("n-gram", models, NgramDrafter(4, 1), prompt=[0, 5, 1, 0, 5, 1, 0, 5], loop_kwargs={"drafter": "ngram"},
+               min_drafted=0.2)
+
+
+def test_overlap_on(models):
+    """The draft runs ahead during Verify and bets on the bonus token. One draft token per step puts
+    the bet, and a fresh draft after a lost bet, inside the first three tokens."""
+    check_case("overlap on", models, ModelDrafter(CausalLM(models["draft"], CPU)), loop_kwargs={"overlap": "on"},
+               max_new=DEPTH + 1, draft_length=1)
+
+
+def test_feature_draft():
+    """A draft over the target's hidden states (specdec/eagle.py), on the 260-token tiny model. Its
+    first step has no target features yet and drafts nothing, so only tokens 2 and 3 are drafted;
+    more damped layers make drafting them pay. The draft samples its top 6 (--top-k 6)."""
+    base = tiny.one_layer_target(seed=3)
+    drafter = FeatureDrafter(tiny.feature_draft_of(base, noise=0.05), CPU, [tiny.EOS], top_k=6)
+    prompt = tiny.prompts()[1][:8]
+    check_case("feature draft", {"target": with_damped_layers(base, extra=5)}, drafter, sampling=SamplingConfig(temperature=0.8, top_k=6),
+               prompt=prompt, loop_kwargs={"needs_features": True})
+
+
+def test_other_tokenizer_draft():
+    """A draft with another vocabulary (a byte-level BPE with merges, other ids) for the byte-level
+    target: it samples from its own tokens that map one-to-one onto target tokens."""
+    from draft_service.crossvocab import CrossVocabDrafter
+    from specdec.vocab import TokenText, VocabMap
+    from tests.test_crossvocab import bpe_tokenizer, move_vocab
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(tiny.tiny_config(layers=1)).eval()
+    byte_text = TokenText.from_tokenizer(tiny.byte_tokenizer(), tiny.VOCAB)
+    bpe = bpe_tokenizer()
+    bpe_draft = move_vocab(noisy(base, 0.08), byte_text, bpe)
+    drafter = CrossVocabDrafter(CausalLM(bpe_draft, CPU), VocabMap.build(TokenText.from_tokenizer(bpe, bpe_draft.config.vocab_size), byte_text), 8)
+    check_case("other tokenizer", {"target": with_damped_layers(base)}, drafter, sampling=SamplingConfig(temperature=0.8, top_k=6),
+               prompt=tiny.prompts()[1][:8])
+
+
+# -- the power: the same check fails wrong rules ---------------------------------------------------------
+
+class AcceptEverything(TargetEngine):
+    """A wrong verifier: keeps every draft token, then samples its own token after them."""
+
+    def _verdict(self, call, logits, position):
+        gamma = len(call.draft_tokens)
+        if call.sampling.greedy or not gamma:
+            return super()._verdict(call, logits, position)
+        q = target_probs(logits[gamma], call.sampling)
+        return gamma, int(torch.multinomial(q, 1, generator=torch.Generator().manual_seed(call.sampling.seed + position)))
+
+
+class CutByOwnProbability(ModelDrafter):
+    """A wrong drafter: draws a token, then drops it when the running product of probabilities,
+    its own included, falls under the threshold (the rule this suite was written to catch)."""
+
+    def choose(self, logits: torch.Tensor, state: ChainState) -> Proposal | None:
+        settings = state.settings
+        if state.drafted >= settings.max_tokens:
+            return None
+        ids, probs = truncated_probs(logits, settings.temperature, self.top_k)
+        choice = int(torch.multinomial(probs, 1, generator=state.generator))
+        state.cumulative *= float(probs[choice])
+        if state.cumulative < settings.min_cumulative_prob:
+            return None
+        state.drafted += 1
+        return Proposal(int(ids[choice]), ids.tolist(), probs.tolist(), state.cumulative, 0.0)
+
+
+def test_the_check_fails_a_wrong_verifier(models):
+    """The model chain case, with a target that keeps every draft token: the check must fail it."""
+    with pytest.raises(AssertionError, match="do not follow the target's distribution"):
+        check_case("wrong rule: accept everything", models, ModelDrafter(CausalLM(models["draft"], CPU)),
+                   target_engine=AcceptEverything, acceptance=(1, 1))
+
+
+# -- the two defects, hand-built with exact frequencies ---------------------------------------------------
+
+@pytest.mark.parametrize("rule, expected", [(ModelDrafter, 0.5), (CutByOwnProbability, 0.55)], ids=["drafter", "wrong cut"])
+def test_threshold_stop_keeps_the_drawn_token(rule, expected):
+    """Draft q = (0.9, 0.1), target p = (0.5, 0.5), threshold 0.5, one token. Cutting the drawn token
+    by its own probability emits token 0 with probability 0.9 * 5/9 + 0.1 * 0.5 = 0.55 (a cut token
+    leaves the target to sample alone); the drafter keeps it, and emits 0 with probability 0.5."""
+    torch.manual_seed(0)
+    two = LlamaForCausalLM(LlamaConfig(vocab_size=2, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                                       num_attention_heads=1, num_key_value_heads=1)).eval()
+    drafter = rule(CausalLM(two, CPU))
+    logits, q = torch.tensor([0.9, 0.1]).log(), torch.tensor([[[0.5, 0.5], [0.5, 0.5]]])  # q: [1, G+1, V]
+    n, zeros = 6_000, 0
+    accept_u = torch.rand(n, 1, generator=torch.Generator().manual_seed(1))
+    sample_u = torch.rand(n, generator=torch.Generator().manual_seed(2))
+    for i in range(n):
+        proposal = drafter.choose(logits, drafter.begin(DraftSettings(1, 0.5, 1.0, i), 0.0))
+        if proposal is None:  # nothing to verify: the target samples alone
+            zeros += int(sample_u[i] < 0.5)
+            continue
+        p = torch.zeros(1, 1, 2)
+        p[0, 0, proposal.dist_ids] = torch.tensor(proposal.dist_probs)
+        verdict = verify_rejection(q, torch.tensor([[proposal.token]]), p, torch.tensor([1]), accept_u[i:i + 1], sample_u[i:i + 1])
+        zeros += int((proposal.token if verdict.accepted[0] else verdict.next_tokens[0]) == 0)
+    # 6,000 draws: the standard error is 0.0065, so 0.025 is ~4 of them, and 0.5 vs 0.55 is ~8.
+    assert abs(zeros / n - expected) < 0.025, f"token 0 came out {zeros / n:.3f} of the time, expected {expected}"
+
+
+def test_a_lost_bet_does_not_reuse_the_run_ahead_draws():
+    """Overlap on, three tokens, a draft with the target's exact distribution (the target's extra
+    layers are zeroed): every draft token is accepted, so the run-ahead's bet on the bonus token is
+    decided by the two draws alone, and lost often. A fresh draft at the same position that re-drew
+    from the noise that lost the bet skewed the third token (the run-ahead shared the draft's seed
+    stream): p = 2e-14 with 1,500 samples."""
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(small_config(1, vocab=3)).eval()
+    target = with_damped_layers(base, damping=0.0)
+    check_case("lost bets", {"target": target}, ModelDrafter(CausalLM(base, CPU)), loop_kwargs={"overlap": "on"},
+               acceptance=(1, 1), max_new=DEPTH + 2, draft_length=1, prompt=[0, 1, 2, 1])
+
+
+# -- through the real services ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stack(models, tmp_path_factory):
+    """Target, model draft and coordinator as real gRPC servers on loopback, every flag at its default
+    but the models: float32 probabilities on the wire, both continuous batchers, admission control."""
+    from tests.stack import Stack
+
+    folder = tmp_path_factory.mktemp("distribution")
+    for name in ("target", "draft"):
+        models[name].save_pretrained(folder / name)
+    services = Stack()
+    try:
+        target = services.target(str(folder / "target"))
+        draft = services.draft(drafter="model", model=str(folder / "draft"))
+        default = services.coordinator(target, draft, tiny.byte_tokenizer())
+        # With 8 requests running, the default load cap (--verify-token-budget 8) leaves no room for
+        # draft tokens at all: the batched case lifts it so that its batches verify drafts.
+        uncapped = services.coordinator(target, draft, tiny.byte_tokenizer(), verify_token_budget=0)
+        yield {1: services.client(default), 8: services.client(uncapped)}
+    finally:
+        services.stop()
+
+
+GRPC_SAMPLES = SAMPLES * 5 // 6  # ~20 ms a request through three services
+
+
+def sample_grpc(client, prompt: list[int], sampling: SamplingConfig, eos: set[int], concurrency: int,
+                n: int = GRPC_SAMPLES) -> tuple[list[Cell], Stats]:
+    """n unseeded Generate calls, `concurrency` in flight at a time; their first tokens."""
+    def one(_):
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=DEPTH,
+                                     sampling=pb.SamplingParams(temperature=sampling.temperature))
+        return client.Generate(request, timeout=60)
+
+    total = Stats()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        responses = list(pool.map(one, range(n)))
+    for response in responses:
+        total.draft_tokens += response.stats.draft_tokens
+        total.accepted_tokens += response.stats.accepted_tokens
+    return [cell_of(list(r.token_ids), eos) for r in responses], total
+
+
+@pytest.mark.parametrize("concurrency", [1, 8], ids=["one stream", "8 concurrent"])
+def test_through_grpc_services(models, stack, concurrency):
+    """The model chain case over gRPC; with 8 requests at once, the target verifies them in shared
+    batched passes and the draft drafts them in shared forwards."""
+    target, eos = models["target"], eos_of(models["target"])
+    samples, total = sample_grpc(stack[concurrency], PROMPT, PLAIN, eos, concurrency)
+    # The learned costs count the draft's round trip here, so fewer steps draft than in process.
+    assert total.draft_tokens > 0.1 * len(samples) and 0.1 * total.draft_tokens <= total.accepted_tokens <= 0.9 * total.draft_tokens
+    assert_target_distribution(f"gRPC, {concurrency} at once", samples, exact_joint(target, PROMPT, PLAIN, eos), total)
