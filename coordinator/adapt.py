@@ -67,7 +67,7 @@ def cost_curve(single: float, jump: float, per_token: float) -> tuple[float, ...
 
     On CPUs a forward over 2 tokens costs more than over 1 (a matrix-vector product gives way to
     a matrix-matrix one), then grows slowly: SmolLM2-135M on 2 cores with specdec's small-M kernel
-    measured V(2) = 1.2 V(1), V(9) = 1.5 V(1), V(16) = 2.0 V(1) (README, benchmarks). On GPUs the
+    measured V(2) = 1.2 V(1), V(9) = 1.5 V(1), V(16) = 2.0 V(1) (docs/benchmarks.md). On GPUs the
     jump is near 1. Measurements replace these priors as steps are timed.
     """
     return tuple(single if n == 1 else single * jump + per_token * (n - 2) for n in range(1, MAX_VERIFY_POSITIONS + 1))

@@ -1,6 +1,6 @@
 """`specdec bench`: end-to-end greedy tokens/s of specdec against its peers, side by side, in one run.
 
-Configurations, all on the same prompts, models and machine (see BENCHMARKS in the README):
+Configurations, all on the same prompts, models and machine (results and their history: docs/benchmarks.md):
   hf              the target alone with transformers' generate(): the baseline
   hf-assisted     transformers' assisted generation (assistant_model=, or prompt_lookup_num_tokens=)
   specdec-off     the target alone through specdec's own engine (speculation off)

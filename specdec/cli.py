@@ -7,7 +7,7 @@
     specdec plan --acceptance A --cost-curve ...     predicted speed-up per draft length, and the best
     specdec loadtest [--quick] [--concurrency 1,2,4,8]  concurrent streams: throughput, TTFT/TPOT/ITL, overload
     specdec distill --out FOLDER [...]               train a pruned-vocabulary draft for a target (CPU)
-    specdec config-table                             the README's configuration tables
+    specdec config-table                             the configuration tables of docs/configuration.md
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def default_drafter(target_model: str, draft_model: str = "") -> tuple[str, str]
     checkout has one in models/; any other target gets the n-gram drafter, which needs no weights
     and is never slower than the target alone by more than its microseconds. The committed feature
     draft (smollm2-135m-eagle) is not the default: over gRPC on 2 CPU cores it did not beat n-gram
-    drafting on the demo prompt (README, Drafts); pass --draft-model smollm2-135m-eagle for it.
+    drafting on the demo prompt (docs/benchmarks.md); pass --draft-model smollm2-135m-eagle for it.
     """
     from specdec.models import DEFAULT_TARGET, DRAFT_ALIASES, _REPO_DRAFTS
     from specdec.pruned import is_pruned_draft

@@ -75,7 +75,7 @@ def from_argv(cls: type[T], argv: Sequence[str] | None, env_prefix: str, prog: s
 
 
 def markdown_table(cls: type, env_prefix: str) -> str:
-    """The configuration table the README shows, generated so that it cannot drift from the code."""
+    """The configuration table docs/configuration.md shows, generated so that it cannot drift from the code."""
     rows = ["| flag | env | default | meaning |", "|---|---|---|---|"]
     for field in dataclasses.fields(cls):
         flag = "--" + field.name.replace("_", "-")

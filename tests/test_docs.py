@@ -1,18 +1,18 @@
-"""The README's configuration tables are generated from the config dataclasses; they must not drift."""
+"""docs/configuration.md's flag tables are generated from the config dataclasses; they must not drift."""
 
 import pathlib
 
 from specdec.cli import SERVICES, _service
 from specdec.config import markdown_table
 
-README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+CONFIGURATION = pathlib.Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
 
-def test_readme_configuration_tables_match_the_code():
-    text = README.read_text()
+def test_configuration_tables_match_the_code():
+    text = CONFIGURATION.read_text()
     for name in SERVICES:
         cls, prefix, _ = _service(name)
-        assert markdown_table(cls, prefix) in text, f"README table for {name} is stale: run `specdec config-table`"
+        assert markdown_table(cls, prefix) in text, f"docs/configuration.md table for {name} is stale: run `specdec config-table`"
 
 
 def test_config_from_flags_and_environment():
