@@ -30,6 +30,8 @@ from target_service.engine import TargetEngine
 from tests import tiny
 from tests.stack import Stack
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MAX_NEW = 16
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. The dog sleeps; the fox runs on and on.",
@@ -83,15 +85,6 @@ def move_vocab(model: LlamaForCausalLM, src: TokenText, dst_tok, merge_bias: flo
                 new_head[j] = head[src_ids[piece[:1]]] * merge_bias
     moved.generation_config.eos_token_id = moved.generation_config.pad_token_id = dst_tok.eos_token_id
     return moved
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards on two busy shared cores: a second OpenMP thread only spins (~100x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ from target_service.engine import TargetEngine
 from target_service.verify import verify_rejection
 from tests import tiny
 
-pytestmark = pytest.mark.distribution
+pytestmark = [pytest.mark.distribution, pytest.mark.usefixtures("one_torch_thread")]
 
 SAMPLES = int(os.environ.get("SPECDEC_DISTRIBUTION_SAMPLES", "1000"))
 FALSE_ALARM = 1e-4  # per case
@@ -55,15 +55,6 @@ MAX_DETECTABLE = 0.08  # every case must catch a shift of this much probability 
 DEPTH = 3  # tokens whose joint distribution is checked
 CPU = torch.device("cpu")
 DEFAULTS = CoordinatorConfig()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards on two shared cores: a second OpenMP thread only spins."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # -- the models ---------------------------------------------------------------------------------------
