@@ -12,4 +12,4 @@ test: setup
 	.venv/bin/python -m pytest -q
 
 protos: setup
-	.venv/bin/python -m specdec.protogen
+	.venv/bin/python -m specdec_tools.protogen

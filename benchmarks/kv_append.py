@@ -1,4 +1,4 @@
-"""Target forward time with transformers' DynamicCache against specdec's in-place cache (specdec/kvbuffer.py).
+"""Target forward time with transformers' DynamicCache against specdec's in-place cache (specdec/kv/buffers.py).
 
 Usage: .venv/bin/python benchmarks/kv_append.py [--model smollm2-135m-instruct] [--contexts 300,1500,4000]
 
@@ -20,9 +20,9 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdec.kvcache import Sequence  # noqa: E402
-from specdec.lm import CausalLM  # noqa: E402
-from specdec.models import load_model  # noqa: E402
+from specdec.kv.store import Sequence  # noqa: E402
+from specdec.model.lm import CausalLM  # noqa: E402
+from specdec.model.loading import load_model  # noqa: E402
 
 
 def main() -> None:

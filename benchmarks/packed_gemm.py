@@ -1,4 +1,4 @@
-"""Target forward time V(n) with the stock fp32 GEMM against specdec's small-M kernel (specdec/packedgemm.py).
+"""Target forward time V(n) with the stock fp32 GEMM against specdec's small-M kernel (specdec/model/gemm.py).
 
 Usage: .venv/bin/python benchmarks/packed_gemm.py [--model smollm2-135m-instruct] [--rows 4096] [--min-rows 1]
 
@@ -21,27 +21,27 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdec import packedgemm  # noqa: E402
-from specdec.bench import measure_cost_curve  # noqa: E402
-from specdec.kvcache import Sequence  # noqa: E402
-from specdec.lm import CausalLM  # noqa: E402
-from specdec.models import load_model  # noqa: E402
+from specdec.model import gemm  # noqa: E402
+from specdec_tools.bench import measure_cost_curve  # noqa: E402
+from specdec.kv.store import Sequence  # noqa: E402
+from specdec.model.lm import CausalLM  # noqa: E402
+from specdec.model.loading import load_model  # noqa: E402
 
 
 def mode(arm: str):
-    return packedgemm.disabled() if arm == "stock" else contextlib.nullcontext()
+    return gemm.disabled() if arm == "stock" else contextlib.nullcontext()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--rows", type=int, default=packedgemm.DEFAULT_ROWS)
-    parser.add_argument("--min-rows", type=int, default=packedgemm.DEFAULT_MIN_ROWS)
+    parser.add_argument("--rows", type=int, default=gemm.DEFAULT_ROWS)
+    parser.add_argument("--min-rows", type=int, default=gemm.DEFAULT_MIN_ROWS)
     parser.add_argument("--positions", default="1,2,3,4,5,6,8,9,12,16,17,24,40,64")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     loaded = load_model(args.model, "cpu", "float32")
-    report = packedgemm.pack_linears(loaded.model, args.rows, args.min_rows)
+    report = gemm.pack_linears(loaded.model, args.rows, args.min_rows)
     grown = "unknown" if report.resident_bytes is None else f"+{report.resident_bytes / 2**20:.0f} MiB"
     print(f"packed {report.layers} linear layers for the small-M kernel at {args.min_rows}-{args.rows} rows (resident memory {grown})")
     lm = CausalLM(loaded.model, loaded.device)

@@ -20,10 +20,10 @@ from coordinator.loop import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutco
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import DeadlineExceeded, SequenceNotFound
-from specdec.features import FeatureRows
-from specdec.grpcutil import CHANNEL_OPTIONS
-from specdec.logs import REQUEST_ID_METADATA
-from specdec.sampling import SamplingConfig
+from specdec.model.features import FeatureRows
+from specdec.serving.rpc import CHANNEL_OPTIONS
+from specdec.serving.logs import REQUEST_ID_METADATA
+from specdec.spec.sampling import SamplingConfig
 
 log = structlog.get_logger(__name__)
 

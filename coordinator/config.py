@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from specdec.limits import MAX_DECODE_AHEAD, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 from coordinator.loop import DEFAULT_DECODE_AHEAD
-from draft_service.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
-from specdec.config import event_loop_option, option
-from specdec.models import DEFAULT_TARGET
-from target_service.engine import MAX_DECODE_AHEAD
+from specdec.serving.config import event_loop_option, option
+from specdec.model.loading import DEFAULT_TARGET
 
 ENV_PREFIX = "SPECDEC_COORDINATOR_"
 

@@ -11,8 +11,8 @@ import time
 from coordinator.loop import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
 from draft_service.engine import DraftEngine, DraftSettings
 from draft_service.tree import TreeSettings
-from specdec.features import FeatureRows
-from specdec.sampling import SamplingConfig
+from specdec.model.features import FeatureRows
+from specdec.spec.sampling import SamplingConfig
 from target_service.engine import DraftTree, TargetEngine, VerifyCall
 
 

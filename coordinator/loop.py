@@ -18,11 +18,12 @@ from typing import Protocol
 
 import structlog
 
-from coordinator.adapt import CostModel, Costs, DraftLengthPolicy
-from coordinator.overlap import RunAheadPolicy
+from specdec.spec.costs import CostModel, Costs
+from coordinator.policy.draft_length import DraftLengthPolicy
+from coordinator.policy.overlap import RunAheadPolicy
 from specdec.errors import SequenceNotFound
-from specdec.features import FeatureLog, FeatureRows
-from specdec.sampling import SamplingConfig, derive_seed
+from specdec.model.features import FeatureLog, FeatureRows
+from specdec.spec.sampling import SamplingConfig, derive_seed
 
 log = structlog.get_logger(__name__)
 
@@ -170,7 +171,7 @@ class Step:
 DRAFT_RETRY_STEPS = 16
 # Default of the most tokens the target decodes ahead in one exchange when no step drafts (no draft,
 # or speculation off): the exchange's cost is spread over 9 tokens, and a stream still gets tokens
-# every 9 forwards. (The contract's bound is target_service.engine.MAX_DECODE_AHEAD.)
+# every 9 forwards. (The contract's bound is specdec.limits.MAX_DECODE_AHEAD.)
 DEFAULT_DECODE_AHEAD = 8
 
 
@@ -178,11 +179,11 @@ class SpeculativeLoop:
     def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs,
                  overlap: str = "off", features: bool = False, calibrated: bool = False, decode_ahead: int = DEFAULT_DECODE_AHEAD):
         """`overlap`: off, auto or on: whether the draft drafts the next step while the target
-        verifies this one (coordinator/overlap.py). `features`: the draft drafts from the target's
-        hidden states (specdec/eagle.py), so every Verify asks for them and the next Propose
+        verifies this one (coordinator/policy/overlap.py). `features`: the draft drafts from the target's
+        hidden states (specdec/model/feature_draft.py), so every Verify asks for them and the next Propose
         carries the ones the draft lacks. `calibrated`: the draft's cumulative probabilities are
         calibrated chances of acceptance (the n-gram drafter), so each unseeded adaptive proposal
-        is cut where its expected tokens per second peak (coordinator/adapt.py). `decode_ahead`: the
+        is cut where its expected tokens per second peak (specdec/spec/costs.py). `decode_ahead`: the
         most tokens the target may decode in one exchange for steps that will not draft (0: none)."""
         RunAheadPolicy(overlap)  # validates the mode
         self.verifier = verifier
@@ -473,7 +474,7 @@ def _part(draft: DraftOutcome, start: int, stop: int | None = None) -> DraftOutc
 
 @dataclasses.dataclass
 class RunAhead:
-    """A Propose running during a Verify (coordinator/overlap.py)."""
+    """A Propose running during a Verify (coordinator/policy/overlap.py)."""
 
     task: asyncio.Task
     progress: Progress

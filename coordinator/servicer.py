@@ -16,24 +16,24 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from coordinator.adapt import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
+from specdec.limits import MAX_DRAFT_TOKENS, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
+from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
 from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, TreeSpec
-from coordinator.scheduler import Admission
+from coordinator.policy.admission import Admission
 from coordinator.text import TextStream
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec import metrics, tls
+from specdec.serving import metrics
+from specdec.serving import tls
 from specdec.errors import DeadlineExceeded, InvalidArgument, Overloaded, SpecdecError, Unavailable
-from specdec.grpcutil import Server, error_status, rpc_method
-from specdec.logs import bind_request
-from specdec.sampling import SamplingConfig
-from draft_service.tree import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
+from specdec.serving.rpc import Server, error_status, rpc_method
+from specdec.serving.logs import bind_request
+from specdec.spec.sampling import SamplingConfig
 
 log = structlog.get_logger(__name__)
 
-MAX_DRAFT_LENGTH = 32
 MAX_REQUEST_ID = 128
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
@@ -97,11 +97,11 @@ def make_loop(config: CoordinatorConfig, target, draft, draft_info: pb.ModelInfo
               draft_cap: Callable[[], int] | None = None) -> SpeculativeLoop:
     """The loop a coordinator with `config` runs over these backends: the one place its defaults
     are applied, so that tests of the guarantee run exactly what users get."""
-    ngram = draft_info is not None and draft_info.drafter == "ngram"  # its confidences are calibrated (draft_service/ngram.py)
+    ngram = draft_info is not None and draft_info.drafter == "ngram"  # its confidences are calibrated (draft_service/drafters/ngram.py)
     prior = NGRAM_DRAFT_PRIOR if ngram else MODEL_DRAFT_PRIOR
     cost_model = CostModel(prior)
     cost_model.draft_cap = draft_cap  # draft less as more requests share the target's batch
-    features = bool(draft_info is not None and draft_info.needs_features)  # a feature draft (specdec/eagle.py)
+    features = bool(draft_info is not None and draft_info.needs_features)  # a feature draft (specdec/model/feature_draft.py)
     return SpeculativeLoop(target, draft, cost_model, prior, config.overlap, features=features,
                            calibrated=ngram, decode_ahead=config.decode_ahead)
 
@@ -179,8 +179,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
 
         sp = request.speculation
         draft_length = sp.draft_length if sp.HasField("draft_length") else config.draft_length
-        if not 0 <= draft_length <= MAX_DRAFT_LENGTH:
-            raise InvalidArgument("speculation.draft_length", f"must be in [0, {MAX_DRAFT_LENGTH}], got {draft_length}")
+        if not 0 <= draft_length <= MAX_DRAFT_TOKENS:
+            raise InvalidArgument("speculation.draft_length", f"must be in [0, {MAX_DRAFT_TOKENS}], got {draft_length}")
         adaptive = sp.adaptive if sp.HasField("adaptive") else config.adaptive
         tree = self._tree_spec(sp, draft_length)
         for i, stop in enumerate(request.stop):
@@ -395,7 +395,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, 
     log.info("coordinator listening", port=server.port, http_port=http.port if http else None,
              target=config.target, draft=config.draft or None)
     if tokenizer is None:
-        from specdec.models import load_tokenizer
+        from specdec.model.loading import load_tokenizer
 
         tokenizer = await server.loading(asyncio.to_thread(load_tokenizer, config.tokenizer))
     target, target_info, draft, draft_info = await server.loading(connect_backends(config))

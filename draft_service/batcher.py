@@ -3,7 +3,7 @@
 Why: under load the draft service holds many Propose streams at the same time, each asking for one
 forward per drafted token. One by one, each forward is a matrix-vector product that leaves the
 hardware idle (decoding is memory-bound); stacked as rows of one batch, the weights are read once
-for all of them. Measured on the target's batched path (specdec/batching.py) on 2 CPU cores: 8
+for all of them. Measured on the target's batched path (specdec/forward/batching.py) on 2 CPU cores: 8
 rows in one pass cost ~0.35x of 8 single passes.
 
 Runs in the servicer's event loop (no gRPC here). A stream registers with `opened()`, then asks
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from specdec.kvcache import Sequence
+from specdec.kv.store import Sequence
 
 
 @dataclasses.dataclass

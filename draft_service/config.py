@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specdec import packedgemm
-from specdec.config import event_loop_option, option
+from specdec.model import gemm
+from specdec.serving.config import event_loop_option, option
 
 ENV_PREFIX = "SPECDEC_DRAFT_"
 
@@ -26,7 +26,7 @@ class DraftConfig:
     ngram_max: int = option(4, "Longest suffix n-gram the n-gram drafter looks up.")
     ngram_min: int = option(1, "Shortest suffix n-gram it accepts as a match.")
     staged: bool = option(False, "Staged drafting for --drafter model, greedy: an n-gram index guesses the draft model's own next tokens and one draft forward checks them (same tokens, fewer draft passes).")
-    packed_gemm_rows: int = option(packedgemm.DEFAULT_ROWS, "CPU float32 model drafts: forwards over 1..N positions use specdec's GEMM kernel, compiled on first use (the feature draft's token: 3.7 -> 1.6 ms on 2 cores); 0 turns it off.")
+    packed_gemm_rows: int = option(gemm.DEFAULT_ROWS, "CPU float32 model drafts: forwards over 1..N positions use specdec's GEMM kernel, compiled on first use (the feature draft's token: 3.7 -> 1.6 ms on 2 cores); 0 turns it off.")
     batch_window_ms: float = option(2.0, "How long a drafting step waits for the other streams' steps to share its forward pass (continuous batching of model drafts); 0: no wait.")
     max_batch_size: int = option(16, "Most sequences drafted in one forward pass; 1 turns draft batching off.")
     max_batch_tokens: int = option(256, "Most padded positions (rows x longest row's new tokens) in one draft pass: long catch-ups run alone.")
@@ -41,8 +41,8 @@ class DraftConfig:
     log_level: str = option("info", "debug, info, warning or error.")
 
     def __post_init__(self):
-        if not 0 <= self.packed_gemm_rows <= packedgemm.MAX_ROWS:
-            raise ValueError(f"--packed-gemm-rows must be in [0, {packedgemm.MAX_ROWS}], got {self.packed_gemm_rows}")
+        if not 0 <= self.packed_gemm_rows <= gemm.MAX_ROWS:
+            raise ValueError(f"--packed-gemm-rows must be in [0, {gemm.MAX_ROWS}], got {self.packed_gemm_rows}")
         if not self.batch_window_ms >= 0:
             raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_ms}")
         if self.max_batch_size < 1:

@@ -13,18 +13,18 @@ from collections.abc import Iterator
 
 import torch
 
-from draft_service.ngram import MatchCalibration, NgramIndex
+from specdec.limits import MAX_DRAFT_TOKENS
+from draft_service.drafters.ngram import MatchCalibration, NgramIndex
 from draft_service.tree import TreeBuilder, TreeDraft, TreeSettings, check_tree_settings
-from specdec.batching import batchable, forward_batch
+from specdec.forward.batching import batchable, forward_batch
 from specdec.errors import InvalidArgument
-from specdec.features import FeatureRows
-from specdec.kvcache import Sequence, SequenceStore
-from specdec.lm import CausalLM
-from specdec.sampling import truncated_probs
+from specdec.model.features import FeatureRows
+from specdec.kv.store import Sequence, SequenceStore
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import truncated_probs
 
-MAX_PROPOSAL = 32
 # Catch-up tokens an n-gram Propose may bring and still be answered on the event loop (answers_inline):
-# a step's catch-up is the accepted tokens plus one (at most MAX_PROPOSAL + 1); a few hundred
+# a step's catch-up is the accepted tokens plus one (at most MAX_DRAFT_TOKENS + 1); a few hundred
 # tokens index in well under a millisecond.
 INLINE_APPEND = 256
 
@@ -53,7 +53,7 @@ class ModelDrafter:
 
     Truncating to top-k is what makes the sparse p on the wire exact (see sampling.truncated_probs);
     with temperature 0 it proposes the argmax and sends no distribution. `staged`: greedy drafts
-    are themselves speculated by an n-gram index (draft_service/staged.py), the same tokens in
+    are themselves speculated by an n-gram index (draft_service/drafters/staged.py), the same tokens in
     fewer draft forwards.
     """
 
@@ -68,7 +68,7 @@ class ModelDrafter:
 
     def draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
         if self.staged and settings.temperature == 0:
-            from draft_service.staged import draft_staged
+            from draft_service.drafters.staged import draft_staged
 
             return draft_staged(self, seq, settings, start)
         return self._draft(seq, settings, start)
@@ -188,13 +188,13 @@ class NgramDrafter:
 
 
 def load_pruned_drafter(folder, device: str = "auto", dtype: str = "auto", top_k: int = 32) -> ModelDrafter:
-    """A ModelDrafter over a distilled pruned-vocabulary draft (specdec/pruned.py).
+    """A ModelDrafter over a distilled pruned-vocabulary draft (specdec/model/pruned.py).
 
     Its logits come back in the target's vocabulary with -inf outside the kept ids, so greedy
     drafting and top-k sampling are the plain ModelDrafter's, and tokens off the head get p = 0.
     """
-    from specdec.models import resolve_device, resolve_dtype
-    from specdec.pruned import PrunedCausalLM, load_draft
+    from specdec.model.loading import resolve_device, resolve_dtype
+    from specdec.model.pruned import PrunedCausalLM, load_draft
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -246,8 +246,8 @@ class DraftEngine:
              features: FeatureRows | None = None) -> Sequence:
         """Validates a Propose and syncs its sequence (rollback + catch-up, and for a feature draft
         the target features that came with it; other drafters ignore features)."""
-        if not 0 <= settings.max_tokens <= MAX_PROPOSAL:
-            raise InvalidArgument("max_tokens", f"must be in [0, {MAX_PROPOSAL}], got {settings.max_tokens}")
+        if not 0 <= settings.max_tokens <= MAX_DRAFT_TOKENS:
+            raise InvalidArgument("max_tokens", f"must be in [0, {MAX_DRAFT_TOKENS}], got {settings.max_tokens}")
         if settings.temperature < 0:
             raise InvalidArgument("temperature", f"must be >= 0, got {settings.temperature}")
         vocab = self.drafter.vocab_size

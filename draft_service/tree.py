@@ -12,7 +12,7 @@ Shapes:
   above its parent's, so the choice keeps ancestors). Sampling: the node of rank r gets
   max(1, top_k // (r + 1)) children drawn WITHOUT replacement from the draft's top-k truncated
   distribution, until the budget is spent; every drawn node is sent (re-ranking drawn nodes by
-  their own values would bias them; see target_service/tree.py for the rule this keeps exact).
+  their own values would bias them; see specdec/spec/tree.py for the rule this keeps exact).
 - static: every node at depth d gets shape[d] children (the most probable, or drawn), level by
   level, until the budget is spent.
 In both, how many children a node gets is decided before they are drawn, from what was drawn
@@ -26,14 +26,12 @@ import math
 
 import torch
 
+from specdec.limits import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 from specdec.errors import InvalidArgument
-from specdec.kvcache import Sequence
-from specdec.sampling import truncated_probs
-from specdec.treeforward import forward_masked
+from specdec.kv.store import Sequence
+from specdec.spec.sampling import truncated_probs
+from specdec.forward.tree import forward_masked
 
-MAX_TREE_NODES = 64
-MAX_TREE_TOP_K = 16
-MAX_TREE_DEPTH = 32
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,7 @@ if [ $# -gt 0 ]; then
     PROMPTS=("$1")
 else
     PROMPTS=("Explain in two sentences why the sky is blue."
-             "$(.venv/bin/python -c 'import json, sys; print(next(json.loads(l) for l in open(sys.argv[1]) if "rewrite" in l)["messages"][0]["content"])' benchmarks/prompts/grounded.jsonl)")
+             "$(.venv/bin/python -c 'import json, sys; print(next(json.loads(l) for l in open(sys.argv[1]) if "rewrite" in l)["messages"][0]["content"])' specdec_tools/prompts/grounded.jsonl)")
 fi
 PORT=${SPECDEC_DEMO_PORT:-50051}
 .venv/bin/specdec up --port "$PORT" 2> >(grep --line-buffered -v '^{' >&2) &

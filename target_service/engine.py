@@ -15,22 +15,20 @@ import time
 import structlog
 import torch
 
+from specdec.limits import MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_TREE_NODES
 from specdec.errors import InvalidArgument, SpecdecError
-from specdec.features import FeatureRows
-from specdec.kvcache import Sequence, SequenceStore
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig, generator_for, target_probs
-from specdec.treeforward import forward_tree, keep_positions, supports_trees
-from specdec.batching import batchable, forward_batch
-from target_service.tree import check_parents, depths
-from target_service.treestep import TreePlan, draft_probs, plan_tree, tree_verdict
-from target_service.verify import verify_greedy, verify_rejection
+from specdec.model.features import FeatureRows
+from specdec.kv.store import Sequence, SequenceStore
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig, generator_for, target_probs
+from specdec.forward.tree import forward_tree, keep_positions, supports_trees
+from specdec.forward.batching import batchable, forward_batch
+from specdec.spec.tree import check_parents, depths
+from specdec.spec.treeplan import TreePlan, draft_probs, plan_tree, tree_verdict
+from specdec.spec.verify import verify_greedy, verify_rejection
 
 log = structlog.get_logger(__name__)
 
-MAX_DRAFT_TOKENS = 32  # matches the proto's documented bound on a proposal
-MAX_TREE_NODES = 64  # matches the proto's documented bound on a draft tree
-MAX_DECODE_AHEAD = 64  # matches the proto's documented bound on VerifyRequest.decode_ahead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +45,7 @@ class StepResult:
 
 @dataclasses.dataclass(frozen=True)
 class DraftTree:
-    """A tree proposal (target_service/tree.py): node i continues parents[i] (-1: the root).
+    """A tree proposal (specdec/spec/tree.py): node i continues parents[i] (-1: the root).
 
     child_dists: empty, or one per position (0: the root, i + 1: node i): the sparse distribution
     that position's children were drawn from, in index order without replacement; an empty one
@@ -70,7 +68,7 @@ class VerifyCall:
     draft_dists: list[tuple[list[int], list[float]]]
     sampling: SamplingConfig
     tree: DraftTree | None = None  # a tree proposal instead of draft_tokens
-    return_features: bool = False  # for a feature draft (specdec/eagle.py)
+    return_features: bool = False  # for a feature draft (specdec/model/feature_draft.py)
     decode_ahead: int = 0  # after the verdict, decode up to this many more tokens alone (_decode_ahead)
 
     @property
@@ -152,7 +150,7 @@ class TargetEngine:
         return FeatureRows(before, hidden[: len(seq.tokens) - before].float().cpu())
 
     def verify_batch(self, calls: list[VerifyCall], decode_ahead: bool = True) -> list[StepResult | SpecdecError]:
-        """Verifies several sequences' proposals in ONE forward pass (specdec/batching.py).
+        """Verifies several sequences' proposals in ONE forward pass (specdec/forward/batching.py).
 
         Each row fails on its own: a row with a bad field or a lost sequence gets its error back
         and the others go ahead. Rows must name distinct sequences (the batcher sees to it). The
@@ -206,7 +204,7 @@ class TargetEngine:
         only the accepted path in the cache, as if that path had been fed as a chain.
 
         A model whose cache cannot be gathered by position (sliding-window layers) verifies the
-        chain of first children instead (target_service/treestep.py).
+        chain of first children instead (specdec/spec/treeplan.py).
         """
         start = time.perf_counter()
         return self._tree_row(call, self._prepare(call), start, 1)

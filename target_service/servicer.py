@@ -8,9 +8,10 @@ import structlog
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec import metrics, tls
-from specdec.grpcutil import EngineHost, Server, rpc_method
-from specdec.sampling import SamplingConfig
+from specdec.serving import metrics
+from specdec.serving import tls
+from specdec.serving.rpc import EngineHost, Server, rpc_method
+from specdec.spec.sampling import SamplingConfig
 from target_service.config import TargetConfig
 from target_service.batcher import VerifyBatcher
 from target_service.engine import DraftTree, TargetEngine, VerifyCall
@@ -104,9 +105,9 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
 
     `ready` (tests, `specdec up` in-process) receives the Server once it is serving.
     """
-    from specdec import packedgemm
-    from specdec.lm import CausalLM
-    from specdec.models import load_model
+    from specdec.model import gemm
+    from specdec.model.lm import CausalLM
+    from specdec.model.loading import load_model
 
     servicer = TargetServicer(config.batch_window_ms, config.max_batch_size, config.max_batch_tokens)
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
@@ -119,7 +120,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
         server.install_signal_handlers(config.grace_s)
     log.info("target listening", port=server.port, model=config.model, metrics_port=metrics_port)
     loaded = await server.loading(servicer.host.run(load_model, config.model, config.device, config.dtype))  # on the compute thread
-    await server.loading(servicer.host.run(packedgemm.apply, loaded.model, loaded.device, loaded.dtype,
+    await server.loading(servicer.host.run(gemm.apply, loaded.model, loaded.device, loaded.dtype,
                                            config.packed_gemm_rows, config.packed_gemm_min_rows))
     engine = TargetEngine(CausalLM(loaded.model, loaded.device), config.max_sequences, config.idle_timeout_s)
     await server.loading(servicer.host.run(engine.warm_up))

@@ -39,7 +39,7 @@ class Service:
         return f"{self.host}:{self.port}"
 
     def start(self, wait: float = 120.0) -> "Service":
-        command = [sys.executable, "-m", "specdec.cli", "serve", self.role, "--host", "0.0.0.0" if self.netns else self.host,
+        command = [sys.executable, "-m", "specdec_tools.cli", "serve", self.role, "--host", "0.0.0.0" if self.netns else self.host,
                    "--port", str(self.port), *self.flags]
         if self.netns:
             command = ["ip", "netns", "exec", self.netns, *command]

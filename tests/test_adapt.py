@@ -1,7 +1,8 @@
 import pytest
 
-from coordinator.adapt import (MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, Costs, DraftLengthPolicy, best_length, best_prefix,
-                               cost_curve, expected_tokens, monotone)
+from coordinator.policy.draft_length import DraftLengthPolicy
+from specdec.spec.costs import (MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, Costs, best_length, best_prefix,
+                                cost_curve, expected_tokens, monotone)
 
 
 def test_expected_tokens_matches_leviathan_formula():

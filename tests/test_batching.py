@@ -1,4 +1,4 @@
-"""Batched verification gives exactly the tokens unbatched verification gives (specdec/batching.py).
+"""Batched verification gives exactly the tokens unbatched verification gives (specdec/forward/batching.py).
 
 Rows of mixed prompt lengths and draft lengths, sequences joining and leaving between steps,
 rollback rows, rows whose sequence was lost (NOT_FOUND) next to healthy ones, and the sampling path.
@@ -14,11 +14,11 @@ import threading
 import pytest
 import torch
 
-from specdec import batching
+from specdec.forward import batching
 from specdec.errors import InvalidArgument, SequenceNotFound
-from specdec.kvbuffer import MIN_CAPACITY, arena_of
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig
+from specdec.kv.buffers import MIN_CAPACITY, arena_of
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig
 from target_service.batcher import VerifyBatcher
 from target_service.engine import StepResult, TargetEngine, VerifyCall
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair

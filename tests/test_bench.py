@@ -12,7 +12,7 @@ import pytest
 @pytest.fixture(scope="module")
 def document(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    done = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--quick", "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "bench", "--quick", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "results.json").read_text()), out, done.stdout

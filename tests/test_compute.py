@@ -1,4 +1,4 @@
-"""specdec/compute.py: in a confined service process, torch ops outside the compute thread start no
+"""specdec/serving/threads.py: in a confined service process, torch ops outside the compute thread start no
 OpenMP team of their own (a second team makes libgomp put every team to sleep between regions,
 which slowed the target's verify ~1.6x). Checked by counting the process's threads, in a fresh
 interpreter each time because confinement is process-wide."""
@@ -13,10 +13,10 @@ import pytest
 
 SCRIPT = r"""
 import os, sys, torch
-from specdec import compute
-from specdec.grpcutil import EngineHost
+from specdec.serving import threads
+from specdec.serving.rpc import EngineHost
 if sys.argv[1] == "confine":
-    compute.confine()
+    threads.confine()
 host = EngineHost("target")
 threads = lambda: len(os.listdir("/proc/self/task"))
 inner = host.executor.submit(lambda: (torch.randn(512, 512) @ torch.randn(512, 512), torch.get_num_threads())[1]).result()

@@ -2,7 +2,7 @@
 intersection rule's losslessness when sampling.
 
 The tiny pair has deliberately different tokenizers: the target speaks the byte tokenizer of
-specdec.tinymodels (one token per byte), the draft a byte-level BPE with merges trained here with
+specdec_tools.tinymodels (one token per byte), the draft a byte-level BPE with merges trained here with
 the `tokenizers` library, whose ids are ordered differently (so an identity mapping would be
 wrong). The draft's weights are the noisy tiny draft's, moved to its own ids: single-byte tokens
 take their byte's rows, merges the rows of their bytes (slightly favoured, so the draft does
@@ -20,12 +20,12 @@ from scipy import stats
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from draft_service.crossvocab import CrossVocabDrafter, build_cross_drafter
+from draft_service.drafters.other_vocab import CrossVocabDrafter, build_cross_drafter
 from draft_service.engine import DraftEngine, DraftSettings
 from protos import specdec_pb2 as pb
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig, derive_seed, target_probs
-from specdec.vocab import TokenText, VocabMap, common_prefix, incomplete_tail, utf8_segments
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig, derive_seed, target_probs
+from specdec.model.vocab import TokenText, VocabMap, common_prefix, incomplete_tail, utf8_segments
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.stack import Stack

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from protos import specdec_pb2 as pb
-from specdec.models import load_tokenizer
+from specdec.model.loading import load_tokenizer
 from tests.stack import Stack
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,8 @@ import asyncio
 import grpc
 import pytest
 
-from coordinator.adapt import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, DraftLengthPolicy
+from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
+from coordinator.policy.draft_length import DraftLengthPolicy
 from coordinator.clients import TargetClient
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import DEFAULT_DECODE_AHEAD, SpeculativeLoop
@@ -19,8 +20,8 @@ from draft_service.engine import DraftEngine, NgramDrafter
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import InvalidArgument
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig
 from target_service.batcher import VerifyBatcher
 from target_service.engine import DraftTree, TargetEngine, VerifyCall
 from tests import tiny

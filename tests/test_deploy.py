@@ -264,7 +264,7 @@ def service_configs():
 
 def parse_config(component: str, args: list[str], env: dict[str, str]):
     """The config the service would start with: flags and env parsed by the service's own code."""
-    from specdec.config import from_argv
+    from specdec.serving.config import from_argv
 
     cls, prefix = service_configs()[component]
     stderr = io.StringIO()
@@ -728,7 +728,7 @@ def test_dockerfile_has_both_variants_and_the_project_versions():
     (lambda t: t.replace("USER 10001:10001", "USER root"), "runs as root"),
     (lambda t: t.replace("USER 10001:10001", ""), "runs as root"),
     (lambda t: t.replace("EXPOSE 50051 50052 50053", "EXPOSE 50051 50052"), "50053"),
-    (lambda t: t.replace('ENTRYPOINT ["specdec"]', 'ENTRYPOINT ["python", "-m", "specdec.cli"]'), "ENTRYPOINT"),
+    (lambda t: t.replace('ENTRYPOINT ["specdec"]', 'ENTRYPOINT ["python", "-m", "specdec_tools.cli"]'), "ENTRYPOINT"),
     (lambda t: t.replace('ENTRYPOINT ["specdec"]', "ENTRYPOINT specdec"), "ENTRYPOINT"),
     (lambda t: t.replace("ENV SPECDEC_CACHE_DIR=/var/cache/specdec", "ENV UNRELATED=1"), "SPECDEC_CACHE_DIR"),
 ], ids=["untagged-base", "latest-base", "root-user", "no-user", "port-missing", "entrypoint", "shell-entrypoint", "no-cache-dir"])
@@ -795,7 +795,7 @@ def test_tls_probe_script_reports_a_mutual_tls_server(tmp_path):
     def probe(*args):
         return subprocess.run([sys.executable, str(script), *args], env=run_env, capture_output=True, text=True, timeout=30)
 
-    server = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", "draft"], env=run_env,
+    server = subprocess.Popen([sys.executable, "-m", "specdec_tools.cli", "serve", "draft"], env=run_env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         result = None

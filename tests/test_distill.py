@@ -19,8 +19,8 @@ from safetensors import safe_open
 
 from draft_service.engine import DraftEngine, DraftSettings, load_pruned_drafter
 from protos import specdec_pb2 as pb
-from specdec import distill
-from specdec.pruned import WEIGHTS, PrunedDraft, load_draft
+from specdec_tools import distill
+from specdec.model.pruned import WEIGHTS, PrunedDraft, load_draft
 from tests import tiny
 from tests.stack import Stack
 
@@ -162,7 +162,7 @@ def test_greedy_through_the_services_equals_the_target(run):
 
 
 def test_cli_is_registered():
-    from specdec.cli import COMMANDS
+    from specdec_tools.cli import COMMANDS
 
     assert "distill" in COMMANDS
     assert isinstance(distill.parse_args(["--out", "x"]), argparse.Namespace)
@@ -177,7 +177,7 @@ def test_evaluate_remeasures_the_stored_draft(run, capsys):
 
 def test_hf_assistant_wrapper_drafts_for_transformers_generate(run):
     """bench's hf-assisted[draft] runs transformers' assisted generation with this very draft."""
-    from specdec.pruned import hf_assistant
+    from specdec.model.pruned import hf_assistant
 
     assistant = hf_assistant(run["draft"])
     calls = []

@@ -35,15 +35,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from coordinator.config import CoordinatorConfig
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, TreeSpec
-from coordinator.scheduler import Admission
+from coordinator.policy.admission import Admission
 from coordinator.servicer import make_loop
 from draft_service.engine import ChainState, DraftEngine, DraftSettings, ModelDrafter, NgramDrafter, Proposal
-from draft_service.featuredraft import FeatureDrafter
+from draft_service.drafters.feature import FeatureDrafter
 from protos import specdec_pb2 as pb
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig, target_probs, truncated_probs
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig, target_probs, truncated_probs
 from target_service.engine import TargetEngine
-from target_service.verify import verify_rejection
+from specdec.spec.verify import verify_rejection
 from tests import tiny
 
 pytestmark = [pytest.mark.distribution, pytest.mark.usefixtures("one_torch_thread")]
@@ -303,7 +303,7 @@ def test_overlap_on(models):
 
 
 def test_feature_draft():
-    """A draft over the target's hidden states (specdec/eagle.py), on the 260-token tiny model. Its
+    """A draft over the target's hidden states (specdec/model/feature_draft.py), on the 260-token tiny model. Its
     first step has no target features yet and drafts nothing, so only tokens 2 and 3 are drafted;
     more damped layers make drafting them pay. The draft samples its top 6 (--top-k 6)."""
     base = tiny.one_layer_target(seed=3)
@@ -316,8 +316,8 @@ def test_feature_draft():
 def test_other_tokenizer_draft():
     """A draft with another vocabulary (a byte-level BPE with merges, other ids) for the byte-level
     target: it samples from its own tokens that map one-to-one onto target tokens."""
-    from draft_service.crossvocab import CrossVocabDrafter
-    from specdec.vocab import TokenText, VocabMap
+    from draft_service.drafters.other_vocab import CrossVocabDrafter
+    from specdec.model.vocab import TokenText, VocabMap
     from tests.test_crossvocab import bpe_tokenizer, move_vocab
 
     torch.manual_seed(0)

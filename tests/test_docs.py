@@ -2,8 +2,8 @@
 
 import pathlib
 
-from specdec.cli import SERVICES, _service
-from specdec.config import markdown_table
+from specdec_tools.cli import SERVICES, _service
+from specdec.serving.config import markdown_table
 
 CONFIGURATION = pathlib.Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -16,7 +16,7 @@ def test_configuration_tables_match_the_code():
 
 
 def test_config_from_flags_and_environment():
-    from specdec.config import from_argv
+    from specdec.serving.config import from_argv
     from target_service.config import TargetConfig
 
     config = from_argv(TargetConfig, ["--port", "6000"], "SPECDEC_TARGET_", "t", env={"SPECDEC_TARGET_PORT": "7000", "SPECDEC_TARGET_DEVICE": "cpu"})

@@ -18,8 +18,8 @@ import torch
 from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec.lm import CausalLM
-from specdec.pruned import PrunedCausalLM, PrunedDraft
+from specdec.model.lm import CausalLM
+from specdec.model.pruned import PrunedCausalLM, PrunedDraft
 from tests import tiny
 from tests.stack import Stack
 

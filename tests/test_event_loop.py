@@ -1,4 +1,4 @@
-"""specdec.grpcutil.run_service: `specdec serve` runs a service on uvloop unless told otherwise.
+"""specdec.serving.rpc.run_service: `specdec serve` runs a service on uvloop unless told otherwise.
 (The subprocess tests, tests/test_shutdown.py among them, run real services on it.)"""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from specdec.config import from_argv
-from specdec.grpcutil import run_service
+from specdec.serving.config import from_argv
+from specdec.serving.rpc import run_service
 from target_service.config import TargetConfig
 
 

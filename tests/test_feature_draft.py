@@ -1,4 +1,4 @@
-"""Feature drafts (specdec/eagle.py): the target's hidden states flow Verify -> coordinator -> Propose,
+"""Feature drafts (specdec/model/feature_draft.py): the target's hidden states flow Verify -> coordinator -> Propose,
 and the output stays the target's own, in process and over gRPC, through rollbacks and faults."""
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ import grpc
 import pytest
 import torch
 
-from coordinator.adapt import MODEL_DRAFT_PRIOR, CostModel
+from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop, Stats
 from draft_service.engine import DraftEngine, DraftSettings
-from draft_service.featuredraft import FeatureDrafter
+from draft_service.drafters.feature import FeatureDrafter
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec.eagle import load_feature_draft, save_feature_draft
-from specdec.features import FeatureLog, FeatureRows
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig
+from specdec.model.feature_draft import load_feature_draft, save_feature_draft
+from specdec.model.features import FeatureLog, FeatureRows
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig
 from target_service.engine import TargetEngine, VerifyCall
 from tests import tiny
 from tests.stack import Stack

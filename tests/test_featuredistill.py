@@ -17,13 +17,14 @@ from safetensors import safe_open
 
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
-from coordinator.adapt import MODEL_DRAFT_PRIOR
+from specdec.spec.costs import MODEL_DRAFT_PRIOR
 from draft_service.engine import DraftEngine
-from draft_service.featuredraft import FeatureDrafter, load_feature_drafter
-from specdec import distill, featuredistill
-from specdec.eagle import WEIGHTS, load_feature_draft
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig
+from draft_service.drafters.feature import FeatureDrafter, load_feature_drafter
+from specdec_tools import distill
+from specdec_tools import distill_feature
+from specdec.model.feature_draft import WEIGHTS, load_feature_draft
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig
 from target_service.engine import TargetEngine
 from tests import tiny
 
@@ -42,7 +43,7 @@ def run(tmp_path_factory):
             "--steps", "150", "--batch", "8", "--lr", "3e-3", "--heldout-prompts", "6", "--eval-tokens", "32",
             "--checkpoint-every", "50", "--threads", "1", "--dtype", "float32", "--draft-length", "3"]
     args = distill.parse_args(argv)
-    report = featuredistill.run(args, "test")
+    report = distill_feature.run(args, "test")
     return {"report": report, "target": target, "target_path": target_path, "draft": folder / "draft", "argv": argv, "args": args}
 
 
@@ -69,7 +70,7 @@ def test_reported_acceptance_is_what_the_real_loop_gets(run):
     args = run["args"]
     target = run["target"]
     draft, _ = load_feature_draft(run["draft"])
-    heldout = featuredistill.build_data(args, target, tiny.byte_tokenizer(), distill.load_corpus(args.corpus), {tiny.EOS}, heldout=True)
+    heldout = distill_feature.build_data(args, target, tiny.byte_tokenizer(), distill.load_corpus(args.corpus), {tiny.EOS}, heldout=True)
     cpu = torch.device("cpu")
     loop = SpeculativeLoop(LocalVerifier(TargetEngine(CausalLM(target, cpu))), LocalProposer(DraftEngine(FeatureDrafter(draft, cpu, [tiny.EOS]))),
                            None, MODEL_DRAFT_PRIOR, features=True)
@@ -85,7 +86,7 @@ def test_reported_acceptance_is_what_the_real_loop_gets(run):
 
         assert asyncio.run(collect()) == continuation  # and the output is the target's own
         real += stats.accepted_tokens
-        simulated += featuredistill.chain_hits(draft, record, 3)[2]
+        simulated += distill_feature.chain_hits(draft, record, 3)[2]
     assert real > 0
     assert real == simulated
 
@@ -94,6 +95,6 @@ def test_rerun_resumes_from_the_checkpoint(run, tmp_path):
     args = distill.parse_args([*run["argv"], "--steps", "160"])
     args.work_dir = str(pathlib.Path(run["argv"][run["argv"].index("--out") + 1]).with_suffix(".work"))
     args.out = str(tmp_path / "draft2")
-    report = featuredistill.run(args, "test")
+    report = distill_feature.run(args, "test")
     state = torch.load(pathlib.Path(args.work_dir) / "feature_checkpoint.pt", weights_only=False)
     assert state["step"] == 160 and len(state["losses"]) == 160 and report["steps"] == 160

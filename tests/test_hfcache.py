@@ -1,4 +1,4 @@
-"""specdec.hfcache: the cache goes to a forward under the name that forward takes, and comes back
+"""specdec.model.hfcache: the cache goes to a forward under the name that forward takes, and comes back
 from either field, so specdec runs on transformers before and after 5.24's rename."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import warnings
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from specdec.hfcache import cache_kwargs, output_field, returned_cache
-from specdec.kvcache import Sequence
-from specdec.lm import CausalLM
+from specdec.model.hfcache import cache_kwargs, output_field, returned_cache
+from specdec.kv.store import Sequence
+from specdec.model.lm import CausalLM
 from tests import tiny
 
 

@@ -9,10 +9,10 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from specdec.kvbuffer import MIN_CAPACITY, GrowingLayer, arena_of, full_attention, move_to_arena, new_cache
-from specdec.kvcache import Sequence
-from specdec.lm import CausalLM
-from specdec.treeforward import keep_positions
+from specdec.kv.buffers import MIN_CAPACITY, GrowingLayer, arena_of, full_attention, move_to_arena, new_cache
+from specdec.kv.store import Sequence
+from specdec.model.lm import CausalLM
+from specdec.forward.tree import keep_positions
 from tests import tiny
 
 
@@ -98,7 +98,7 @@ def test_only_full_attention_layers_are_replaced():
 
 
 def test_a_cache_is_in_its_arena_until_any_layer_leaves_it():
-    """specdec/batching.py copies a row in with one copy only while every layer still keeps its
+    """specdec/forward/batching.py copies a row in with one copy only while every layer still keeps its
     buffers in the sequence's arena; a layer that reallocated on its own must send it back to the
     layer-by-layer copy (move_to_arena)."""
     gen = torch.Generator().manual_seed(1)

@@ -9,9 +9,9 @@ import torch
 
 from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter
 from specdec.errors import SequenceNotFound, SequenceReleased
-from specdec.kvcache import SequenceStore
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig
+from specdec.kv.store import SequenceStore
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig
 from target_service.engine import TargetEngine
 from tests import tiny
 
@@ -91,7 +91,7 @@ def test_a_call_arriving_after_its_release_cannot_recreate_the_sequence():
 def test_store_expires_idle_sequences(monkeypatch):
     store = SequenceStore(max_sequences=4, idle_timeout_s=10)
     clock = [100.0]
-    monkeypatch.setattr("specdec.kvcache.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("specdec.kv.store.time.monotonic", lambda: clock[0])
     store.sync("old", 0, [1])
     clock[0] += 11
     store.sync("new", 0, [1])

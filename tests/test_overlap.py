@@ -1,4 +1,4 @@
-"""Overlapped speculation (coordinator/overlap.py): the draft drafts step t+1 while the target
+"""Overlapped speculation (coordinator/policy/overlap.py): the draft drafts step t+1 while the target
 verifies step t. It may only ever change speed: greedy output stays the target's own, sampling
 stays exactly the target's distribution, and a draft that fails while running ahead costs nothing
 but the run-ahead.
@@ -11,14 +11,14 @@ import asyncio
 import pytest
 import torch
 
-from coordinator.adapt import MODEL_DRAFT_PRIOR, CostModel
+from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
-from coordinator.overlap import PROBE_EVERY, RunAheadPolicy
+from coordinator.policy.overlap import PROBE_EVERY, RunAheadPolicy
 from draft_service.engine import DraftEngine, ModelDrafter
 from protos import specdec_pb2 as pb
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig, target_probs
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig, target_probs
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.services import Service
@@ -256,7 +256,7 @@ def test_overlap_bench_quick(tmp_path):
     import sys
 
     out = tmp_path / "overlap"
-    done = subprocess.run([sys.executable, "-m", "specdec.cli", "bench", "--overlap", "--quick", "--draft-lengths", "1,2",
+    done = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "bench", "--overlap", "--quick", "--draft-lengths", "1,2",
                            "--out", str(out)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "sequential vs overlapped" in done.stdout

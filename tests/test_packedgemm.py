@@ -1,4 +1,4 @@
-"""specdec's small-M GEMM kernel for target forwards (specdec/smallgemm.py, specdec/packedgemm.py):
+"""specdec's small-M GEMM kernel for target forwards (specdec/model/gemm_kernel.py, specdec/model/gemm.py):
 the same results as the stock kernel, rows that do not interact, the same tokens."""
 
 from __future__ import annotations
@@ -9,21 +9,22 @@ import copy
 import pytest
 import torch
 
-from coordinator.adapt import MODEL_DRAFT_PRIOR, CostModel
+from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from draft_service.engine import DraftEngine, ModelDrafter
-from specdec import packedgemm, smallgemm
-from specdec.kvcache import Sequence
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig
+from specdec.model import gemm
+from specdec.model import gemm_kernel
+from specdec.kv.store import Sequence
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.test_loop import MAX_NEW, run
 
 CPU = torch.device("cpu")
-pytestmark = pytest.mark.skipif(not packedgemm.available(CPU, torch.float32), reason="no C compiler to build the small-M kernel")
+pytestmark = pytest.mark.skipif(not gemm.available(CPU, torch.float32), reason="no C compiler to build the small-M kernel")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def pair():
 
 def packed_copy(model, rows=16, min_rows=1):
     model = copy.deepcopy(model)
-    report = packedgemm.pack_linears(model, rows, min_rows)
+    report = gemm.pack_linears(model, rows, min_rows)
     return model, report
 
 
@@ -41,9 +42,9 @@ def packed_copy(model, rows=16, min_rows=1):
 def test_the_kernel_matches_the_stock_linear_for_every_row_count(out_features, in_features, bias):
     torch.manual_seed(0)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
-    kernel = smallgemm.load()
+    kernel = gemm_kernel.load()
     panels = kernel.pack(linear.weight)
-    assert panels.data_ptr() % smallgemm.ALIGNMENT == 0
+    assert panels.data_ptr() % gemm_kernel.ALIGNMENT == 0
     for m in [*range(1, 34), 48, 64, 100]:  # 1-16 rows in one group; more in groups of 16 per panel
         x = torch.randn(m, in_features)
         out = kernel.linear(x, panels, out_features, linear.bias)
@@ -51,7 +52,7 @@ def test_the_kernel_matches_the_stock_linear_for_every_row_count(out_features, i
 
 
 def test_the_kernel_refuses_what_it_cannot_compute():
-    kernel = smallgemm.load()
+    kernel = gemm_kernel.load()
     panels = kernel.pack(torch.randn(8, 4))
     with pytest.raises(ValueError, match="rows"):
         kernel.linear(torch.randn(0, 4), panels, 8, None)
@@ -63,7 +64,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
     # What keeps a verify pass's logits equal to a decode step's: bit-identical, not merely close.
     torch.manual_seed(1)
     linear = torch.nn.Linear(96, 200)
-    kernel = smallgemm.load()
+    kernel = gemm_kernel.load()
     panels = kernel.pack(linear.weight)
     x = torch.randn(40, 96)  # three groups of rows: 16, 16 and 8
     together = kernel.linear(x, panels, 200, linear.bias)
@@ -77,7 +78,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 def test_a_packed_layer_uses_the_kernel_in_range_and_the_stock_one_outside():
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 80)
-    layer = packedgemm.PackedLinear(linear, rows=8, min_rows=3, kernel=smallgemm.load())
+    layer = gemm.PackedLinear(linear, rows=8, min_rows=3, kernel=gemm_kernel.load())
     for n in range(1, 12):
         x = torch.randn(1, n, 48)
         out = layer(x)
@@ -91,17 +92,17 @@ def test_a_packed_layer_uses_the_kernel_in_range_and_the_stock_one_outside():
 
 def test_disabled_runs_the_stock_kernel():
     linear = torch.nn.Linear(32, 40)
-    layer = packedgemm.PackedLinear(linear, rows=4, min_rows=1, kernel=smallgemm.load())
+    layer = gemm.PackedLinear(linear, rows=4, min_rows=1, kernel=gemm_kernel.load())
     x = torch.randn(3, 32)
     packed = layer.kernel.linear(x, layer.packed, 40, layer.bias)
-    with packedgemm.disabled():
+    with gemm.disabled():
         assert torch.equal(layer(x), linear(x))
     assert torch.equal(layer(x), packed)  # back on after the block
 
 
 def test_gradients_take_the_stock_kernel():
     linear = torch.nn.Linear(8, 8)
-    layer = packedgemm.PackedLinear(linear, rows=4, min_rows=1, kernel=smallgemm.load())
+    layer = gemm.PackedLinear(linear, rows=4, min_rows=1, kernel=gemm_kernel.load())
     x = torch.randn(2, 8, requires_grad=True)
     layer(x).sum().backward()
     assert x.grad is not None and linear.weight.grad is not None
@@ -112,8 +113,8 @@ def test_packing_keeps_the_models_parameters_ties_and_state_dict(pair):
     tied = copy.deepcopy(target)
     tied.lm_head.weight = tied.model.embed_tokens.weight
     keys = list(tied.state_dict())
-    report = packedgemm.pack_linears(tied, 8, 5)
-    assert report.layers == sum(isinstance(m, packedgemm.PackedLinear) for m in tied.modules()) > 0
+    report = gemm.pack_linears(tied, 8, 5)
+    assert report.layers == sum(isinstance(m, gemm.PackedLinear) for m in tied.modules()) > 0
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     assert list(tied.state_dict()) == keys
     assert not any(type(m) is torch.nn.Linear for m in tied.modules())
@@ -121,7 +122,7 @@ def test_packing_keeps_the_models_parameters_ties_and_state_dict(pair):
 
 def test_verify_logits_agree_with_the_stock_path_and_with_decode(pair):
     target, _ = pair
-    model, _ = packed_copy(target, rows=packedgemm.DEFAULT_ROWS)
+    model, _ = packed_copy(target, rows=gemm.DEFAULT_ROWS)
     lm = CausalLM(model, CPU)
     context = tiny.prompts(1, seed=4)[0]
     for n in (1, 4, 5, 8, 9, 16, 17, 40):  # past 16 rows the kernel goes through each panel in groups
@@ -130,7 +131,7 @@ def test_verify_logits_agree_with_the_stock_path_and_with_decode(pair):
             seq = Sequence(arm, tokens=list(context))
             lm.forward(seq)  # the prefill, the same in both arms
             seq.crop_cache(len(context) - 1)  # the verify below feeds exactly n positions
-            with packedgemm.disabled() if arm == "stock" else contextlib.nullcontext():
+            with gemm.disabled() if arm == "stock" else contextlib.nullcontext():
                 logits[arm] = lm.forward(seq, list(range(10, 10 + n - 1)), keep=n)
         torch.testing.assert_close(logits["packed"], logits["stock"], atol=1e-4, rtol=1e-4)
         assert torch.equal(logits["packed"].argmax(-1), logits["stock"].argmax(-1))
@@ -138,12 +139,12 @@ def test_verify_logits_agree_with_the_stock_path_and_with_decode(pair):
 
 def test_a_prefill_through_the_kernel_agrees_with_the_stock_one_and_decodes_the_same(pair):
     target, _ = pair
-    model, _ = packed_copy(target, rows=packedgemm.DEFAULT_ROWS)
+    model, _ = packed_copy(target, rows=gemm.DEFAULT_ROWS)
     lm = CausalLM(model, CPU)
     prompt = tiny.prompts(1, seed=8)[0] * 3  # well past 16 positions in one forward
     logits = {}
     for arm in ("stock", "packed"):
-        with packedgemm.disabled() if arm == "stock" else contextlib.nullcontext():
+        with gemm.disabled() if arm == "stock" else contextlib.nullcontext():
             logits[arm] = lm.forward(Sequence(arm, tokens=list(prompt)), keep=len(prompt))
     torch.testing.assert_close(logits["packed"], logits["stock"], atol=1e-4, rtol=1e-4)
     assert torch.equal(logits["packed"].argmax(-1), logits["stock"].argmax(-1))
@@ -171,40 +172,40 @@ def test_speculative_output_with_a_packed_target_equals_the_target_alone(pair):
 def test_apply_is_skipped_when_off_or_unavailable(pair):
     target, _ = pair
     model = copy.deepcopy(target)
-    assert packedgemm.apply(model, CPU, torch.float32, 0, 1) is None
-    assert packedgemm.apply(model, CPU, torch.bfloat16, 8, 5) is None
-    assert not any(isinstance(m, packedgemm.PackedLinear) for m in model.modules())
-    assert packedgemm.apply(model, CPU, torch.float32, 8, 5).layers > 0
+    assert gemm.apply(model, CPU, torch.float32, 0, 1) is None
+    assert gemm.apply(model, CPU, torch.bfloat16, 8, 5) is None
+    assert not any(isinstance(m, gemm.PackedLinear) for m in model.modules())
+    assert gemm.apply(model, CPU, torch.float32, 8, 5).layers > 0
 
 
 def test_no_compiler_means_no_kernel_and_a_stock_model(pair, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    smallgemm.load.cache_clear()
+    gemm_kernel.load.cache_clear()
     try:
-        assert smallgemm.load() is None
-        assert not packedgemm.available(CPU, torch.float32)
+        assert gemm_kernel.load() is None
+        assert not gemm.available(CPU, torch.float32)
         model = copy.deepcopy(pair[0])
-        assert packedgemm.apply(model, CPU, torch.float32, 8, 1) is None
-        assert not any(isinstance(m, packedgemm.PackedLinear) for m in model.modules())
+        assert gemm.apply(model, CPU, torch.float32, 8, 1) is None
+        assert not any(isinstance(m, gemm.PackedLinear) for m in model.modules())
     finally:
-        smallgemm.load.cache_clear()
+        gemm_kernel.load.cache_clear()
 
 
 def test_a_fresh_cache_compiles_the_kernel_once(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    smallgemm.load.cache_clear()
+    gemm_kernel.load.cache_clear()
     try:
-        kernel = smallgemm.load()
+        kernel = gemm_kernel.load()
         assert kernel is not None and kernel.path.parent == tmp_path / "kernels"
         built = kernel.path.stat().st_mtime_ns
-        smallgemm.load.cache_clear()
-        assert smallgemm.load().path == kernel.path and kernel.path.stat().st_mtime_ns == built
+        gemm_kernel.load.cache_clear()
+        assert gemm_kernel.load().path == kernel.path and kernel.path.stat().st_mtime_ns == built
         assert [p.name for p in (tmp_path / "kernels").iterdir()] == [kernel.path.name]  # no temporary left behind
     finally:
-        smallgemm.load.cache_clear()
+        gemm_kernel.load.cache_clear()
 
 
-@pytest.mark.parametrize("rows, min_rows", [(-1, 5), (8, 0), (8, 9), (packedgemm.MAX_ROWS + 1, 1)])
+@pytest.mark.parametrize("rows, min_rows", [(-1, 5), (8, 0), (8, 9), (gemm.MAX_ROWS + 1, 1)])
 def test_target_config_rejects_bad_packed_rows(rows, min_rows):
     with pytest.raises(ValueError, match="packed-gemm"):
         TargetConfig(packed_gemm_rows=rows, packed_gemm_min_rows=min_rows)
@@ -212,6 +213,6 @@ def test_target_config_rejects_bad_packed_rows(rows, min_rows):
 
 def test_pack_linears_rejects_a_bad_range(pair):
     with pytest.raises(ValueError, match="min_rows"):
-        packedgemm.pack_linears(copy.deepcopy(pair[0]), 4, 6)
+        gemm.pack_linears(copy.deepcopy(pair[0]), 4, 6)
     with pytest.raises(ValueError, match="min_rows"):
-        packedgemm.pack_linears(copy.deepcopy(pair[0]), packedgemm.MAX_ROWS + 1, 1)
+        gemm.pack_linears(copy.deepcopy(pair[0]), gemm.MAX_ROWS + 1, 1)

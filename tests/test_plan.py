@@ -1,4 +1,4 @@
-"""The analytic model (specdec.plan) and the `specdec plan` command."""
+"""The analytic model (specdec_tools.plan) and the `specdec plan` command."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from coordinator.adapt import expected_tokens
-from specdec import plan
+from specdec.spec.costs import expected_tokens
+from specdec_tools import plan
 
 CURVE = plan.CostCurve.parse("1:44,2:70,4:67,8:70,16:85")
 
@@ -67,7 +67,7 @@ def test_round_trips_cost_every_step_but_drafting_ones_cost_two():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specdec.cli", "plan", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "specdec_tools.cli", "plan", *args], capture_output=True, text=True, timeout=60)
 
 
 def test_plan_command_names_the_best_length_and_rejects_bad_input():

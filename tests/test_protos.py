@@ -1,4 +1,4 @@
-"""The committed stubs are exactly what `python -m specdec.protogen` makes from the .proto."""
+"""The committed stubs are exactly what `python -m specdec_tools.protogen` makes from the .proto."""
 
 import pathlib
 import shutil
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from specdec import protogen
+from specdec_tools import protogen
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -15,7 +15,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def test_committed_stubs_match_the_proto(tmp_path):
     for path in protogen.generate(tmp_path):
         committed = REPO / "protos" / path.name
-        assert committed.read_bytes() == path.read_bytes(), f"{committed} is stale: run python -m specdec.protogen"
+        assert committed.read_bytes() == path.read_bytes(), f"{committed} is stale: run python -m specdec_tools.protogen"
 
 
 def _buf() -> str:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from protos import specdec_pb2 as pb
-from specdec.models import DEFAULT_TARGET, load_model
+from specdec.model.loading import DEFAULT_TARGET, load_model
 from tests.stack import Stack
 
 pytestmark = pytest.mark.slow
@@ -65,10 +65,10 @@ def test_greedy_equals_target_alone_with_ngram_draft(real, prompt):
 
 @pytest.fixture(scope="module")
 def real_feature_draft(real):
-    from specdec.models import feature_draft_folder
+    from specdec.model.loading import feature_draft_folder
 
     if feature_draft_folder("smollm2-135m-eagle") is None:
-        pytest.skip("no committed feature draft in models/smollm2-135m-eagle")
+        pytest.skip("no committed feature draft in specdec/drafts/smollm2-135m-eagle")
     loaded, _ = real
     stack = Stack()
     target = stack.target(DEFAULT_TARGET)
@@ -113,11 +113,11 @@ def _port_free(port: int) -> bool:
 def test_specdec_up_and_generate_cli(tmp_path):
     """The README's main job: `specdec up`, then `specdec generate`, on the embedded default models."""
     port = free_port_block()
-    up = subprocess.Popen([sys.executable, "-m", "specdec.cli", "up", "--port", str(port)],
+    up = subprocess.Popen([sys.executable, "-m", "specdec_tools.cli", "up", "--port", str(port)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "specdec.cli", "generate", "--address", f"127.0.0.1:{port}", "--wait", "300",
+            [sys.executable, "-m", "specdec_tools.cli", "generate", "--address", f"127.0.0.1:{port}", "--wait", "300",
              "--max-new-tokens", "48", "--compare", "What is the capital of France?"],
             capture_output=True, text=True, timeout=600,
         )

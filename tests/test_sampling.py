@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specdec.sampling import SamplingConfig, derive_seed, target_probs, truncated_probs, warp_logits
+from specdec.spec.sampling import SamplingConfig, derive_seed, target_probs, truncated_probs, warp_logits
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.2, 0, 0.9), (0.5, 20, 0.5), (2.0, 3, 0.3), (1.0, 1, 1.0)])

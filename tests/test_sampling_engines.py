@@ -14,8 +14,8 @@ from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig, derive_seed, target_probs
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig, derive_seed, target_probs
 from target_service.engine import TargetEngine
 
 VOCAB, SAMPLES, FALSE_ALARM = 12, 4_000, 1e-4

@@ -1,4 +1,4 @@
-"""Admission under load (coordinator/scheduler.py): running cap, bounded queue, prompt refusal with
+"""Admission under load (coordinator/policy/admission.py): running cap, bounded queue, prompt refusal with
 a retry hint, cancellation while queued, and the draft-length cap that shrinks as the batch fills."""
 
 from __future__ import annotations
@@ -7,8 +7,9 @@ import asyncio
 
 import pytest
 
-from coordinator.adapt import NGRAM_DRAFT_PRIOR, CostModel, DraftLengthPolicy
-from coordinator.scheduler import Admission
+from specdec.spec.costs import NGRAM_DRAFT_PRIOR, CostModel
+from coordinator.policy.draft_length import DraftLengthPolicy
+from coordinator.policy.admission import Admission
 from specdec.errors import Overloaded
 
 

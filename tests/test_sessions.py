@@ -11,7 +11,7 @@ import pytest
 
 from coordinator.clients import DraftClient, TargetClient
 from specdec.errors import SequenceNotFound
-from specdec.sampling import SamplingConfig
+from specdec.spec.sampling import SamplingConfig
 from tests import tiny
 from tests.stack import Stack
 

@@ -271,7 +271,7 @@ def test_coordinator_past_its_grace_cancels_what_is_left_and_exits(backends):
     ("coordinator", ["--target", "127.0.0.1:1", "--tokenizer", "no-such-tokenizer", "--http-port", "-1"]),
 ])
 def test_a_bad_model_ends_the_service_with_its_message_not_a_traceback(role, flags):
-    done = subprocess.run([sys.executable, "-m", "specdec.cli", "serve", role, "--port", str(free_port()), *flags],
+    done = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "serve", role, "--port", str(free_port()), *flags],
                           capture_output=True, text=True, timeout=120, env={**os.environ, **ENV})
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"specdec serve {role}: error:" in done.stderr and ("no-such" in done.stderr or "/no/such" in done.stderr)

@@ -1,4 +1,4 @@
-"""Staged drafting (draft_service/staged.py): the draft's greedy tokens, in fewer draft forwards.
+"""Staged drafting (draft_service/drafters/staged.py): the draft's greedy tokens, in fewer draft forwards.
 
 The staged drafter must propose exactly what the plain greedy drafter proposes, call after call,
 through rollbacks and re-fills; it must need fewer draft-model passes where the text repeats; and
@@ -13,13 +13,13 @@ import random
 import pytest
 import torch
 
-from coordinator.adapt import MODEL_DRAFT_PRIOR
+from specdec.spec.costs import MODEL_DRAFT_PRIOR
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
 from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter
 from protos import specdec_pb2 as pb
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.stack import Stack

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgument
-from target_service.tree import (
+from specdec.spec.tree import (
     ancestor_mask,
     check_parents,
     children,

@@ -15,17 +15,17 @@ import dataclasses
 import pytest
 import torch
 
-from coordinator.adapt import MODEL_DRAFT_PRIOR
+from specdec.spec.costs import MODEL_DRAFT_PRIOR
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, TreeSpec
 from draft_service.engine import DraftEngine, ModelDrafter, NgramDrafter
 from draft_service.tree import TreeBuilder, TreeSettings
 from specdec.errors import InvalidArgument
-from specdec.kvcache import Sequence
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig
+from specdec.kv.store import Sequence
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig
 from target_service.engine import DraftTree, TargetEngine, VerifyCall
-from target_service.tree import depths, path_to
+from specdec.spec.tree import depths, path_to
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
 
 CPU = torch.device("cpu")
@@ -184,7 +184,7 @@ def test_sampled_trees_through_both_engines_follow_the_target_distribution(pair)
     prompt = prompts(1, seed=21)[0]
     sampling = SamplingConfig(temperature=2.0, top_k=6)  # a flat q on 6 tokens; a peaked draft p on its top 8
     seq = Sequence("q", list(prompt))
-    from specdec.sampling import target_probs
+    from specdec.spec.sampling import target_probs
 
     q = target_probs(t_engine.lm.forward(seq, keep=1)[0], sampling).double()
     counts = torch.zeros_like(q)
@@ -205,7 +205,7 @@ def test_sampled_trees_through_both_engines_follow_the_target_distribution(pair)
 
 @pytest.mark.parametrize("seeded", [False, True])
 def test_the_load_cap_bounds_tree_nodes_except_for_seeded_requests(pair, seeded):
-    from coordinator.adapt import CostModel
+    from specdec.spec.costs import CostModel
 
     target, draft = pair
     cost_model = CostModel(MODEL_DRAFT_PRIOR)

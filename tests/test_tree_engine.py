@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.lm import CausalLM
-from specdec.sampling import SamplingConfig
+from specdec.model.lm import CausalLM
+from specdec.spec.sampling import SamplingConfig
 from target_service.engine import DraftTree, TargetEngine, VerifyCall
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
 

@@ -13,9 +13,9 @@ import random
 import pytest
 import torch
 
-from specdec.lm import CausalLM
-from specdec.models import DEFAULT_TARGET, load_model
-from specdec.sampling import SamplingConfig
+from specdec.model.lm import CausalLM
+from specdec.model.loading import DEFAULT_TARGET, load_model
+from specdec.spec.sampling import SamplingConfig
 from target_service.engine import TargetEngine, VerifyCall
 from tests.test_tree_engine import random_tree
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec.sampling import SamplingConfig, target_probs
-from target_service.verify import sample_from, verify_greedy, verify_rejection
+from specdec.spec.sampling import SamplingConfig, target_probs
+from specdec.spec.verify import sample_from, verify_greedy, verify_rejection
 
 # Each chi-square test below fails by chance with probability FALSE_ALARM when the maths is right.
 FALSE_ALARM = 1e-4

@@ -1,11 +1,11 @@
-"""Test helpers over the tiny models of specdec.tinymodels: prompts and the reference decoder."""
+"""Test helpers over the tiny models of specdec_tools.tinymodels: prompts and the reference decoder."""
 
 from __future__ import annotations
 
 import torch
 from transformers import LlamaForCausalLM
 
-from specdec.tinymodels import EOS, VOCAB, byte_tokenizer, save, tiny_config, tiny_pair
+from specdec_tools.tinymodels import EOS, VOCAB, byte_tokenizer, save, tiny_config, tiny_pair
 
 __all__ = ["EOS", "VOCAB", "byte_tokenizer", "save", "tiny_config", "tiny_pair", "prompts", "reference_greedy"]
 
@@ -33,11 +33,11 @@ def reference_greedy(model: LlamaForCausalLM, prompt: list[int], max_new_tokens:
 
 
 def feature_draft_of(target: LlamaForCausalLM, kept: list[int] | None = None, noise: float = 0.0, seed: int = 0):
-    """A feature draft (specdec/eagle.py) that nearly reproduces a ONE-layer target: fc passes the
+    """A feature draft (specdec/model/feature_draft.py) that nearly reproduces a ONE-layer target: fc passes the
     token's embedding through, the layer and norm are the target's, so its predicted feature is
     the target's own up to the missing first position in attention. High but imperfect acceptance
     (and `noise` lowers it) exercises acceptance, rejection and bonus tokens alike."""
-    from specdec.eagle import FeatureDraft
+    from specdec.model.feature_draft import FeatureDraft
 
     config = target.config
     if config.num_hidden_layers != 1:

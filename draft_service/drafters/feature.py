@@ -1,0 +1,134 @@
+"""Drafting from the target's hidden states (specdec/model/feature_draft.py) inside the draft service.
+
+Per sequence the draft holds the canonical tokens x_0..x_{L-1} (the store's Sequence), the target
+features f_0..f_{n-1} it was sent (seq.side, a FeatureState; normally n = L - 1, since the target
+has not yet run the last token) and a KV cache over "pairs" (f_i, x_{i+1}) computed from TRUE
+features only (seq.cached counts pairs). A step:
+  1. feeds the true pairs it has not cached, the last one re-fed each step: its output is the
+     prediction of f_n that everything after starts from;
+  2. if features lag the tokens (a run-ahead, which builds on a draft the target has not verified),
+     walks the missing positions with its own predicted features;
+  3. drafts: each token comes from the predicted feature's head logits, and (predicted feature,
+     token) is the next pair;
+  4. crops the cache back to the true pairs, since predicted features must not outlive the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from draft_service.engine import DraftSettings, ModelDrafter, Proposal
+from specdec.model.feature_draft import FeatureDraft
+from specdec.errors import InvalidArgument
+from specdec.model.features import FeatureRows
+from specdec.kv.store import Sequence, crop_to
+
+
+@dataclasses.dataclass
+class FeatureState:
+    """The target features a draft sequence holds: rows [0, count) of `values`."""
+
+    values: torch.Tensor  # [capacity, H] in the draft's dtype
+    count: int = 0
+
+
+class _LmInfo:
+    """What the service's GetInfo and the engine read off a drafter's `lm`."""
+
+    def __init__(self, model: FeatureDraft, device: torch.device, eos_token_ids: list[int]):
+        self.model = model
+        self.device = device
+        self.vocab_size = model.target_vocab_size
+        self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+        self.eos_token_ids = sorted(eos_token_ids)
+        self.dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+class FeatureDrafter(ModelDrafter):
+    """Token choice (greedy, top-k sampling, the cumulative-probability stop) is ModelDrafter's."""
+
+    kind = "feature"
+    needs_features = True
+
+    def __init__(self, model: FeatureDraft, device: torch.device, eos_token_ids: list[int] | None = None, top_k: int = 32):
+        super().__init__(_LmInfo(model, device, eos_token_ids or []), top_k)
+        self.model = model
+        self.dim = int(model.config.hidden_size)
+        self.dtype = next(model.parameters()).dtype
+
+    def receive(self, seq: Sequence, rows: FeatureRows | None) -> None:
+        """Keeps the held features before rows.start and puts the sent rows after them (after the
+        store's sync, so seq.tokens is the canonical sequence)."""
+        state = seq.side if isinstance(seq.side, FeatureState) else None
+        if state is None or len(seq.tokens) == 0:
+            state = seq.side = FeatureState(torch.empty(0, self.dim, dtype=self.dtype))
+        state.count = min(state.count, max(0, len(seq.tokens) - 1))  # a rollback drops the features past it
+        if rows is None:
+            return
+        if rows.start > state.count:
+            raise InvalidArgument("features.start", f"is {rows.start}, but the draft holds features for {state.count} positions of this sequence")
+        if rows.rows and rows.values.shape[1] != self.dim:
+            raise InvalidArgument("features.dim", f"is {rows.values.shape[1]}, the draft's hidden size is {self.dim}")
+        if rows.end > len(seq.tokens):
+            raise InvalidArgument("features", f"covers positions up to {rows.end}, past the sequence's {len(seq.tokens)} tokens")
+        if state.values.shape[0] < rows.end:
+            grown = torch.empty(max(rows.end, 2 * state.values.shape[0], 64), self.dim, dtype=self.dtype)
+            grown[:rows.start] = state.values[:rows.start]
+            state.values = grown
+        state.values[rows.start:rows.end] = rows.values.to(self.dtype)
+        state.count = rows.end
+
+    def draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+        state = seq.side if isinstance(seq.side, FeatureState) else None
+        if state is None or state.count == 0 or len(seq.tokens) < 2:
+            return  # nothing to draft from yet: the first Verify brings the prompt's features
+        yield from self._draft(seq, state, settings, start)
+
+    @torch.inference_mode()
+    def _draft(self, seq: Sequence, state: FeatureState, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+        device = self.lm.device
+        tokens = seq.tokens
+        true_pairs = min(state.count, len(tokens) - 1)
+        # Re-feed the last true pair: its output starts the chain. Cropped by absolute length, since
+        # a step abandoned mid-way (a cancelled call) may have left predicted pairs behind.
+        keep = min(seq.cached, true_pairs - 1)
+        if seq.cache is not None and keep > 0:
+            crop_to(seq.cache, keep)
+        else:
+            seq.cache = self.model.new_cache()
+            keep = 0
+        seq.cached = keep
+        feats = state.values[seq.cached:true_pairs][None].to(device)
+        nxt = torch.tensor([tokens[seq.cached + 1:true_pairs + 1]], dtype=torch.long, device=device)
+        predicted, logits = self.model(feats, nxt, seq.cache, use_cache=True)
+        seq.cached = true_pairs
+        feature = predicted[:, -1:]
+        try:
+            for i in range(true_pairs, len(tokens) - 1):  # features lag the tokens: walk them with predictions
+                feature, logits = self.model(feature, torch.tensor([[tokens[i + 1]]], device=device), seq.cache, use_cache=True)
+            chain = self.begin(settings, start)
+            while True:
+                self.forwards += 1
+                proposal = self.choose(self.model.to_target_logits(logits[0, -1].float().cpu()), chain)
+                if proposal is None:
+                    return
+                tokens.append(proposal.token)
+                yield proposal
+                if chain.done:
+                    return
+                feature, logits = self.model(feature[:, -1:], torch.tensor([[proposal.token]], device=device), seq.cache, use_cache=True)
+        finally:
+            crop_to(seq.cache, true_pairs)  # predicted pairs never outlive the step
+
+
+def load_feature_drafter(folder, device: str = "auto", dtype: str = "auto", top_k: int = 32) -> FeatureDrafter:
+    from specdec.model.feature_draft import load_feature_draft
+    from specdec.model.loading import resolve_device, resolve_dtype
+
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    model, meta = load_feature_draft(folder, dev, dt)
+    return FeatureDrafter(model, dev, meta.get("eos_token_ids"), top_k)

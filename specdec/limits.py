@@ -1,0 +1,9 @@
+"""Every bound of the gRPC contract, defined once: protos/specdec.proto documents them, the services
+enforce them, and the coordinator's flags and policies stay inside them."""
+
+MAX_DRAFT_TOKENS = 32  # draft tokens in one proposal: Propose.max_tokens, Verify.draft_tokens, a request's draft_length
+MAX_VERIFY_POSITIONS = MAX_DRAFT_TOKENS + 1  # a verify forward's positions: a whole proposal plus the bonus token
+MAX_TREE_NODES = 64  # nodes in one draft tree
+MAX_TREE_TOP_K = 16  # children per expanded node (and the most nodes expanded per level)
+MAX_TREE_DEPTH = 32  # levels of one draft tree
+MAX_DECODE_AHEAD = 64  # tokens one Verify may decode after its verdict (VerifyRequest.decode_ahead)

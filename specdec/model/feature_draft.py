@@ -1,0 +1,149 @@
+"""A feature draft (EAGLE-style): one transformer layer that drafts from the TARGET's own hidden states.
+
+Why: no model small enough to draft for SmolLM2-135M agrees with it often (its own first layers under
+5%, a distilled 2-layer copy about 24% per token), because a small model has to rebuild from tokens
+alone everything the target's 30 layers know. The target's final hidden state already holds that.
+So the draft takes, at each position i, the target's feature f_i (its post-norm last hidden state,
+from which the target's own head reads token i+1) together with the embedding of the token that
+followed, x_{i+1}, and predicts the next feature f_{i+1}; the target's head rows over a pruned
+vocabulary turn that into a token. Drafting k tokens feeds its own predicted features back in.
+Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty" (2024).
+
+What this asks of the system: the target returns the features of the positions it has made
+canonical (Verify's `return_features`), the coordinator forwards them with the next Propose, and the
+draft keeps a KV cache over (feature, next token) pairs, of which the pair count is always one less
+than the token count: the last canonical token's feature is computed by the target's next pass.
+
+Folder format (written by `save_feature_draft`, read by `load_feature_draft`):
+    specdec_feature_draft.json  {"format": 1, "target": <spec>, "target_vocab_size": V,
+                                 "llama_config": {...}, "eos_token_ids": [...], "report": {...}}
+    kept_vocab.json             the N kept target token ids, in head-row order
+    model.safetensors           fc, the layer, norm and head [N, hidden] (the embedding is the target's)
+    README.md                   the model card
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache, LlamaConfig, LlamaModel
+
+from specdec.model.hfcache import cache_kwargs
+
+MARKER = "specdec_feature_draft.json"
+KEPT = "kept_vocab.json"
+WEIGHTS = "model.safetensors"
+
+
+def is_feature_draft(folder: str | pathlib.Path) -> bool:
+    return (pathlib.Path(folder) / MARKER).is_file()
+
+
+class FeatureDraft(torch.nn.Module):
+    """fc([embed(x_{i+1}); f_i]) -> one Llama layer -> norm = predicted f_{i+1}; head over kept ids."""
+
+    def __init__(self, config: LlamaConfig, kept_ids: list[int], target_vocab_size: int):
+        super().__init__()
+        if len(set(kept_ids)) != len(kept_ids) or not kept_ids:
+            raise ValueError("kept_ids must be a non-empty list of distinct target token ids")
+        if min(kept_ids) < 0 or max(kept_ids) >= target_vocab_size:
+            raise ValueError(f"kept_ids must lie in the target vocabulary [0, {target_vocab_size})")
+        hidden = config.hidden_size
+        # The body never sees token ids (inputs_embeds only): a 1-row embedding keeps it from allocating V x H.
+        self.config = LlamaConfig(**{**config.to_dict(), "vocab_size": 1, "architectures": None,
+                                     "pad_token_id": None, "eos_token_id": None, "bos_token_id": None})
+        self.target_vocab_size = int(target_vocab_size)
+        self.embed = torch.nn.Embedding(target_vocab_size, hidden)  # the target's, frozen, never stored
+        self.embed.requires_grad_(False)
+        self.fc = torch.nn.Linear(2 * hidden, hidden, bias=True)
+        self.body = LlamaModel(self.config)
+        self.head = torch.nn.Linear(hidden, len(kept_ids), bias=False)
+        self.register_buffer("kept_ids", torch.tensor(kept_ids, dtype=torch.long), persistent=False)
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, past_key_values: DynamicCache | None = None,
+                use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [B, T, H] (f_i), next_tokens [B, T] (x_{i+1}) -> (predicted f_{i+1} [B, T, H], logits [B, T, N])."""
+        x = self.fc(torch.cat([self.embed(next_tokens).to(features.dtype), features], dim=-1))
+        out = self.body(inputs_embeds=x, **cache_kwargs(self.body, past_key_values), use_cache=use_cache)
+        predicted = out.last_hidden_state
+        return predicted, self.head(predicted)
+
+    def to_target_logits(self, pruned: torch.Tensor) -> torch.Tensor:
+        """[..., N] -> [..., V] with -inf outside the kept ids, so the draft's p there is exactly 0."""
+        full = pruned.new_full((*pruned.shape[:-1], self.target_vocab_size), float("-inf"))
+        full[..., self.kept_ids.to(pruned.device)] = pruned
+        return full
+
+
+def init_from_target(target, kept: list[int]) -> FeatureDraft:
+    """Layer, norm and head rows start as the target's last layer, final norm and output rows.
+
+    The last layer is the one whose input most resembles a feature, so it is the nearest start; fc
+    starts as "take the feature, add a little of the token" so step 0 already predicts something.
+    """
+    tcfg = target.config
+    cfg = LlamaConfig(**{**tcfg.to_dict(), "num_hidden_layers": 1, "tie_word_embeddings": False, "torch_dtype": "float32"})
+    draft = FeatureDraft(cfg, kept, int(tcfg.vocab_size))
+    body = target.model
+    last = body.layers[len(body.layers) - 1]
+    with torch.no_grad():
+        draft.body.layers[0].load_state_dict(last.state_dict())
+        draft.body.norm.weight.copy_(body.norm.weight)
+        draft.embed.weight.copy_(body.embed_tokens.weight)
+        draft.head.weight.copy_(target.get_output_embeddings().weight[torch.tensor(kept)])
+        hidden = cfg.hidden_size
+        draft.fc.weight.zero_()
+        draft.fc.weight[:, hidden:] = torch.eye(hidden)
+        draft.fc.weight[:, :hidden] = 0.1 * torch.eye(hidden)
+        draft.fc.bias.zero_()
+    return draft
+
+
+def _state(model: FeatureDraft) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()
+            if not k.startswith("embed.") and k != "body.embed_tokens.weight"}
+
+
+def save_feature_draft(model: FeatureDraft, folder: str | pathlib.Path, target: str, eos_token_ids: list[int],
+                       dtype: torch.dtype = torch.bfloat16, extra: dict | None = None) -> pathlib.Path:
+    folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(dtype) for k, v in _state(model).items()}, str(folder / WEIGHTS))
+    (folder / KEPT).write_text(json.dumps(model.kept_ids.tolist()) + "\n")
+    meta = {"format": 1, "target": target, "target_vocab_size": model.target_vocab_size,
+            "llama_config": model.config.to_dict(), "eos_token_ids": eos_token_ids, **(extra or {})}
+    (folder / MARKER).write_text(json.dumps(meta, indent=1, default=str) + "\n")
+    return folder
+
+
+def load_feature_draft(folder: str | pathlib.Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                       target_override: str | None = None) -> tuple[FeatureDraft, dict]:
+    """Builds the draft and fills in the target's input embedding (read from the target's safetensors)."""
+    from specdec.model.pruned import target_embedding
+
+    folder = pathlib.Path(folder)
+    if not is_feature_draft(folder):
+        raise FileNotFoundError(f"{folder}: no {MARKER}, so it is not a specdec feature draft")
+    meta = json.loads((folder / MARKER).read_text())
+    if meta.get("format") != 1:
+        raise ValueError(f"{folder}: unsupported feature-draft format {meta.get('format')!r}")
+    kept = json.loads((folder / KEPT).read_text())
+    config = LlamaConfig(**meta["llama_config"])
+    model = FeatureDraft(config, kept, int(meta["target_vocab_size"]))
+    state = load_file(str(folder / WEIGHTS))
+    embedding = target_embedding(target_override or meta["target"])
+    if tuple(embedding.shape) != (model.target_vocab_size, config.hidden_size):
+        raise ValueError(f"{folder}: the target's embedding is {tuple(embedding.shape)}, the draft expects "
+                         f"{(model.target_vocab_size, config.hidden_size)}: wrong target {meta['target']!r}?")
+    state["embed.weight"] = embedding
+    missing = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False).missing_keys
+    if set(missing) - {"body.embed_tokens.weight"}:
+        raise ValueError(f"{folder}: weights missing {sorted(missing)}")
+    model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model, meta

@@ -1,0 +1,148 @@
+"""CPU forwards through specdec's own GEMM kernel: verifying 8 draft tokens costs about what
+decoding one does, and batches and prefills cost less than with the stock kernel.
+
+Why: speculative decoding pays off when a forward over n new positions costs about what a forward
+over one does. On a GPU that holds; on a CPU with fp32 weights the stock (MKL) kernels do not get
+there: their small-M GEMMs are neither bandwidth- nor compute-bound. SmolLM2-135M's 211 linear
+layers on 2 cores (AMD EPYC) took 43 ms for one row and 63 ms for nine; whole forwards measured
+V(1) 55, V(4) 82, V(9) 86 ms there, and V(1) 45, V(4) 68, V(9) 89 ms on an Intel Xeon. The kernel
+in specdec/model/csrc/smallgemm.c (built by specdec/model/gemm_kernel.py) streams each weight once from a panel
+layout and reads it at about the memory's speed: 17-20 ms for the same 211 layers at 1 and at 9
+rows. Past 16 rows it takes the rows 16 at a time through each panel while the panel sits in the
+core's caches, and stayed ahead of the stock kernel at every row count measured (2.2x at 24 rows,
+1.6-1.9x at 64, 1.3x at 256, 1.2x at 1024), so batched verification and prefills take it too.
+
+Rows `min_rows`..`rows` take the kernel (`min_rows` can keep short forwards on the stock kernel;
+`rows` caps it). A row's result does not depend on the other rows (one fused multiply-add chain
+per output, in k order), so a position's logits are the same in a decode step, a verify pass, a
+batch and a prefill.
+
+Costs: the panels sit beside the original weights, which the tied embedding (and forwards past
+`rows`) still use: about the model's size again in memory (SmolLM2-135M: +0.5 GiB). Results differ
+from MKL's in the last bits (another summation order), as MKL's own kernels for one row and for
+more already differ from each other; `specdec bench` checks every greedy output against
+transformers' `generate()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import time
+from collections.abc import Iterator
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from specdec.model import gemm_kernel
+
+log = structlog.get_logger(__name__)
+
+# Defaults of the services' --packed-gemm-rows / --packed-gemm-min-rows: every forward up to 4,096
+# positions (decode steps, verifies, batches, prompts that long), the range measured faster than
+# the stock kernel with margin; decode steps (1 row) gain the most of all (2.3x per layer).
+DEFAULT_ROWS = 4096
+DEFAULT_MIN_ROWS = 1
+MAX_ROWS = 1 << 20  # the kernel's own bound (SG_MAX_ROWS in specdec/model/csrc/smallgemm.c)
+
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("specdec_packed_gemm", default=True)
+
+
+def available(device: torch.device, dtype: torch.dtype) -> bool:
+    """The kernel serves float32 on CPUs, where a C compiler could build it (specdec/model/gemm_kernel.py)."""
+    return device.type == "cpu" and dtype == torch.float32 and gemm_kernel.load() is not None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block (this thread or task), packed layers compute with the stock kernel: the
+    benchmark runs transformers' own generate() on the same model object and must measure it as
+    users run it."""
+    token = _ENABLED.set(False)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+class PackedLinear(torch.nn.Linear):
+    """An nn.Linear that also keeps its weight in the small-M kernel's panels (shares weight and bias).
+
+    The panels are a copy taken when the layer is built: serving never changes weights after
+    loading, and code that does (training, load_state_dict) must pack again or call `disabled()`.
+    """
+
+    def __init__(self, linear: torch.nn.Linear, rows: int, min_rows: int, kernel: gemm_kernel.Kernel):
+        torch.nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a fresh weight
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.rows, self.min_rows = rows, min_rows
+        self.kernel = kernel
+        # A plain attribute, not a buffer: it stays out of state_dict and is rebuilt, not moved.
+        self.packed = kernel.pack(linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.numel() // self.in_features
+        if not self.min_rows <= n <= self.rows or not _ENABLED.get() or x.dtype != torch.float32 or x.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        out = self.kernel.linear(x.reshape(n, self.in_features), self.packed, self.out_features, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, packed_rows={self.min_rows}..{self.rows}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PackReport:
+    layers: int
+    resident_bytes: int | None  # growth of the process's anonymous resident memory while packing (Linux), None elsewhere
+
+
+def _resident_bytes() -> int | None:
+    # Anonymous memory only: weights loaded from safetensors are file-backed pages that packing
+    # reads in, which the serving process would read in anyway.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def pack_linears(model: torch.nn.Module, rows: int, min_rows: int) -> PackReport:
+    """Swaps every float32 nn.Linear of `model` for a PackedLinear in place; tied weights stay tied."""
+    if not 1 <= min_rows <= rows <= MAX_ROWS:
+        raise ValueError(f"packed rows must satisfy 1 <= min_rows <= rows <= {MAX_ROWS}, got min_rows={min_rows}, rows={rows}")
+    kernel = gemm_kernel.load()
+    if kernel is None:
+        raise RuntimeError("the small-M GEMM kernel could not be built here (see the log); call available() first")
+    before = _resident_bytes()
+    swapped: dict[int, PackedLinear] = {}  # a module reachable from two parents is packed once
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
+                if id(child) not in swapped:
+                    swapped[id(child)] = PackedLinear(child, rows, min_rows, kernel)
+                setattr(parent, name, swapped[id(child)])
+    after = _resident_bytes()
+    return PackReport(len(swapped), after - before if before is not None and after is not None else None)
+
+
+def apply(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, rows: int, min_rows: int) -> PackReport | None:
+    """Packs a loaded model's linear layers when asked (rows > 0) and the backend has the kernel."""
+    if rows <= 0:
+        return None
+    if not available(device, dtype):
+        log.info("packed GEMM skipped: it needs float32 on a CPU and a C compiler to build its kernel", device=str(device),
+                 dtype=str(dtype).removeprefix("torch."))
+        return None
+    start = time.perf_counter()
+    report = pack_linears(model, rows, min_rows)
+    log.info("linear layers packed for verification", layers=report.layers, rows=f"{min_rows}-{rows}",
+             resident_mib=None if report.resident_bytes is None else round(report.resident_bytes / 2**20),
+             seconds=round(time.perf_counter() - start, 2))
+    return report

@@ -1,0 +1,124 @@
+"""Builds, loads and calls the small-M float32 GEMM kernel (specdec/model/csrc/smallgemm.c) on CPUs.
+
+The kernel is compiled on first use with the machine's C compiler (`$CC`, else `cc`) and
+`-O3 -march=native -fopenmp`, into the specdec cache (`$SPECDEC_CACHE_DIR/kernels`, else
+~/.cache/specdec/kernels). Compiling here rather than at install time is what lets it use the
+CPU's widest vectors: an image built on one machine runs on nodes with other CPUs. The file name
+carries a hash of the source, the flags, the compiler's version and the CPU's model and flags, so
+a cache shared between machines never hands one CPU another's code. Without a compiler (or on a
+non-Linux/non-GCC toolchain that refuses the flags) `load()` returns None and callers keep the
+stock kernel; the reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "smallgemm.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+ALIGNMENT = 64  # bytes: the kernel reads packed panels with aligned 64-byte vector loads
+
+
+class Kernel:
+    """The loaded shared library: `pack` once per weight, `linear` per call."""
+
+    def __init__(self, lib: ctypes.CDLL, path: pathlib.Path):
+        self.path = path
+        p, i = ctypes.c_void_p, ctypes.c_int
+        # ctypes.CDLL releases the GIL around each call: the event loop keeps running meanwhile.
+        self._pack = lib.sg_pack
+        self._pack.argtypes, self._pack.restype = [p, i, i, p], None
+        self._linear = lib.sg_linear
+        self._linear.argtypes, self._linear.restype = [p, i, i, p, i, p, p], ctypes.c_int
+        self.max_rows: int = lib.sg_max_rows()
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[N, K] float32 weight -> its panels, [ceil(N/16) * K * 16] (a copy; the weight is unchanged)."""
+        w = weight.detach().contiguous()
+        n, k = w.shape
+        # One extra vector of room so the panels can start on a 64-byte boundary whatever the allocator gives.
+        size = -(-n // 16) * k * 16
+        raw = torch.empty(size + ALIGNMENT // 4, dtype=torch.float32)
+        offset = (-raw.data_ptr() % ALIGNMENT) // 4
+        panels = raw[offset: offset + size]
+        self._pack(w.data_ptr(), n, k, panels.data_ptr())
+        return panels
+
+    def linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [M, K] float32 with 1 <= M <= max_rows -> [M, out_features]. The caller keeps K and
+        out_features those of the packed weight: the kernel reads the panels by them."""
+        if x.dtype != torch.float32 or x.dim() != 2:
+            raise ValueError(f"the small-M kernel takes a 2-D float32 x, got {x.dtype} of shape {tuple(x.shape)}")
+        x = x.contiguous()
+        m, k = x.shape
+        y = torch.empty(m, out_features, dtype=torch.float32)
+        if self._linear(x.data_ptr(), m, k, panels.data_ptr(), out_features,
+                        None if bias is None else bias.detach().contiguous().data_ptr(), y.data_ptr()):
+            raise ValueError(f"the small-M kernel takes 1 to {self.max_rows} rows, got {m}")
+        return y
+
+
+def _cpu_signature() -> str:
+    # -march=native compiles for this CPU: the model name and feature flags say which one it is.
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+        keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+        return "\n".join(keep)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _cache_dir() -> pathlib.Path:
+    from specdec.model.loading import default_cache_dir
+
+    return default_cache_dir() / "kernels"
+
+
+def _build(compiler: str, target: pathlib.Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Compile into a temporary name and rename: concurrent first starts (three services on one
+    # machine, a test run's many processes) never load a half-written library.
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = pathlib.Path(tmp.name)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+@functools.cache
+def load() -> Kernel | None:
+    """The kernel for this machine, compiled on first use; None where it cannot be built."""
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        log.warning("small-M GEMM kernel unavailable: no C compiler", compiler=compiler)
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        digest = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
+        target = _cache_dir() / f"smallgemm-{digest.hexdigest()[:16]}.so"
+        if not target.is_file():
+            _build(compiler, target)
+            log.info("small-M GEMM kernel compiled", path=str(target))
+        return Kernel(ctypes.CDLL(str(target)), target)
+    except subprocess.CalledProcessError as exc:
+        log.warning("small-M GEMM kernel unavailable: it did not compile", compiler=compiler,
+                    error=(exc.stderr or "").strip()[-500:])
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("small-M GEMM kernel unavailable", compiler=compiler, error=str(exc))
+    return None

@@ -1,0 +1,81 @@
+"""A causal LM behind the one call both services need: feed a sequence's pending tokens, get logits.
+
+Kept free of gRPC and of any policy, so the draft and the target share it and tests drive it
+directly (tests/test_kvcache.py checks rollback against a fresh forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from transformers import DynamicCache
+
+from specdec.model.hfcache import cache_kwargs, returned_cache
+from specdec.kv.buffers import new_cache
+from specdec.kv.store import Sequence
+
+
+class CausalLM:
+    """Wraps a loaded transformers model; every tensor that leaves it is float32 on the CPU."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model = model
+        self.device = device
+        config = model.config
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if eos is None:
+            eos = getattr(config, "eos_token_id", None)
+        self.eos_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
+        # Feature drafts (specdec/model/feature_draft.py) read the final norm's output, the vectors the output layer
+        # reads; a forward hook there sees every position, before logits_to_keep drops any.
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        norm = getattr(decoder, "norm", None)
+        self.has_features = isinstance(norm, torch.nn.Module)
+        self._captured: list[torch.Tensor] | None = None
+        if self.has_features:
+            norm.register_forward_hook(self._capture)
+
+    def _capture(self, module, args, output) -> None:
+        if self._captured is not None:
+            self._captured.append(output.detach())
+
+    @contextlib.contextmanager
+    def capturing_features(self) -> Iterator[list[torch.Tensor]]:
+        """Within the block, each forward appends its final hidden states [B, T, H] to the list.
+
+        Not re-entrant and not for concurrent forwards: the engines run one forward at a time.
+        """
+        if not self.has_features:
+            raise ValueError("this model has no final norm (get_decoder().norm) to read hidden states from")
+        self._captured = []
+        try:
+            yield self._captured
+        finally:
+            self._captured = None
+
+    def new_cache(self) -> DynamicCache:
+        return new_cache(self.model.config)  # appends in place: no O(context) copy per step
+
+    @torch.inference_mode()
+    def forward(self, seq: Sequence, extra: list[int] | tuple[int, ...] = (), keep: int = 1) -> torch.Tensor:
+        """Feeds seq.tokens[seq.cached:] + extra in ONE pass; returns logits of the last `keep` positions.
+
+        The extra tokens (a proposal being scored) enter the cache too; the caller crops them away
+        with `seq.crop_cache` once it knows how many were accepted. Returns [keep, V] float32.
+        """
+        if seq.cache is None:
+            seq.cache = self.new_cache()
+        pending = seq.tokens[seq.cached:] + list(extra)
+        if not pending:
+            raise ValueError("nothing to feed: the store keeps at least one pending token")
+        if keep > len(pending):
+            raise ValueError(f"cannot keep {keep} logits from {len(pending)} new positions")
+        input_ids = torch.tensor([pending], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=input_ids, **cache_kwargs(self.model, seq.cache), use_cache=True, logits_to_keep=keep)
+        seq.cache = returned_cache(out)
+        seq.cached += len(pending)
+        return out.logits[0, -keep:].float().cpu()  # [keep, V]

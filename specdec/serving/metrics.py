@@ -1,0 +1,71 @@
+"""Prometheus metrics of every service, named in vLLM's style (`specdec:...`).
+
+Metric objects are process-wide singletons (prometheus_client refuses to register a name twice),
+created on first use so that importing this module registers nothing. The coordinator serves them
+at /metrics on its HTTP port; the draft and target on `--metrics-port`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class CoordinatorMetrics:
+    def __init__(self):
+        self.requests = Counter("specdec:request_success", "Finished requests, by finish reason.", ["finished_reason"])
+        self.failures = Counter("specdec:request_failure", "Failed requests, by gRPC status code.", ["code"])
+        self.running = Gauge("specdec:num_requests_running", "Requests being generated now.")
+        self.waiting = Gauge("specdec:num_requests_waiting", "Requests accepted but not yet started (queue depth).")
+        self.ttft = Histogram("specdec:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("specdec:inter_token_latency_seconds", "Time between tokens as streamed (a step's gap shared by its tokens).", buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("specdec:e2e_request_latency_seconds", "End-to-end request latency.", buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = Counter("specdec:generation_tokens", "Tokens generated.")
+        self.num_drafts = Counter("specdec:spec_decode_num_drafts", "Speculative steps that verified at least one draft token.")
+        self.num_draft_tokens = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.num_accepted_tokens = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = Counter("specdec:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft.", ["position"])
+        self.steps = Counter("specdec:spec_decode_num_steps", "Target passes (Verify calls).")
+
+
+class TargetMetrics:
+    def __init__(self):
+        self.verify_seconds = Histogram("specdec:target_verify_seconds", "Target compute per Verify call.", buckets=LATENCY_BUCKETS)
+        self.batch_size = Histogram("specdec:target_batch_size", "Sequences per target forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64))
+        self.sequences = Gauge("specdec:target_num_sequences", "Sequences held in the target's KV caches.")
+        self.draft_tokens = Counter("specdec:target_spec_decode_num_draft_tokens", "Draft tokens the target verified.")
+        self.accepted_tokens = Counter("specdec:target_spec_decode_num_accepted_tokens", "Draft tokens the target accepted.")
+
+
+class DraftMetrics:
+    def __init__(self):
+        self.propose_seconds = Histogram("specdec:draft_propose_seconds", "Draft compute per Propose call.", buckets=LATENCY_BUCKETS)
+        self.proposed_tokens = Counter("specdec:draft_num_proposed_tokens", "Tokens the draft proposed.")
+        self.sequences = Gauge("specdec:draft_num_sequences", "Sequences held in the draft's caches.")
+
+
+@functools.cache
+def coordinator() -> CoordinatorMetrics:
+    return CoordinatorMetrics()
+
+
+@functools.cache
+def target() -> TargetMetrics:
+    return TargetMetrics()
+
+
+@functools.cache
+def draft() -> DraftMetrics:
+    return DraftMetrics()
+
+
+def serve_http(port: int, host: str = "0.0.0.0") -> int:
+    """Starts /metrics on its own thread; returns the bound port (0 picks one). -1 disables it."""
+    if port < 0:
+        return -1
+    server, _thread = start_http_server(port, addr=host)
+    return server.server_port

@@ -1,0 +1,351 @@
+"""What every specdec gRPC server shares: error mapping, request ids, health, reflection, shutdown.
+
+Servicers stay thin: they translate protobuf to engine calls, and `rpc_method` turns the engines'
+exceptions into precise status codes here, in one place (INTERNAL only for real bugs, logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import signal
+import uuid
+from collections.abc import Callable, Iterable
+
+import grpc
+import structlog
+from google.protobuf import any_pb2
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+from specdec.errors import InvalidArgument, SpecdecError, Unavailable
+from specdec.serving.logs import REQUEST_ID_METADATA, bind_request
+
+log = structlog.get_logger(__name__)
+
+# Messages carry token ids and sparse distributions; 64 MiB bounds a long prompt with room to spare.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def request_id_from(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_METADATA and value:
+            return str(value)
+    return uuid.uuid4().hex[:16]
+
+
+def error_status(exc: SpecdecError) -> status_pb2.Status:
+    """A google.rpc.Status with a BadRequest detail naming the field, for invalid arguments."""
+    status = status_pb2.Status(code=exc.code.value[0], message=str(exc))
+    if isinstance(exc, InvalidArgument):
+        detail = any_pb2.Any()
+        detail.Pack(
+            error_details_pb2.BadRequest(
+                field_violations=[error_details_pb2.BadRequest.FieldViolation(field=exc.field, description=exc.description)]
+            )
+        )
+        status.details.append(detail)
+    return status
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if isinstance(exc, SpecdecError):
+        if exc.code == grpc.StatusCode.INTERNAL:
+            log.exception("internal error")
+        await context.abort_with_status(rpc_status.to_status(error_status(exc)))
+    log.exception("unexpected error")
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def rpc_method(method: Callable) -> Callable:
+    """Wraps a unary or streaming (server or bidirectional) servicer method: binds the request id, maps errors."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def streaming(self, request, context):
+            bind_request(request_id_from(context), rpc=method.__name__)
+            try:
+                async for item in method(self, request, context):
+                    yield item
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - mapped to a status code, never swallowed
+                await _abort(context, exc)
+
+        return streaming
+
+    @functools.wraps(method)
+    async def unary(self, request, context):
+        bind_request(request_id_from(context), rpc=method.__name__)
+        try:
+            return await method(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+
+    return unary
+
+
+CLEANUP_S = 5.0  # after the grace period, how long cancelled calls get to release what they hold
+
+# Always answered, also while draining: probes must see NOT_SERVING, not a refused connection.
+OPEN_METHODS = ("/grpc.health.", "/grpc.reflection.")
+
+
+class Drain(grpc.aio.ServerInterceptor):
+    """Counts the service's calls in flight and, once `draining`, refuses new ones with UNAVAILABLE
+    (the code clients retry on, on another replica). Health and reflection are neither counted nor
+    refused, so the server keeps answering probes while in-flight calls finish."""
+
+    def __init__(self):
+        self.draining = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHODS):
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._session(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+            )
+        return handler  # client-streaming methods: none in specdec.v1
+
+    def _unary(self, behaviour):
+        async def counted(request, context):
+            await self._enter(context)
+            try:
+                return await behaviour(request, context)
+            finally:
+                self._leave()
+
+        return counted
+
+    def _stream(self, behaviour):
+        async def counted(request, context):
+            await self._enter(context)
+            try:
+                async for item in behaviour(request, context):
+                    yield item
+            finally:
+                self._leave()
+
+        return counted
+
+    def _session(self, behaviour):
+        """A bidirectional session is one call for its whole life; once draining, its next request
+        is refused like a new call, so a draining server does not wait on sessions to end."""
+        async def counted(requests, context):
+            await self._enter(context)
+            try:
+                async for item in behaviour(self._until_draining(requests, context), context):
+                    yield item
+            finally:
+                self._leave()
+
+        return counted
+
+    async def _until_draining(self, requests, context):
+        async for request in requests:
+            if self.draining:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+            yield request
+
+    async def _enter(self, context) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        if not self.in_flight:
+            self._idle.set()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once no call is in flight; False if `timeout` seconds pass first."""
+        if self._idle.is_set():
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=max(timeout, 0.0))
+            return True
+        except TimeoutError:
+            return False
+
+
+class Server:
+    """A grpc.aio server with health checking, reflection and a graceful SIGTERM.
+
+    Health reports NOT_SERVING until `mark_serving()` (called once the model is loaded and warmed),
+    and again as soon as shutdown starts, so load balancers stop routing before requests are cut.
+    Shutdown then drains: new calls are refused with UNAVAILABLE while health keeps answering, calls
+    in flight get up to `grace` seconds to finish, and the server stops as soon as they have.
+    """
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        service_names: Iterable[str],
+        max_concurrent_rpcs: int | None = None,
+        interceptors=(),
+        credentials: grpc.ServerCredentials | None = None,
+    ):
+        self.drain = Drain()
+        self.server = grpc.aio.server(
+            options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs, interceptors=[self.drain, *interceptors]
+        )
+        self.http = None  # an HTTP server to stop with this one (the coordinator's API)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = list(service_names)
+        reflection.enable_server_reflection(
+            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+        address = f"{host}:{port}"
+        self.port = self.server.add_secure_port(address, credentials) if credentials else self.server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"cannot bind {host}:{port}")
+        self._stopped = asyncio.Event()
+        self._stopping = False
+
+    async def start(self) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+
+    async def mark_serving(self) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def _set_all(self, status) -> None:
+        for name in ["", *self.service_names]:
+            result = self.health.set(name, status)
+            if inspect.isawaitable(result):
+                await result
+
+    async def loading(self, awaitable):
+        """Awaits a start-up step (loading a model or a tokenizer, connecting to backends). If it
+        fails, the server, already bound, stops at once before the error goes up: a bad --model
+        ends the process with its message rather than a server left behind."""
+        try:
+            return await awaitable
+        except BaseException:
+            await self.server.stop(0)
+            if self.http is not None:
+                await self.http.stop()
+            raise
+
+    async def stop(self, grace: float) -> None:
+        """Drains (see the class), then stops. A second call while draining stops at once."""
+        if self._stopping:
+            await self.server.stop(0)
+            return
+        self._stopping = True
+        self.drain.draining = True
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        started = asyncio.get_running_loop().time()
+        drained = await self.drain.wait_idle(grace)
+        left = max(0.0, grace - (asyncio.get_running_loop().time() - started))
+        log.info("draining done" if drained else "grace period over; cancelling calls in flight", in_flight=self.drain.in_flight)
+        await self.server.stop(left)
+        # Calls cut at the end of the grace period unwind now; give their cleanup (the coordinator
+        # releasing their sequences in the backends) a moment before the event loop goes away.
+        await self.drain.wait_idle(CLEANUP_S)
+        if self.http is not None:
+            await self.http.stop()
+        self._stopped.set()
+
+    def install_signal_handlers(self, grace: float) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: asyncio.ensure_future(self.stop(grace)))
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+        await self.server.wait_for_termination()
+
+
+def run_service(main, event_loop: str = "uvloop"):
+    """Runs a service's main coroutine to completion on its event loop (`--event-loop`).
+
+    uvloop by default: every step crosses several event loops (the coordinator's, the draft's,
+    the target's), each woken per message, and libuv's loop costs less per wake-up than the
+    standard library's. Measured on 2 CPU cores: a grpc.aio ping-pong on an open stream 0.21-0.22
+    against 0.30-0.32 ms, and an n-gram step through the three services 2.41-2.82 against
+    2.48-2.92 ms of overhead (three interleaved pairs). Where uvloop is not installed (Windows),
+    asyncio's loop runs.
+    """
+    if event_loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.warning("uvloop is not installed; running on asyncio's event loop")
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
+
+
+class EngineHost:
+    """What the draft and target servicers share: an engine that arrives after the server starts,
+    and one worker thread that runs every model call in arrival order, off the event loop.
+
+    The servicer is registered before the server starts (gRPC wants handlers first), so until
+    `attach` it answers UNAVAILABLE while health says NOT_SERVING.
+    """
+
+    def __init__(self, role: str):
+        self.role = role
+        self._engine = None
+        self.info = None
+        from specdec.serving.threads import enter_compute_thread  # torch's threads belong to this worker (specdec/serving/threads.py)
+
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=role,
+                                                              initializer=enter_compute_thread)
+
+        # Calls handed to the worker and not finished there, cancelled or not: while any is left the
+        # worker may be touching the engine, so nothing else may (`idle`).
+        self._in_flight: set[concurrent.futures.Future] = set()
+
+    def attach(self, engine, info) -> None:
+        self.info = info
+        self._engine = engine
+
+    @property
+    def idle(self) -> bool:
+        """No call is on the worker or queued for it. Only the event loop hands the worker work, so
+        while the loop runs something synchronously after seeing `idle`, the engine is its alone."""
+        return not self._in_flight
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            raise Unavailable(f"the {self.role} model is still loading")
+        return self._engine
+
+    async def run(self, fn, *args):
+        future = self.executor.submit(fn, *args)
+        self._in_flight.add(future)
+        # Discarded in the worker the moment fn returns (done callbacks run in the thread that
+        # finishes the future), not when the awaiting task resumes: a cancelled caller stops
+        # waiting at once, but its fn may still be running.
+        future.add_done_callback(self._in_flight.discard)
+        return await asyncio.wrap_future(future)

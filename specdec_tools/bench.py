@@ -1,0 +1,586 @@
+"""`specdec bench`: end-to-end greedy tokens/s of specdec against its peers, side by side, in one run.
+
+Configurations, all on the same prompts, models and machine (results and their history: docs/benchmarks.md):
+  hf              the target alone with transformers' generate(): the baseline
+  hf-assisted     transformers' assisted generation (assistant_model=, or prompt_lookup_num_tokens=)
+  specdec-off     the target alone through specdec's own engine (speculation off)
+  specdec-local   specdec's speculative loop in one process (no gRPC), adaptive and at fixed lengths
+  specdec-grpc    the three gRPC services as separate processes on loopback
+  tree            a model draft's dynamic tree (EAGLE-2 style, --tree-budgets nodes, depth --max-draft)
+                  verified in one target pass, in one process; tree-grpc[...]: the first budget over gRPC
+  staged          the model draft at fixed lengths, itself speculated by an n-gram index (--staged)
+`specdec bench --overlap` is a separate comparison: sequential against overlapped speculation with
+the draft and the target pinned to separate cores (specdec_tools/bench_overlap.py).
+After the main table, "chain vs tree vs staged" puts each model draft's best chain (the most tokens
+per target pass of its fixed-length and adaptive chains) beside its trees and staged runs.
+Repetitions are interleaved (rep 1 of every configuration, then rep 2, ...) so drift on a shared
+machine hits every configuration alike. Every configuration's tokens are checked against the
+baseline's: greedy speculation that changes the output is a bug, and the report says so.
+
+Beside each measurement sits the analytic model's prediction (specdec_tools.plan) from the run's own
+acceptance, the draft's measured cost and the target's measured cost curve V(n), and the efficiency
+measured / predicted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+import torch
+
+from specdec.model import gemm
+from specdec import plan as planlib
+from specdec_tools.children import ServiceProcesses
+
+PROMPT_SETS = ("chat", "grounded")
+PROMPTS_DIR = pathlib.Path(__file__).resolve().parent / "prompts"  # package data: an installed wheel has them
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    target: str
+    drafters: tuple[str, ...]  # "ngram", or a draft model spec (alias / folder / hub id)
+    prompt_sets: tuple[str, ...]
+    limit: int
+    max_new_tokens: int
+    repeats: int
+    max_draft: int
+    draft_lengths: tuple[int, ...]
+    grpc: bool
+    hf: bool
+    out: pathlib.Path
+    quick: bool
+    prompt_lookup: int
+    tree_budgets: tuple[int, ...] = (16, 32)
+    tree_top_k: int = 8
+    staged: bool = True
+
+
+@dataclasses.dataclass
+class Configuration:
+    name: str
+    kind: str  # hf | hf-assisted | specdec-off | specdec-local | specdec-grpc | tree | staged
+    drafter: str | None = None
+    draft_length: int = 0
+    adaptive: bool = False
+    hops: int = 0  # network round trips per step (the analytic model's RTT term)
+    runner: object = None  # callable(prompt_ids) -> Sample
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Sample:
+    tokens: list[int]
+    seconds: float
+    ttft: float = 0.0
+    stats: dict | None = None
+
+
+@dataclasses.dataclass
+class Result:
+    """One configuration on one prompt set: every repetition of every prompt."""
+
+    config: Configuration
+    prompt_set: str
+    samples: list[list[Sample]] = dataclasses.field(default_factory=list)  # [rep][prompt]
+    curves: list[planlib.CostCurve] = dataclasses.field(default_factory=list)  # V(n) right before and after each pass
+
+
+# --- models and prompts ---------------------------------------------------------------------------
+
+def quick_models(folder: pathlib.Path, noise: float = 0.08) -> tuple[str, str]:
+    """Tiny random target and draft (byte tokenizer with a chat template) saved as model folders;
+    the draft is the target plus relative noise `noise`."""
+    from specdec_tools.tinymodels import save, tiny_pair
+
+    target, draft = tiny_pair(seed=0, noise=noise)
+    return save(target, folder / "target"), save(draft, folder / "draft")
+
+
+def load_prompts(tokenizer, prompt_set: str, limit: int) -> list[tuple[str, list[int]]]:
+    path = PROMPTS_DIR / f"{prompt_set}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt set {prompt_set!r}: {path} not found (sets: {', '.join(PROMPT_SETS)})")
+    out = []
+    for line in path.read_text().splitlines()[: limit or None]:
+        item = json.loads(line)
+        ids = tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        out.append((item["id"], list(ids)))
+    return out
+
+
+# --- measurements the analytic model needs --------------------------------------------------------
+
+@torch.inference_mode()
+def measure_cost_curve(lm, context: list[int], ns: list[int], repeats: int = 5) -> planlib.CostCurve:
+    """V(n): one target forward over n new positions after `context`, keeping n logits as
+    verification does. Every n is timed once per round, rounds repeated, the median kept: on a
+    shared machine drift then hits every n alike instead of bending the curve."""
+    from specdec.kv.store import Sequence
+
+    seq = Sequence("cost-curve", tokens=list(context))
+    lm.forward(seq)  # the cache now holds the whole context
+    filler = (list(context) * (max(ns) // len(context) + 1))[: max(ns)]
+    times: dict[int, list[float]] = {n: [] for n in ns}
+    for round_ in range(repeats + 1):
+        for n in ns:
+            seq.crop_cache(len(context) - 1)  # the last context token is pending again: 1 + (n - 1) positions
+            start = time.perf_counter()
+            lm.forward(seq, filler[: n - 1], keep=n)
+            if round_:  # round 0 warms up
+                times[n].append(time.perf_counter() - start)
+    return planlib.CostCurve(tuple((n, statistics.median(times[n])) for n in ns))
+
+
+def curve_context(items: list[tuple[str, list[int]]], max_new: int, room: int | None) -> list[int]:
+    """The context a prompt set decodes at, on average: its median-length prompt plus half the new
+    tokens (cycled from the prompt). V(n) grows with the context its attention reads (~6% between
+    the chat prompts' 42 tokens and the grounded ones' 204 here), so each set gets its own curve."""
+    prompt = sorted((ids for _, ids in items), key=len)[len(items) // 2]
+    context = (list(prompt) * 2)[: len(prompt) + max_new // 2]
+    return context[:room] if room else context
+
+
+def measure_draft_cost(engine, context: list[int], tokens: int = 8, repeats: int = 5) -> float:
+    """Seconds per drafted token with a warm cache (the draft's prefill is not a per-token cost)."""
+    from draft_service.engine import DraftSettings
+
+    from specdec.model.features import FeatureRows
+
+    times = []
+    # A feature draft drafts nothing without the target's features; their values do not change the cost.
+    features = (FeatureRows(0, torch.zeros(len(context) - 1, engine.drafter.dim))
+                if getattr(engine.drafter, "needs_features", False) else None)
+    for rep in range(repeats + 1):
+        sid = f"draft-cost-{rep}-{uuid.uuid4().hex[:6]}"
+        list(engine.propose(sid, 0, list(context), DraftSettings(1, 0.0, 0.0, 0), features))  # prefill
+        start = time.perf_counter()
+        made = list(engine.propose(sid, len(context), [], DraftSettings(tokens, 0.0, 0.0, 0)))
+        elapsed = time.perf_counter() - start
+        engine.release(sid)
+        if made:
+            times.append(elapsed / len(made))
+    return statistics.median(times[1:]) if len(times) > 1 else (times[0] if times else 0.0)
+
+
+def measure_rtt(address: str, repeats: int = 50) -> float:
+    """Median round trip of a tiny unary call (GetInfo) on the draft/target channel."""
+    import grpc
+
+    from protos import specdec_pb2 as pb
+    from protos import specdec_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.TargetServiceStub(channel)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            stub.GetInfo(pb.TargetServiceGetInfoRequest(), timeout=10)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[5:])
+
+
+# --- runners --------------------------------------------------------------------------------------
+
+def hf_runner(model, max_new: int, eos: list[int], **generate_kwargs):
+    @torch.inference_mode()
+    def run(prompt: list[int]) -> Sample:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        with gemm.disabled():  # transformers as users run it, not through specdec's packed layers
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos[0] if eos else None, **generate_kwargs)
+        seconds = time.perf_counter() - start
+        return Sample(out[0, len(prompt):].tolist(), seconds)
+
+    return run
+
+
+def local_runner(loop, max_new: int, eos: list[int], draft_length: int, adaptive: bool, tree=None):
+    from coordinator.loop import GenerationSpec, Stats
+    from specdec.spec.sampling import SamplingConfig
+
+    def run(prompt: list[int]) -> Sample:
+        spec = GenerationSpec(request_id=uuid.uuid4().hex[:12], prompt_ids=list(prompt), max_new_tokens=max_new,
+                              sampling=SamplingConfig(), draft_length=draft_length, adaptive=adaptive,
+                              eos_token_ids=frozenset(eos), tree=tree)
+        stats = Stats()
+
+        async def collect() -> list[int]:
+            out: list[int] = []
+            async with contextlib.aclosing(loop.run(spec, stats)) as steps:
+                async for step in steps:
+                    out.extend(step.tokens)
+            return out
+
+        start = time.perf_counter()
+        tokens = asyncio.run(collect())
+        seconds = time.perf_counter() - start
+        return Sample(tokens, seconds, stats.time_to_first_token_seconds, stats_dict(stats))
+
+    return run
+
+
+def grpc_runner(address: str, max_new: int, draft_length: int, adaptive: bool):
+    import grpc
+
+    from protos import specdec_pb2 as pb
+    from protos import specdec_pb2_grpc as pb_grpc
+
+    channel = grpc.insecure_channel(address)
+    stub = pb_grpc.CoordinatorServiceStub(channel)
+
+    def run(prompt: list[int]) -> Sample:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new,
+                                     speculation=pb.SpeculationParams(draft_length=draft_length, adaptive=adaptive))
+        start = time.perf_counter()
+        response = stub.Generate(request, timeout=600)
+        seconds = time.perf_counter() - start
+        return Sample(list(response.token_ids), seconds, response.stats.time_to_first_token_seconds, stats_dict(response.stats))
+
+    return run
+
+
+def stats_dict(s) -> dict:
+    return {
+        "steps": s.steps, "draft_steps": s.draft_steps, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+        "accepted_per_position": list(s.accepted_per_position), "draft_seconds": s.draft_seconds,
+        "verify_seconds": s.verify_seconds, "wire_seconds": s.wire_seconds, "total_seconds": s.total_seconds,
+        "wire_bytes": s.wire_bytes, "completion_tokens": s.completion_tokens,
+        "runahead_steps": s.runahead_steps, "runahead_hits": s.runahead_hits, "runahead_tokens": s.runahead_tokens,
+        "runahead_used_tokens": s.runahead_used_tokens, "first_step_tokens": s.first_step_tokens,
+    }
+
+
+class GrpcStack(ServiceProcesses):
+    """`specdec serve` target, draft(s) and coordinator(s) as child processes on loopback ports."""
+
+    def __init__(self, target: str, drafters: tuple[str, ...], logs: pathlib.Path, device: str = "cpu",
+                 tree: tuple[int, int] | None = None):
+        """`tree` (budget, top-k): model drafts also get a coordinator that drafts trees."""
+        from specdec.model.loading import feature_draft_folder
+
+        super().__init__(logs)
+        self.target_address = self.spawn("target", "--model", target, "--device", device)
+        self.coordinators: dict[str, str] = {}
+        self.tree_coordinators: dict[str, str] = {}
+        self.ngram_in_coordinator: str | None = None
+        for drafter in drafters:
+            flags = (["--drafter", "ngram"] if drafter == "ngram"
+                     else ["--drafter", "model", "--model", drafter, "--device", device, "--target-tokenizer", target])
+            draft_address = self.spawn("draft", *flags)
+            self.coordinators[drafter] = self.spawn("coordinator", "--target", self.target_address, "--draft", draft_address,
+                                                    "--tokenizer", target, "--http-port", "-1")
+            if drafter == "ngram":  # and prompt lookup inside the coordinator: no draft service, one hop a step
+                self.ngram_in_coordinator = self.spawn("coordinator", "--target", self.target_address, "--draft", "ngram",
+                                                       "--tokenizer", target, "--http-port", "-1")
+            if tree is not None and drafter != "ngram" and feature_draft_folder(drafter) is None:  # feature drafts: chains
+                self.tree_coordinators[drafter] = self.spawn(
+                    "coordinator", "--target", self.target_address, "--draft", draft_address, "--tokenizer", target,
+                    "--http-port", "-1", "--tree-budget", str(tree[0]), "--tree-top-k", str(tree[1]))
+        self.wait_healthy([self.target_address, *self.coordinators.values(), *self.tree_coordinators.values(),
+                           *([self.ngram_in_coordinator] if self.ngram_in_coordinator else [])])
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+def short_name(drafter: str) -> str:
+    return "ngram" if drafter == "ngram" else pathlib.Path(drafter.rstrip("/")).name or drafter
+
+
+def build_configurations(opts: Options, target_spec: str, target_loaded, lm, drafters: tuple[str, ...],
+                         stack: GrpcStack | None, notes: dict) -> tuple[list[Configuration], dict]:
+    """Every configuration with its runner; also the draft engines (for measuring their cost)."""
+    from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
+    from coordinator.local import LocalProposer, LocalVerifier
+    from coordinator.loop import SpeculativeLoop, TreeSpec
+    from draft_service.config import DraftConfig
+    from draft_service.servicer import build_engine
+    from specdec.model.loading import load_model, pruned_draft_folder
+    from specdec.model.pruned import hf_assistant
+    from target_service.engine import TargetEngine
+
+    eos = lm.eos_token_ids
+    verifier = LocalVerifier(TargetEngine(lm))
+    configs: list[Configuration] = []
+    if opts.hf:
+        configs.append(Configuration("hf", "hf", runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos)))
+    off_loop = SpeculativeLoop(verifier, None, None, NGRAM_DRAFT_PRIOR)
+    configs.append(Configuration("specdec-off", "specdec-off", runner=local_runner(off_loop, opts.max_new_tokens, eos, 0, False)))
+    engines = {}
+    for drafter in drafters:
+        name = short_name(drafter)
+        # target_tokenizer: a draft of another vocabulary maps between the two (same vocabulary: no-op)
+        config = (DraftConfig(drafter="ngram", device="cpu") if drafter == "ngram"
+                  else DraftConfig(drafter="model", model=drafter, device="cpu", target_tokenizer=target_spec))
+        engine, _ = build_engine(config)
+        engines[drafter] = engine
+        prior = NGRAM_DRAFT_PRIOR if drafter == "ngram" else MODEL_DRAFT_PRIOR
+        features = bool(getattr(engine.drafter, "needs_features", False))  # a feature draft (specdec/model/feature_draft.py)
+        if opts.hf:
+            if features:
+                notes[f"hf-assisted[{name}]"] = ("skipped: transformers' assisted generation has no way to hand the "
+                                                 "target's hidden states to the draft")
+            elif drafter == "ngram":
+                kwargs = {"prompt_lookup_num_tokens": opts.prompt_lookup}
+                configs.append(Configuration(f"hf-assisted[{name}]", "hf-assisted", drafter, opts.prompt_lookup,
+                                             runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos, **kwargs),
+                                             note=f"prompt_lookup_num_tokens={opts.prompt_lookup}"))
+            else:
+                try:
+                    pruned = pruned_draft_folder(drafter)
+                    if pruned is not None:  # a distilled pruned-head draft, wrapped as a transformers model
+                        assistant = hf_assistant(pruned, target_spec)
+                    else:
+                        assistant_loaded = load_model(drafter, "cpu")
+                        theirs, ours = assistant_loaded.tokenizer, target_loaded.tokenizer
+                        if theirs is not None and ours is not None and theirs.get_vocab() != ours.get_vocab():
+                            raise ValueError("its vocabulary differs from the target's (specdec maps it; transformers would "
+                                             "need universal assisted decoding)")
+                        assistant = assistant_loaded.model
+                    configs.append(Configuration(f"hf-assisted[{name}]", "hf-assisted", drafter,
+                                                 runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos, assistant_model=assistant),
+                                                 note="assistant_model= the same draft"))
+                except Exception as exc:  # noqa: BLE001 - a draft transformers cannot load as an assistant
+                    notes[f"hf-assisted[{name}]"] = f"skipped: transformers cannot use this draft as assistant_model ({exc})"
+        loop = SpeculativeLoop(verifier, LocalProposer(engine), CostModel(prior), prior, features=features,
+                               calibrated=drafter == "ngram")  # as the coordinator sets it from the draft's ModelInfo
+        configs.append(Configuration(f"specdec-local[{name}]", "specdec-local", drafter, opts.max_draft, True,
+                                     runner=local_runner(loop, opts.max_new_tokens, eos, opts.max_draft, True), note="adaptive"))
+        for g in opts.draft_lengths:
+            fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior, features=features)
+            configs.append(Configuration(f"specdec-local[{name},g={g}]", "specdec-local", drafter, g, False,
+                                         runner=local_runner(fixed, opts.max_new_tokens, eos, g, False)))
+        if drafter != "ngram" and not features:  # an n-gram drafter has one guess per position: its tree is its chain
+            for budget in opts.tree_budgets:
+                fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior)
+                configs.append(Configuration(f"tree[{name},n={budget},g={opts.max_draft}]", "tree", drafter, opts.max_draft, False,
+                                             runner=local_runner(fixed, opts.max_new_tokens, eos, opts.max_draft, False,
+                                                                 TreeSpec(budget, opts.tree_top_k)),
+                                             note=f"dynamic tree: {budget} nodes, top-{opts.tree_top_k}, depth <= {opts.max_draft}"))
+            if opts.staged and hasattr(engine.drafter, "staged"):
+                staged_engine, _ = build_engine(dataclasses.replace(config, staged=True))
+                for g in opts.draft_lengths:
+                    fixed = SpeculativeLoop(verifier, LocalProposer(staged_engine), None, prior)
+                    configs.append(Configuration(f"staged[{name},g={g}]", "staged", drafter, g, False,
+                                                 runner=local_runner(fixed, opts.max_new_tokens, eos, g, False),
+                                                 note="n-gram guesses checked by the draft model"))
+        if stack is not None:
+            configs.append(Configuration(f"specdec-grpc[{name}]", "specdec-grpc", drafter, opts.max_draft, True, hops=2,
+                                         runner=grpc_runner(stack.coordinators[drafter], opts.max_new_tokens, opts.max_draft, True),
+                                         note="adaptive; 3 processes on loopback"))
+            if drafter == "ngram" and stack.ngram_in_coordinator:
+                configs.append(Configuration("specdec-grpc[ngram,in-coordinator]", "specdec-grpc", drafter, opts.max_draft, True, hops=1,
+                                             runner=grpc_runner(stack.ngram_in_coordinator, opts.max_new_tokens, opts.max_draft, True),
+                                             note="adaptive; coordinator --draft ngram + target, 2 processes on loopback"))
+            if drafter in stack.tree_coordinators:
+                budget = opts.tree_budgets[0]
+                configs.append(Configuration(f"tree-grpc[{name},n={budget},g={opts.max_draft}]", "tree", drafter, opts.max_draft, False, hops=2,
+                                             runner=grpc_runner(stack.tree_coordinators[drafter], opts.max_new_tokens, opts.max_draft, False),
+                                             note=f"dynamic tree over gRPC: {budget} nodes, top-{opts.tree_top_k}; 3 processes on loopback"))
+    return configs, engines
+
+
+def machine() -> dict:
+    import platform
+
+    import transformers
+
+    cpu = ""
+    with contextlib.suppress(OSError):
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__, "platform": platform.platform()}
+
+
+def run(opts: Options, argv: list[str]) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specdec_tools.bench_report import report
+    from specdec.model.lm import CausalLM
+    from specdec.model.loading import load_model, load_tokenizer
+
+    torch.manual_seed(0)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="specdec-bench-") as tmp:
+        target, drafters = opts.target, opts.drafters
+        if opts.quick:
+            target, draft = quick_models(pathlib.Path(tmp))
+            drafters = ("ngram", draft)
+        print(f"specdec bench: loading {target}", file=sys.stderr, flush=True)
+        loaded = load_model(target, "cpu")
+        tokenizer = loaded.tokenizer or load_tokenizer(target)
+        # specdec's own configurations run the target as its service does; hf_runner switches it off
+        gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS)
+        lm = CausalLM(loaded.model, loaded.device)
+        prompts = {name: load_prompts(tokenizer, name, opts.limit) for name in opts.prompt_sets}
+        if lm.max_context:  # tiny test models have short contexts: keep each prompt's tail
+            room = lm.max_context - opts.max_new_tokens - opts.max_draft - 2
+            prompts = {k: [(pid, ids[-room:]) for pid, ids in v] for k, v in prompts.items()}
+        notes: dict[str, str] = {}
+        tree = (opts.tree_budgets[0], opts.tree_top_k) if opts.tree_budgets else None
+        stack = GrpcStack(target, drafters, opts.out / "logs", tree=tree) if opts.grpc else None
+        try:
+            configs, engines = build_configurations(opts, target, loaded, lm, drafters, stack, notes)
+            longest = max([opts.max_draft, *opts.draft_lengths]) + 1
+            ns = sorted({1, 2, 3, 4, 5, 6, 8, 9, 12, 16, longest})
+            room = lm.max_context - max(ns) - 1 if lm.max_context else None
+            contexts = {name: curve_context(items, opts.max_new_tokens, room) for name, items in prompts.items()}
+            context = next(iter(prompts.values()))[0][1]
+            print("specdec bench: measuring the drafts' cost", file=sys.stderr, flush=True)
+            draft_cost = {d: measure_draft_cost(e, context) for d, e in engines.items() if d != "ngram"}
+            rtt = measure_rtt(stack.target_address) if stack is not None else 0.0
+            results = {(s, c.name): Result(c, s) for s in prompts for c in configs}
+            total = opts.repeats * sum(len(p) for p in prompts.values()) * len(configs)
+            with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                          transient=False) as progress:
+                warm = progress.add_task("warm-up", total=len(configs) * len(prompts))
+                for items in prompts.values():
+                    for config in configs:
+                        config.runner(items[0][1])  # untimed: lazy initialisation, caches, first compile
+                        progress.advance(warm)
+                task = progress.add_task("benchmark", total=total)
+                for rep in range(opts.repeats):
+                    for set_name, items in prompts.items():
+                        # V(n) drifts with this shared machine by 20% within minutes: every pass is
+                        # predicted from the curves measured right before and right after it.
+                        before = measure_cost_curve(lm, contexts[set_name], ns, repeats=2)
+                        for config in configs:  # interleaved: every configuration once per repetition
+                            progress.update(task, description=f"rep {rep + 1}/{opts.repeats} {set_name} {config.name}")
+                            samples = []
+                            for _, ids in items:
+                                samples.append(config.runner(ids))
+                                progress.advance(task)
+                            after = measure_cost_curve(lm, contexts[set_name], ns, repeats=2)
+                            results[(set_name, config.name)].samples.append(samples)
+                            results[(set_name, config.name)].curves += [before, after]
+                            before = after
+                            if not progress.console.is_terminal:  # a log file gets one line per pass instead of a bar
+                                rate = sum(len(x.tokens) for x in samples) / sum(x.seconds for x in samples)
+                                print(f"rep {rep + 1}/{opts.repeats} {set_name:<9} {config.name:<28} {rate:7.2f} tok/s",
+                                      file=sys.stderr, flush=True)
+        finally:
+            if stack is not None:
+                stack.stop()
+        context_info = {"draft_cost": draft_cost, "rtt": rtt, "notes": notes, "machine": machine(),
+                        "command": "specdec bench " + " ".join(argv), "target": opts.target if not opts.quick else "tiny (quick)",
+                        "drafters": [short_name(d) for d in drafters], "prompts": {k: [pid for pid, _ in v] for k, v in prompts.items()}}
+        return report(list(results.values()), context_info, opts)
+
+
+def parse(argv: list[str]) -> Options:
+    from specdec.model.loading import DEFAULT_TARGET
+
+    parser = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_TARGET, help="Target model: alias, folder, .gguf or hub id.")
+    parser.add_argument("--drafter", action="append", default=None,
+                        help="'ngram' or a draft model (alias/folder/hub id); repeat for several. Default: ngram.")
+    parser.add_argument("--prompts", default=",".join(PROMPT_SETS), help=f"Comma-separated prompt sets from {PROMPTS_DIR}.")
+    parser.add_argument("--limit", type=int, default=0, help="Use only the first N prompts of each set (0: all).")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="Interleaved repetitions of every configuration.")
+    parser.add_argument("--max-draft", type=int, default=8, help="Draft length cap of the adaptive configurations.")
+    parser.add_argument("--draft-lengths", default="2,4,8", help="Fixed draft lengths swept in one process ('' for none).")
+    parser.add_argument("--prompt-lookup", type=int, default=10, help="transformers' prompt_lookup_num_tokens (its documented value).")
+    parser.add_argument("--no-grpc", action="store_true", help="Skip the three-process gRPC configuration.")
+    parser.add_argument("--no-hf", action="store_true", help="Skip transformers' generate() and assisted generation.")
+    parser.add_argument("--tree-budgets", default="16,32", help="Node budgets of the dynamic-tree configurations of each model draft ('' for none).")
+    parser.add_argument("--tree-top-k", type=int, default=8, help="Children per expanded node of those trees (8 beat 4 on tokens per pass with the 75-step distilled SmolLM2 draft).")
+    parser.add_argument("--no-staged", action="store_true", help="Skip the staged-drafting configurations.")
+    parser.add_argument("--out", default="benchmarks/results", help="Folder for results.json and the PNG plots.")
+    parser.add_argument("--quick", action="store_true",
+                        help="Tiny random models, 2 prompts per set, 16 tokens, 1 repetition: checks the pipeline in about a minute.")
+    args = parser.parse_args(argv)
+    try:
+        lengths = tuple(int(x) for x in args.draft_lengths.split(",") if x.strip())
+    except ValueError:
+        parser.error(f"--draft-lengths: expected comma-separated integers, got {args.draft_lengths!r}")
+    try:
+        budgets = tuple(int(x) for x in args.tree_budgets.split(",") if x.strip())
+    except ValueError:
+        parser.error(f"--tree-budgets: expected comma-separated integers, got {args.tree_budgets!r}")
+    if any(not 1 <= b <= 64 for b in budgets) or not 1 <= args.tree_top_k <= 16:
+        parser.error("--tree-budgets must be in 1..64 and --tree-top-k in 1..16")
+    sets = tuple(s.strip() for s in args.prompts.split(",") if s.strip())
+    for name in sets:
+        if not (PROMPTS_DIR / f"{name}.jsonl").is_file():
+            parser.error(f"--prompts: no prompt set {name!r} in {PROMPTS_DIR}")
+    if any(g < 1 or g > 32 for g in (*lengths, args.max_draft)):
+        parser.error("draft lengths must be in 1..32")
+    if args.repeats < 1 or args.max_new_tokens < 1 or args.limit < 0:
+        parser.error("--repeats and --max-new-tokens must be >= 1, --limit >= 0")
+    opts = Options(target=args.target, drafters=tuple(args.drafter or ["ngram"]), prompt_sets=sets, limit=args.limit,
+                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, max_draft=args.max_draft, draft_lengths=lengths,
+                   grpc=not args.no_grpc, hf=not args.no_hf, out=pathlib.Path(args.out), quick=args.quick,
+                   prompt_lookup=args.prompt_lookup, tree_budgets=budgets, tree_top_k=args.tree_top_k, staged=not args.no_staged)
+    if opts.quick:
+        opts = dataclasses.replace(opts, limit=opts.limit or 2, max_new_tokens=min(opts.max_new_tokens, 16), repeats=1,
+                                   draft_lengths=lengths[:1], tree_budgets=budgets[:1])
+    return opts
+
+
+def chain_tree_staged(document: dict) -> list[dict]:
+    """Per prompt set and model draft: its best chain beside its trees and staged runs."""
+    rows = []
+    for set_name in document["prompts"]:
+        records = [r for r in document["results"] if r["prompt_set"] == set_name and "mean_accepted_length" in r]
+        for drafter in sorted({r["drafter"] for r in records if r["kind"] in ("tree", "staged")}):
+            chains = [r for r in records if r["drafter"] == drafter and r["kind"] == "specdec-local"]
+            if not chains:
+                continue
+            best = max(chains, key=lambda r: r["mean_accepted_length"])
+            for r in [best] + [r for r in records if r["drafter"] == drafter and r["kind"] in ("tree", "staged")]:
+                rows.append({"prompt_set": set_name, "configuration": r["configuration"], "kind": "chain (best)" if r is best else r["kind"],
+                             "tokens_per_step": r["mean_accepted_length"], "tokens_per_second": r["tokens_per_second"]["median"],
+                             "tokens_per_step_vs_best_chain": r["mean_accepted_length"] / best["mean_accepted_length"],
+                             "tokens_per_second_vs_best_chain": r["tokens_per_second"]["median"] / best["tokens_per_second"]["median"],
+                             "identical": r.get("identical_to_baseline")})
+    return rows
+
+
+def print_chain_tree_staged(rows: list[dict]) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    if not rows:
+        return
+    table = Table(title="chain vs tree vs staged (mean accepted tokens per target pass = tokens/step)")
+    for column in ("prompt set", "configuration", "kind", "tokens/step", "vs best chain", "tok/s", "vs best chain ", "identical"):
+        table.add_column(column, justify="left" if column in ("prompt set", "configuration", "kind") else "right")
+    for r in rows:
+        ident = r["identical"]
+        table.add_row(r["prompt_set"], escape(r["configuration"]), r["kind"], f"{r['tokens_per_step']:.2f}",
+                      f"{r['tokens_per_step_vs_best_chain']:.2f}x", f"{r['tokens_per_second']:.1f}",
+                      f"{r['tokens_per_second_vs_best_chain']:.2f}x", f"{ident['identical']}/{ident['runs']}" if ident else "")
+    Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def main(argv: list[str]) -> int:
+    if "--overlap" in argv:  # sequential vs overlapped speculation, services pinned apart
+        from specdec_tools.bench_overlap import main as overlap_main
+
+        return overlap_main(argv)
+    opts = parse(argv)
+    document = run(opts, argv)
+    rows = chain_tree_staged(document)
+    print_chain_tree_staged(rows)
+    if rows:
+        document["chain_tree_staged"] = rows
+        (opts.out / "results.json").write_text(json.dumps(document, indent=2))
+    return 0

@@ -1,0 +1,436 @@
+"""`specdec loadtest`: many concurrent requests through the coordinator's own gRPC API.
+
+Why a load tester of our own: speculation that only pays for one stream is a demo; what matters
+for a server is aggregate output tokens/s and latency percentiles as concurrent streams grow, with
+every response still exactly the target's (greedy) and overload answered with RESOURCE_EXHAUSTED
+rather than a crash or unbounded queues. Metrics follow vLLM's benchmark_serving names and
+definitions, so numbers compare directly:
+  TTFT  first streamed token - request sent            E2EL  last token - request sent
+  TPOT  (E2EL - TTFT) / (output tokens - 1)            ITL   gaps between streamed chunks
+(a chunk is one target pass: with speculation it carries several tokens, as in vLLM).
+
+It starts its own local stack (target, draft, coordinator as `specdec serve` child processes), or
+drives `--address`. `--quick` runs tiny random models in well under a minute (CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import pathlib
+import random
+import statistics
+import sys
+import tempfile
+import time
+
+from specdec_tools.children import ServiceProcesses
+
+DEFAULT_OUT = pathlib.Path("benchmarks/results/loadtest")
+
+
+@dataclasses.dataclass
+class RequestResult:
+    prompt_index: int
+    ok: bool
+    code: str = "OK"
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = dataclasses.field(default_factory=list)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0
+    retry_after_ms: int | None = None
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summarise(results: list[RequestResult], duration: float) -> dict:
+    """vLLM's key names; latencies in milliseconds."""
+    done = [r for r in results if r.ok]
+    failures: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            failures[r.code] = failures.get(r.code, 0) + 1
+    out_tokens = sum(len(r.tokens) for r in done)
+    series = {
+        "ttft": [r.ttft * 1e3 for r in done],
+        "tpot": [(r.e2el - r.ttft) * 1e3 / (len(r.tokens) - 1) for r in done if len(r.tokens) > 1],
+        "itl": [gap * 1e3 for r in done for gap in r.itl],
+        "e2el": [r.e2el * 1e3 for r in done],
+    }
+    drafted = sum(r.draft_tokens for r in done)
+    refused = [r for r in results if r.code == "RESOURCE_EXHAUSTED"]
+    summary = {
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "failures": failures,
+        "duration": duration,
+        "total_output_tokens": out_tokens,
+        "request_throughput": len(done) / duration if duration else 0.0,
+        "output_throughput": out_tokens / duration if duration else 0.0,
+        "acceptance_rate": sum(r.accepted_tokens for r in done) / drafted if drafted else 0.0,
+        "mean_tokens_per_step": out_tokens / max(1, sum(r.steps for r in done)),
+        "max_refusal_latency_ms": max((r.e2el * 1e3 for r in refused), default=0.0),
+        "retry_after_ms": sorted({r.retry_after_ms for r in refused if r.retry_after_ms is not None}),
+    }
+    for name, values in series.items():
+        summary[f"mean_{name}_ms"] = statistics.fmean(values) if values else 0.0
+        summary[f"median_{name}_ms"] = percentile(values, 50)
+        summary[f"p90_{name}_ms"] = percentile(values, 90)
+        summary[f"p99_{name}_ms"] = percentile(values, 99)
+    return summary
+
+
+# --- the client -----------------------------------------------------------------------------------
+
+async def one_request(stub, index: int, prompt: list[int], max_new: int, speculation: bool, timeout: float) -> RequestResult:
+    import grpc
+
+    from protos import specdec_pb2 as pb
+
+    spec = pb.SpeculationParams() if speculation else pb.SpeculationParams(draft_length=0)
+    request = pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new, speculation=spec)
+    result = RequestResult(index, ok=False)
+    start = last = time.perf_counter()
+    call = stub.GenerateStream(request, timeout=timeout)
+    try:
+        async for message in call:
+            now = time.perf_counter()
+            if message.token_ids:
+                if not result.tokens:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                result.tokens.extend(message.token_ids)
+            if message.HasField("stats"):
+                s = message.stats
+                result.draft_tokens, result.accepted_tokens, result.steps = s.draft_tokens, s.accepted_tokens, s.steps
+        result.ok = True
+    except grpc.aio.AioRpcError as exc:
+        result.code = exc.code().name
+        for key, value in exc.trailing_metadata() or ():
+            if key == "retry-after-ms":
+                result.retry_after_ms = int(value)
+    result.e2el = time.perf_counter() - start
+    return result
+
+
+async def run_level(address: str, prompts: list[list[int]], num_requests: int, max_new: int, speculation: bool,
+                    concurrency: int | None, rate: float | None, seed: int, progress=None, timeout: float = 600.0) -> tuple[list[RequestResult], float]:
+    """`num_requests` requests, prompts cycled; at most `concurrency` in flight, or Poisson arrivals at `rate`/s."""
+    import grpc
+
+    from protos import specdec_pb2_grpc as pb_grpc
+    from specdec.serving.rpc import CHANNEL_OPTIONS
+
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.CoordinatorServiceStub(channel)
+        results: list[RequestResult] = []
+        task_id = progress.add_task(f"{'spec' if speculation else 'no-spec'} " + (f"c={concurrency}" if rate is None else f"rate={rate}/s"), total=num_requests) if progress else None
+
+        async def fire(i: int) -> None:
+            result = await one_request(stub, i % len(prompts), prompts[i % len(prompts)], max_new, speculation, timeout)
+            results.append(result)
+            if progress:
+                progress.advance(task_id)
+
+        start = time.perf_counter()
+        if rate is None:
+            queue = iter(range(num_requests))
+
+            async def worker():
+                for i in queue:
+                    await fire(i)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            rng = random.Random(seed)
+            tasks = []
+            for i in range(num_requests):
+                tasks.append(asyncio.ensure_future(fire(i)))
+                await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+# --- the local stack ------------------------------------------------------------------------------
+
+class LocalStack(ServiceProcesses):
+    """target + draft + coordinator as `specdec serve` child processes on loopback (like `specdec up`)."""
+
+    def __init__(self, target: str, drafter: str, logs: pathlib.Path, coordinator_flags: list[str], target_flags: list[str]):
+        super().__init__(logs)
+        target_address = self.spawn("target", "--model", target, "--device", "cpu", *target_flags, log_level="warning")
+        draft_flags = ["--drafter", "ngram"] if drafter == "ngram" else ["--drafter", "model", "--model", drafter, "--device", "cpu"]
+        draft_address = self.spawn("draft", *draft_flags, log_level="warning")
+        self.address = self.spawn("coordinator", "--target", target_address, "--draft", draft_address, "--tokenizer", target,
+                                  "--http-port", "-1", *coordinator_flags, log_level="warning")
+        self.addresses = [target_address, draft_address, self.address]
+
+    def wait(self, timeout: float = 600.0) -> None:
+        self.wait_healthy(self.addresses, timeout)
+
+
+# --- prompts and the reference --------------------------------------------------------------------
+
+def load_prompt_ids(tokenizer, prompts: str, limit: int) -> list[list[int]]:
+    """A prompt set name (specdec_tools/prompts/NAME.jsonl) or a .jsonl path, through the chat template."""
+    from specdec_tools.bench import PROMPTS_DIR, load_prompts
+
+    path = pathlib.Path(prompts)
+    if path.suffix == ".jsonl":
+        if not path.is_file():
+            raise ValueError(f"--prompts: {path} not found")
+        name, folder = path.stem, path.parent
+    else:
+        name, folder = prompts, PROMPTS_DIR
+    if folder != PROMPTS_DIR:
+        out = []
+        for line in path.read_text().splitlines()[: limit or None]:
+            ids = tokenizer.apply_chat_template(json.loads(line)["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+            out.append(list(ids))
+        return out
+    try:
+        return [ids for _, ids in load_prompts(tokenizer, name, limit)]
+    except FileNotFoundError as exc:
+        raise ValueError(f"--prompts: {exc}") from exc
+
+
+def reference_outputs(target: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """The target decoding alone (transformers' greedy generate, no specdec): the ground truth."""
+    import torch
+
+    from specdec.model.lm import CausalLM
+    from specdec.model.loading import load_model
+
+    loaded = load_model(target, "cpu", "auto")
+    eos = CausalLM(loaded.model, loaded.device).eos_token_ids
+    out = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = loaded.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                        max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
+            new = ids[0, len(prompt):].tolist()
+            cut = next((i for i, t in enumerate(new) if t in eos), None)
+            out.append(new[: cut + 1] if cut is not None else new)
+    return out
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="specdec loadtest", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--address", default="", help="A running coordinator; empty: start a local stack.")
+    parser.add_argument("--target-model", default="", help="Target (and tokenizer) of the local stack / reference (default: SmolLM2-135M-Instruct).")
+    parser.add_argument("--drafter", default="ngram", help="ngram, or a draft model for the local stack.")
+    parser.add_argument("--concurrency", default="1,2,4,8", help="Comma-separated concurrency levels, one run each.")
+    parser.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second instead of fixed concurrency (0: off).")
+    parser.add_argument("--num-requests", type=int, default=0, help="Requests per level (default: 2 x concurrency, at least 8).")
+    parser.add_argument("--prompts", default="grounded", help="Prompt set (specdec_tools/prompts/NAME.jsonl) or a .jsonl path.")
+    parser.add_argument("--max-prompts", type=int, default=16, help="Distinct prompts used (cycled).")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--warmup", type=int, default=2, help="Requests sent before measuring, per speculation mode.")
+    parser.add_argument("--speculation", choices=("on", "off", "both"), default="both", help="Runs with speculation, without (draft_length 0), or both.")
+    parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                        help="Compare every response with the target decoding alone (greedy generate in this process).")
+    parser.add_argument("--overload", action=argparse.BooleanOptionalAction, default=False,
+                        help="Finally offer 4x (max-concurrent-requests + max-queue) concurrent requests: expect prompt RESOURCE_EXHAUSTED.")
+    parser.add_argument("--max-concurrent-requests", type=int, default=32, help="Local coordinator's cap (see `specdec serve coordinator`).")
+    parser.add_argument("--max-queue", type=int, default=64, help="Local coordinator's queue bound.")
+    parser.add_argument("--target-flags", default="", help="Extra flags for the local target, e.g. '--max-batch-size 1'.")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="Folder for loadtest.json and the PNG plots.")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="Tiny random models, short runs, overload included: CI, < 60 s.")
+    args = parser.parse_args(argv)
+    try:
+        args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"--concurrency: a comma-separated list of integers, got {args.concurrency!r}")
+    if not args.levels or min(args.levels) < 1:
+        parser.error(f"--concurrency: levels must be >= 1, got {args.concurrency!r}")
+    for flag in ("num_requests", "max_new_tokens", "warmup", "max_prompts", "max_concurrent_requests", "max_queue"):
+        if getattr(args, flag) < 0 or (flag == "max_new_tokens" and args.max_new_tokens < 1):
+            parser.error(f"--{flag.replace('_', '-')}: out of range: {getattr(args, flag)}")
+    if args.request_rate < 0:
+        parser.error(f"--request-rate: must be >= 0, got {args.request_rate}")
+    if args.overload and args.address:
+        parser.error("--overload needs the local stack (its caps are known); drop --address")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from specdec.model.loading import DEFAULT_TARGET, load_tokenizer
+
+    workdir = pathlib.Path(tempfile.mkdtemp(prefix="specdec-loadtest-"))
+    if args.quick:
+        from specdec_tools.bench import quick_models
+
+        # A random model's logits are nearly flat, so the usual 8% noise flips most argmaxes and
+        # n-gram drafting over 16 random tokens rarely matches: with either, the speculative runs
+        # accepted nothing on some machines. The tiny target plus 2% noise agrees with it on ~70%
+        # of drafted tokens, so the quick runs really exercise speculation.
+        target, drafter = quick_models(workdir / "models", noise=0.02)
+        args.target_model, args.drafter = target, drafter
+        args.prompts, args.max_new_tokens, args.max_prompts, args.warmup = "chat", 16, 6, 1
+        args.levels = [1, 4] if args.concurrency == "1,2,4,8" else args.levels
+        args.num_requests = args.num_requests or 6
+        args.max_concurrent_requests, args.max_queue, args.overload = 2, 2, not args.address
+    target = args.target_model or DEFAULT_TARGET
+    tokenizer = load_tokenizer(target)
+    prompts = load_prompt_ids(tokenizer, args.prompts, args.max_prompts)
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.speculation]
+    stack = None
+    if not args.address:
+        flags = ["--max-concurrent-requests", str(args.max_concurrent_requests), "--max-queue", str(args.max_queue)]
+        stack = LocalStack(target, args.drafter, workdir / "logs", flags, args.target_flags.split())
+    report: dict = {"config": {k: v for k, v in vars(args).items() if k != "levels"} | {"levels": args.levels, "target": target,
+                                                                                      "num_prompts": len(prompts)}, "runs": []}
+    try:
+        if stack:
+            stack.wait()
+        address = args.address or stack.address
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+        with Progress(*columns, transient=False) as progress:
+            levels = [None] if args.request_rate else args.levels
+            for speculation in modes:
+                if args.warmup:
+                    asyncio.run(run_level(address, prompts, args.warmup, args.max_new_tokens, speculation, args.warmup, None, args.seed))
+                for level in levels:
+                    n = args.num_requests or max(8, 2 * (level or 4))
+                    results, duration = asyncio.run(run_level(address, prompts, n, args.max_new_tokens, speculation, level,
+                                                              args.request_rate or None, args.seed, progress))
+                    report["runs"].append({"speculation": speculation, "concurrency": level, "request_rate": args.request_rate or None,
+                                           "num_requests": n, **summarise(results, duration), "_results": results})
+                    save_partial(report, args.out)  # a long run killed later still leaves its numbers
+                    progress.console.print(format_report({"runs": report["runs"][-1:]}).splitlines()[-1])
+            if args.overload and stack:
+                offered = 4 * (args.max_concurrent_requests + args.max_queue)
+                results, duration = asyncio.run(run_level(address, prompts, offered, args.max_new_tokens, True, offered, None,
+                                                          args.seed, progress))
+                report["overload"] = {"offered_concurrency": offered, "max_concurrent_requests": args.max_concurrent_requests,
+                                      "max_queue": args.max_queue, **summarise(results, duration), "stack_alive": stack.alive(),
+                                      "_results": results}
+        if args.check:
+            reference = reference_outputs(target, prompts, args.max_new_tokens)
+            for entry in [*report["runs"], *([report["overload"]] if "overload" in report else [])]:
+                done = [r for r in entry["_results"] if r.ok]
+                entry["identical"] = sum(r.tokens == reference[r.prompt_index] for r in done)
+                entry["mismatched"] = len(done) - entry["identical"]
+    finally:
+        if stack:
+            stack.stop()
+    for entry in [*report["runs"], *([report["overload"]] if "overload" in report else [])]:
+        entry.pop("_results")
+    report["summary"] = headline(report["runs"])
+    return report
+
+
+def save_partial(report: dict, out: str) -> None:
+    folder = pathlib.Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    runs = [{k: v for k, v in r.items() if k != "_results"} for r in report["runs"]]
+    (folder / "loadtest.partial.json").write_text(json.dumps({**report, "runs": runs, "overload": None}, indent=2, default=str))
+
+
+def headline(runs: list[dict]) -> dict:
+    """Aggregate output tokens/s at the highest concurrency over one stream, per speculation mode."""
+    out = {}
+    for speculation in (True, False):
+        by_level = {r["concurrency"]: r["output_throughput"] for r in runs if r["speculation"] == speculation and r["concurrency"]}
+        if 1 in by_level and len(by_level) > 1:
+            top = max(by_level)
+            out[f"{'spec' if speculation else 'nospec'}_throughput_{top}_vs_1"] = by_level[top] / by_level[1] if by_level[1] else 0.0
+    return out
+
+
+def plot(report: dict, out: pathlib.Path) -> list[str]:
+    """Latency percentiles and throughput against concurrency, speculation on vs off."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in report["runs"] if r["concurrency"]]
+    if not runs:
+        return []
+    written = []
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, metric in zip(axes, ("ttft", "tpot", "e2el")):
+        for speculation, style in ((True, "-"), (False, "--")):
+            rows = sorted((r for r in runs if r["speculation"] == speculation), key=lambda r: r["concurrency"])
+            for stat in ("median", "p90", "p99"):
+                if rows:
+                    ax.plot([r["concurrency"] for r in rows], [r[f"{stat}_{metric}_ms"] for r in rows], style, marker="o",
+                            label=f"{stat} {'spec' if speculation else 'no spec'}")
+        ax.set(title=f"{metric.upper()} (ms)", xlabel="concurrent requests", xscale="log", xticks=report["config"]["levels"])
+        ax.set_xticklabels([str(c) for c in report["config"]["levels"]])
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "latency_vs_concurrency.png", dpi=110)
+    written.append(str(out / "latency_vs_concurrency.png"))
+    fig, ax = plt.subplots(figsize=(6, 4.2))
+    for speculation in (True, False):
+        rows = sorted((r for r in runs if r["speculation"] == speculation), key=lambda r: r["concurrency"])
+        if rows:
+            ax.plot([r["concurrency"] for r in rows], [r["output_throughput"] for r in rows], marker="o",
+                    label="speculation on" if speculation else "speculation off")
+    ax.set(title="aggregate output tokens/s", xlabel="concurrent requests", ylabel="tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "throughput_vs_concurrency.png", dpi=110)
+    written.append(str(out / "throughput_vs_concurrency.png"))
+    plt.close("all")
+    return written
+
+
+def format_report(report: dict) -> str:
+    lines = ["spec  conc  done fail  req/s  out tok/s  TTFT p50/p99 ms   TPOT p50/p99 ms   ITL mean  E2EL p50/p99 ms  accept  identical"]
+    for r in [*report["runs"], *([report["overload"] | {"speculation": True, "concurrency": report["overload"]["offered_concurrency"]}]
+                                 if "overload" in report else [])]:
+        ident = f"{r['identical']}/{r['completed']}" if "identical" in r else "-"
+        lines.append(
+            f"{'on ' if r['speculation'] else 'off'}  {r['concurrency'] or '-':>4}  {r['completed']:>4} {r['failed']:>4}  {r['request_throughput']:5.2f}"
+            f"  {r['output_throughput']:9.1f}  {r['median_ttft_ms']:7.0f}/{r['p99_ttft_ms']:<7.0f}  {r['median_tpot_ms']:7.1f}/{r['p99_tpot_ms']:<7.1f}"
+            f"  {r['mean_itl_ms']:8.1f}  {r['median_e2el_ms']:7.0f}/{r['p99_e2el_ms']:<7.0f}  {r['acceptance_rate']:6.2f}  {ident}"
+            + (f"  failures {r['failures']}" if r["failures"] else ""))
+    if "overload" in report:
+        o = report["overload"]
+        lines.append(f"overload: {o['offered_concurrency']} concurrent offered to max_concurrent_requests={o['max_concurrent_requests']} + "
+                     f"max_queue={o['max_queue']}: {o['completed']} completed, refused {o['failures']}, slowest refusal "
+                     f"{o['max_refusal_latency_ms']:.0f} ms, retry-after-ms {o['retry_after_ms'][:3]}, stack alive: {o['stack_alive']}")
+    for key, value in report.get("summary", {}).items():
+        lines.append(f"{key}: {value:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    try:
+        report = run(args)
+    except ValueError as exc:
+        print(f"specdec loadtest: {exc}", file=sys.stderr)
+        return 2
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loadtest.json").write_text(json.dumps(report, indent=2))
+    plots = plot(report, out)
+    print(format_report(report))
+    print(f"wrote {out / 'loadtest.json'}" + "".join(f", {p}" for p in plots))
+    bad = sum(r.get("mismatched", 0) for r in [*report["runs"], *([report["overload"]] if "overload" in report else [])])
+    return 1 if bad else 0
