@@ -21,24 +21,64 @@ class CoordinatorConfig:
     http_port: int = option(8000, "Port of the OpenAI-compatible HTTP API, /health and /metrics; 0 picks a free one, -1 disables it.")
     api_token: str = option("", "Bearer token the public APIs require (gRPC metadata `authorization` and HTTP); empty: open.")
     target: str = option("127.0.0.1:50052", "Address of the target service.")
-    draft: str = option("127.0.0.1:50053", "Address of the draft service; `ngram`: prompt lookup inside the coordinator (no draft service, no draft round trip); empty turns speculation off.")
+    draft: str = option(
+        "127.0.0.1:50053",
+        "Address of the draft service; `ngram`: prompt lookup inside the coordinator (no draft service, no "
+        "draft round trip); empty turns speculation off.",
+    )
     tokenizer: str = option(DEFAULT_TARGET, "Tokenizer of the target model: alias, hub id, folder or .gguf file.")
     draft_length: int = option(8, "Default upper bound on draft tokens per step (requests may ask for another, up to 32).")
     adaptive: bool = option(True, "Adapt the draft length per request unless the request says otherwise.")
-    decode_ahead: int = option(DEFAULT_DECODE_AHEAD, "When the coordinator will not draft for the next steps (speculation off, an n-gram draft resting after empty asks, drafting not paying), the target decodes up to this many of them in the same Verify exchange; tokens then stream in bursts of up to N+1. 0 turns it off.")
-    overlap: str = option("off", "Overlapped speculation: while the target verifies a step, the draft drafts the next one ahead, assuming full acceptance. on, off, or auto (per request, only while the hits it observes pay for the misses). Pays when draft and target run on separate hardware.", choices=("off", "auto", "on"))
-    tree_budget: int = option(0, "Default draft tree budget: most nodes the target verifies per step, the draft length capping their depth (requests may ask for another, up to 64); 0: chains.")
+    decode_ahead: int = option(
+        DEFAULT_DECODE_AHEAD,
+        "When the coordinator will not draft for the next steps (speculation off, an n-gram draft resting "
+        "after empty asks, drafting not paying), the target decodes up to this many of them in the same "
+        "Verify exchange; tokens then stream in bursts of up to N+1. 0 turns it off.",
+    )
+    overlap: str = option(
+        "off",
+        "Overlapped speculation: while the target verifies a step, the draft drafts the next one ahead, "
+        "assuming full acceptance. on, off, or auto (per request, only while the hits it observes pay for the"
+        " misses). Pays when draft and target run on separate hardware.",
+        choices=("off", "auto", "on"),
+    )
+    tree_budget: int = option(
+        0,
+        "Default draft tree budget: most nodes the target verifies per step, the draft length capping their "
+        "depth (requests may ask for another, up to 64); 0: chains.",
+    )
     tree_top_k: int = option(4, "Children per expanded node, and nodes expanded per level, of a dynamic draft tree (1 to 16).")
-    tree_shape: str = option("", "A static draft tree instead: children per node at each depth, comma-separated (e.g. 4,2,2,1); empty: dynamic.")
+    tree_shape: str = option(
+        "",
+        "A static draft tree instead: children per node at each depth, comma-separated (e.g. 4,2,2,1); empty:"
+        " dynamic.",
+    )
     max_new_tokens: int = option(4096, "Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = option(128, "max_new_tokens when a request leaves it unset.")
     max_prompt_tokens: int = option(32768, "Longest prompt accepted, in target tokens.")
-    max_streams_per_client: int = option(64, "Concurrent requests one client (bearer token, else peer address) may have; past it RESOURCE_EXHAUSTED. 0: no limit.")
-    max_concurrent_requests: int = option(32, "Requests running at once (each is a row of the target's batch); more wait in the queue. 0: no limit.")
+    max_streams_per_client: int = option(
+        64,
+        "Concurrent requests one client (bearer token, else peer address) may have; past it "
+        "RESOURCE_EXHAUSTED. 0: no limit.",
+    )
+    max_concurrent_requests: int = option(
+        32,
+        "Requests running at once (each is a row of the target's batch); more wait in the queue. 0: no limit.",
+    )
     max_queue: int = option(64, "Requests waiting for a running slot; past it RESOURCE_EXHAUSTED at once, with a retry-after hint.")
-    verify_token_budget: int = option(8, "Verified positions per target pass the running requests share: each drafts at most budget // running - 1 tokens, none once the batch is full. Set it near the knee of the target's cost curve (8 on a 2-core CPU, where 8 streams made 50.6 tok/s without drafts and 44.1 with one draft token each; far more on a GPU). 0: no load cap.")
+    verify_token_budget: int = option(
+        8,
+        "Verified positions per target pass the running requests share: each drafts at most budget // running"
+        " - 1 tokens, none once the batch is full. Set it near the knee of the target's cost curve: where a "
+        "pass over that many positions starts costing more than one (small on a CPU, far more on a GPU). 0: "
+        "no load cap.",
+    )
     rpc_timeout_s: float = option(30.0, "Deadline of each call to the draft and target services.")
-    target_retry_s: float = option(10.0, "How long Verify is retried while the target answers UNAVAILABLE (a restart), never past the request's deadline; then the request fails UNAVAILABLE.")
+    target_retry_s: float = option(
+        10.0,
+        "How long Verify is retried while the target answers UNAVAILABLE (a restart), never past the "
+        "request's deadline; then the request fails UNAVAILABLE.",
+    )
     startup_timeout_s: float = option(600.0, "How long to wait for the draft and target to come up.")
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
     tls_key: str = option("", "PEM private key of --tls-cert.")

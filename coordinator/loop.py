@@ -1,8 +1,9 @@
 """The speculative loop: propose -> verify -> roll back, over any proposer and verifier.
 
 It owns the canonical tokens of one request, and for each service the length of the canonical
-prefix that service is known to hold (`draft_known`, `target_known`). Every call sends only the
-canonical tokens past that point; the service crops anything beyond it (the rejected drafts) first.
+prefix that service is known to hold (`draft_known`, `target_known`, in coordinator/state.py).
+Every call sends only the canonical tokens past that point; the service crops anything beyond it
+(the rejected drafts) first.
 The proposer and verifier are protocols: gRPC clients in production, in-process engines in
 benchmarks, so the same loop runs with or without the network.
 """
@@ -21,6 +22,7 @@ import structlog
 from specdec.spec.costs import CostModel, Costs
 from coordinator.policy.draft_length import DraftLengthPolicy
 from coordinator.policy.overlap import RunAheadPolicy
+from coordinator.state import SequenceState
 from specdec.errors import SequenceNotFound
 from specdec.model.features import FeatureLog, FeatureRows
 from specdec.spec.sampling import SamplingConfig, derive_seed
@@ -167,6 +169,21 @@ class Step:
     finish_reason: str | None
 
 
+@dataclasses.dataclass
+class Turn:
+    """One step in flight: what its phases decide, handed from one to the next."""
+
+    remaining: int  # tokens the request may still produce
+    planned: int  # the draft length the policy chose
+    min_prob: float  # ... and the cumulative probability a draft must keep
+    gamma: int  # the draft length within the request's tokens and context
+    draft: DraftOutcome = dataclasses.field(default_factory=lambda: DraftOutcome([], [], 0.0, 0.0))
+    draft_wall: float | None = None  # set when the draft was asked this step (not a run-ahead's tokens)
+    from_ahead: bool = False  # the draft is the last step's run-ahead
+    runahead: RunAhead | None = None  # the next step's draft, drafting during this Verify
+    decode_ahead: int = 0  # tokens the target may decode after this step's
+
+
 # After the draft fails, decode this many steps with the target alone before trying it again.
 DRAFT_RETRY_STEPS = 16
 # Default of the most tokens the target decodes ahead in one exchange when no step drafts (no draft,
@@ -198,21 +215,32 @@ class SpeculativeLoop:
     async def run(self, spec: GenerationSpec, stats: Stats) -> AsyncIterator[Step]:
         """Yields each step's new tokens until max_new_tokens or end-of-sequence.
 
-        Both services' sequences are released however the generator ends (finished, error,
-        cancelled, or closed early by a stop string).
+        The phases of a step share the request's SequenceState and hand the step's own decisions
+        on in a Turn. Both services' sequences are released however the generator ends (finished,
+        error, cancelled, or closed early by a stop string).
         """
-        start = time.perf_counter()
-        # Unique even when clients reuse request ids: two requests must never share a cache.
-        sequence_id = f"{spec.request_id}:{uuid.uuid4().hex[:8]}"
         if self.features and spec.tree is not None:
             spec = dataclasses.replace(spec, tree=None)  # feature drafts draft chains (Verify returns no features for trees)
-        feature_log = FeatureLog() if self.features else None  # the target features of the canonical positions
-        tokens = list(spec.prompt_ids)  # canonical
-        prompt_len = len(tokens)
-        stats.prompt_tokens = prompt_len
-        draft_known = target_known = 0
-        draft_features = 0  # leading target features the draft holds (feature drafts)
-        policy = DraftLengthPolicy(
+        state = self._begin(spec, stats)
+        try:
+            while True:
+                turn = self._plan(spec, state)
+                await self._draft(spec, state, stats, turn)
+                self._overlap(spec, state, stats, turn)
+                verdict = await self._verify_draft(spec, state, turn)
+                new, finish = self._commit(spec, state, stats, turn, verdict)
+                await self._settle(state, stats, turn, verdict, finish)
+                yield self._advance(state, stats, new, finish)
+                if finish:
+                    return
+        finally:
+            stats.total_seconds = time.perf_counter() - state.started
+            await self._release(state.sequence_id)
+
+    def _begin(self, spec: GenerationSpec, stats: Stats) -> SequenceState:
+        started = time.perf_counter()
+        stats.prompt_tokens = len(spec.prompt_ids)
+        lengths = DraftLengthPolicy(
             max_length=spec.draft_length,
             cost_model=None if spec.seeded else self.cost_model,
             prior=self.prior,
@@ -220,132 +248,151 @@ class SpeculativeLoop:
             # seeded runs keep the static lengths: a cut learned online would change their draws
             calibrated=self.calibrated and not spec.seeded and spec.tree is None,
         )
-        skip_draft_until = 0
         # Run-ahead only for chains, and not for seeded sampling: its draws come from other
         # generator states than a sequential run's, and a seeded run must replay exactly.
         reproducible = spec.seeded and not spec.sampling.greedy
         ahead = RunAheadPolicy("off" if spec.tree is not None or reproducible or self.proposer is None else self.overlap)
-        ready: DraftOutcome | None = None  # the next step's draft, drafted ahead during the last Verify
+        return SequenceState(
+            # Unique even when clients reuse request ids: two requests must never share a cache.
+            sequence_id=f"{spec.request_id}:{uuid.uuid4().hex[:8]}",
+            tokens=list(spec.prompt_ids),
+            prompt_len=len(spec.prompt_ids),
+            lengths=lengths,
+            ahead=ahead,
+            feature_log=FeatureLog() if self.features else None,
+            started=started,
+        )
+
+    def _plan(self, spec: GenerationSpec, state: SequenceState) -> Turn:
+        remaining = spec.max_new_tokens - state.generated
+        planned, min_prob = state.lengths.plan()
+        gamma = min(planned, remaining - 1)
+        if spec.max_context:
+            gamma = min(gamma, spec.max_context - len(state.tokens) - 1)
+        return Turn(remaining, planned, min_prob, gamma)
+
+    async def _draft(self, spec: GenerationSpec, state: SequenceState, stats: Stats, turn: Turn) -> None:
+        """Takes the draft run ahead during the last Verify if there is one, else asks the draft
+        (unless it failed lately), and cuts a calibrated proposal where its tokens stop paying."""
+        ready, state.ready = state.ready, None  # drafted for this step only: a later one starts from another prefix
+        if ready is not None and ready.tokens and turn.gamma > 0:
+            turn.draft, turn.from_ahead = _part(ready, 0, turn.gamma), True
+        elif self.proposer is not None and turn.gamma > 0 and stats.steps >= state.skip_draft_until:
+            await self._ask_draft(spec, state, stats, turn)
+        draft = turn.draft
+        cut = state.lengths.cut(draft.confidence)
+        if cut is not None and cut < len(draft.tokens):
+            turn.draft = dataclasses.replace(draft, tokens=draft.tokens[:cut], dists=draft.dists[:cut],
+                                             confidence=draft.confidence[:cut])
+        if turn.draft_wall is not None:
+            state.lengths.asked(len(turn.draft.tokens))
+
+    async def _ask_draft(self, spec: GenerationSpec, state: SequenceState, stats: Stats, turn: Turn) -> None:
         try:
-            while True:
-                remaining = spec.max_new_tokens - (len(tokens) - prompt_len)
-                planned, min_prob = policy.plan()
-                gamma = min(planned, remaining - 1)
-                if spec.max_context:
-                    gamma = min(gamma, spec.max_context - len(tokens) - 1)
-                draft = DraftOutcome([], [], 0.0, 0.0)
-                draft_wall = None
-                from_ahead = ready is not None and bool(ready.tokens) and gamma > 0
-                if from_ahead:
-                    draft = _part(ready, 0, gamma)
-                elif self.proposer is not None and gamma > 0 and stats.steps >= skip_draft_until:
-                    try:
-                        if spec.tree is not None:
-                            draft = await self._propose_tree(sequence_id, tokens, draft_known, spec.tree, gamma, spec.sampling, spec.seeded)
-                        else:
-                            draft = await self._propose(sequence_id, tokens, draft_known, gamma, min_prob, spec.sampling,
-                                                        feature_log, draft_features)
-                        draft_known = len(tokens)
-                        draft_features = len(feature_log) if feature_log is not None else 0
-                        draft_wall = draft.wall_seconds
-                        if not draft.tokens and min_prob > 0:
-                            policy.nothing_drafted()
-                    except Exception as exc:  # noqa: BLE001 - a failing draft only costs speed
-                        stats.draft_failures += 1
-                        skip_draft_until = stats.steps + DRAFT_RETRY_STEPS
-                        draft_known = draft_features = 0  # its state is unknown now: re-send everything next time
-                        log.warning("draft failed; decoding with the target alone for a while", error=str(exc))
-                cut = policy.cut(draft.confidence)
-                if cut is not None and cut < len(draft.tokens):
-                    draft = dataclasses.replace(draft, tokens=draft.tokens[:cut], dists=draft.dists[:cut],
-                                                confidence=draft.confidence[:cut])
-                if draft_wall is not None:  # the draft was asked this step (not a run-ahead's tokens)
-                    policy.asked(len(draft.tokens))
-                ready = None
-                runahead = None
-                if draft.tokens and draft.parents is None and ahead.should_run_ahead():
-                    runahead = self._run_ahead(sequence_id, tokens, draft, planned, min_prob, spec)
-                appended = len(tokens) - target_known
-                decode_ahead = 0
-                # Not before the first token: a client waiting on it would wait for the tokens after it too.
-                if self.decode_ahead and not draft.tokens and runahead is None and stats.completion_tokens:
-                    decode_ahead = self._ahead_budget(policy, stats.steps, skip_draft_until, remaining, len(tokens), spec.max_context)
-                try:
-                    verdict = await self._verify(sequence_id, tokens, target_known, draft, spec.sampling, decode_ahead)
-                except BaseException:
-                    if runahead is not None:
-                        await runahead.cancel()
-                    raise
-                accepted = verdict.accepted
-                if len(verdict.decoded) > decode_ahead:  # a target that decoded more than asked: keep what was asked
-                    verdict = dataclasses.replace(verdict, decoded=verdict.decoded[:decode_ahead])
-                decoded = list(verdict.decoded)
-                policy.skip(len(decoded))
-                target_known = len(tokens) + accepted + len(decoded)
-                if feature_log is not None and verdict.features is not None:
-                    if verdict.features.start <= len(feature_log):
-                        feature_log.put(verdict.features)
-                        draft_features = min(draft_features, verdict.features.start)
-                    else:  # cannot happen with a conforming target; the draft then predicts the gap itself
-                        log.warning("target features skip positions", start=verdict.features.start, held=len(feature_log))
-                if draft.tokens and draft.parents is None:
-                    draft_known = len(tokens) + accepted  # the draft holds its accepted tokens already
-                # (after a tree the draft holds the canonical tokens only: it gets the path next time)
-                if draft.parents is not None:
-                    new = [draft.tokens[i] for i in verdict.path] + [verdict.next_token] + decoded
-                else:
-                    new = draft.tokens[:accepted] + [verdict.next_token] + decoded
-                self._account(stats, policy, draft, verdict, appended, asked=draft_wall is not None)
-                if from_ahead:
-                    stats.runahead_used_tokens += accepted
-                finish = None
-                for i, token in enumerate(new):
-                    if token in spec.eos_token_ids:
-                        new, finish = new[: i + 1], "eos"
-                        break
-                if len(new) >= remaining:
-                    new, finish = new[:remaining], finish or "length"
-                miss_wait = None
-                if runahead is not None:  # (a request that ends here has no use for it)
-                    ready, miss_wait = await runahead.settle(accepted == len(draft.tokens) and finish is None, verdict.next_token)
-                    stats.runahead_steps += 1
-                    stats.runahead_tokens += runahead.drafted
-                    if ready is not None:
-                        stats.runahead_hits += 1
-                        stats.runahead_used_tokens += 1  # the bonus guess was the target's token
-                ahead.observe(len(draft.tokens), accepted, runahead is not None, ready is not None,
-                              verdict.wall_seconds, draft_wall, miss_wait)
+            if spec.tree is not None:
+                draft = await self._propose_tree(state.sequence_id, state.tokens, state.draft_known, spec.tree, turn.gamma,
+                                                 spec.sampling, spec.seeded)
+            else:
+                draft = await self._propose(state.sequence_id, state.tokens, state.draft_known, turn.gamma, turn.min_prob,
+                                            spec.sampling, state.feature_log, state.draft_features)
+            state.draft_known = len(state.tokens)
+            state.draft_features = state.features_held
+            turn.draft, turn.draft_wall = draft, draft.wall_seconds
+            if not draft.tokens and turn.min_prob > 0:
+                state.lengths.nothing_drafted()
+        except Exception as exc:  # noqa: BLE001 - a failing draft only costs speed
+            stats.draft_failures += 1
+            state.skip_draft_until = stats.steps + DRAFT_RETRY_STEPS
+            state.forget_draft()
+            log.warning("draft failed; decoding with the target alone for a while", error=str(exc))
 
-                tokens.extend(new)
-                if ready is not None:
-                    draft_known = len(tokens)  # the draft holds the canonical tokens, then `ready`
-                if stats.completion_tokens == 0:
-                    stats.time_to_first_token_seconds = time.perf_counter() - start
-                    stats.first_step_tokens = len(new)
-                stats.completion_tokens += len(new)
-                stats.total_seconds = time.perf_counter() - start
-                yield Step(new, finish)
-                if finish:
-                    return
-        finally:
-            stats.total_seconds = time.perf_counter() - start
-            await self._release(sequence_id)
+    def _overlap(self, spec: GenerationSpec, state: SequenceState, stats: Stats, turn: Turn) -> None:
+        """Puts the Verify's time to use: the draft drafts the next step meanwhile (run-ahead), or,
+        when no step will draft, the target decodes the tokens after this one in the same exchange."""
+        draft = turn.draft
+        if draft.tokens and draft.parents is None and state.ahead.should_run_ahead():
+            turn.runahead = self._run_ahead(state.sequence_id, state.tokens, draft, turn.planned, turn.min_prob, spec)
+        # Not before the first token: a client waiting on it would wait for the tokens after it too.
+        if self.decode_ahead and not draft.tokens and turn.runahead is None and stats.completion_tokens:
+            turn.decode_ahead = self._ahead_budget(state, stats.steps, turn.remaining, spec.max_context)
 
-    def _ahead_budget(self, policy: DraftLengthPolicy, steps: int, skip_draft_until: int, remaining: int, length: int,
-                      max_context: int) -> int:
+    async def _verify_draft(self, spec: GenerationSpec, state: SequenceState, turn: Turn) -> VerifyOutcome:
+        try:
+            verdict = await self._verify(state.sequence_id, state.tokens, state.target_known, turn.draft, spec.sampling,
+                                         turn.decode_ahead)
+        except BaseException:
+            if turn.runahead is not None:
+                await turn.runahead.cancel()
+            raise
+        if len(verdict.decoded) > turn.decode_ahead:  # a target that decoded more than asked: keep what was asked
+            verdict = dataclasses.replace(verdict, decoded=verdict.decoded[:turn.decode_ahead])
+        return verdict
+
+    def _commit(self, spec: GenerationSpec, state: SequenceState, stats: Stats, turn: Turn,
+                verdict: VerifyOutcome) -> tuple[list[int], str | None]:
+        """Records what the verdict leaves each service holding and what the step cost. Returns the
+        step's new tokens and, if the request ends with them, why."""
+        draft, accepted = turn.draft, verdict.accepted
+        decoded = list(verdict.decoded)
+        state.lengths.skip(len(decoded))
+        appended = len(state.tokens) - state.target_known
+        state.target_known = len(state.tokens) + accepted + len(decoded)
+        if state.feature_log is not None and verdict.features is not None:
+            state.put_features(verdict.features)
+        if draft.parents is not None:
+            # after a tree the draft holds the canonical tokens only: it gets the path next time
+            new = [draft.tokens[i] for i in verdict.path] + [verdict.next_token] + decoded
+        else:
+            if draft.tokens:
+                state.draft_known = len(state.tokens) + accepted  # the draft holds its accepted tokens already
+            new = draft.tokens[:accepted] + [verdict.next_token] + decoded
+        self._account(stats, state.lengths, draft, verdict, appended, asked=turn.draft_wall is not None)
+        if turn.from_ahead:
+            stats.runahead_used_tokens += accepted
+        return _finish(new, spec.eos_token_ids, turn.remaining)
+
+    async def _settle(self, state: SequenceState, stats: Stats, turn: Turn, verdict: VerifyOutcome, finish: str | None) -> None:
+        """Keeps the run-ahead as the next step's draft if its bet won, else stops it; either way the
+        run-ahead policy learns what the step cost."""
+        draft, runahead = turn.draft, turn.runahead
+        miss_wait = None
+        if runahead is not None:
+            # a request that ends here has no use for the next step's draft
+            full_accept = verdict.accepted == len(draft.tokens) and finish is None
+            state.ready, miss_wait = await runahead.settle(full_accept, verdict.next_token)
+            stats.runahead_steps += 1
+            stats.runahead_tokens += runahead.drafted
+            if state.ready is not None:
+                stats.runahead_hits += 1
+                stats.runahead_used_tokens += 1  # the bonus guess was the target's token
+        state.ahead.observe(len(draft.tokens), verdict.accepted, runahead is not None, state.ready is not None,
+                            verdict.wall_seconds, turn.draft_wall, miss_wait)
+
+    def _advance(self, state: SequenceState, stats: Stats, new: list[int], finish: str | None) -> Step:
+        state.tokens.extend(new)
+        if state.ready is not None:
+            state.draft_known = len(state.tokens)  # the draft holds the canonical tokens, then `ready`
+        if stats.completion_tokens == 0:
+            stats.time_to_first_token_seconds = time.perf_counter() - state.started
+            stats.first_step_tokens = len(new)
+        stats.completion_tokens += len(new)
+        stats.total_seconds = time.perf_counter() - state.started
+        return Step(new, finish)
+
+    def _ahead_budget(self, state: SequenceState, steps: int, remaining: int, max_context: int) -> int:
         """Tokens the target may decode after this step, which drafted nothing: the steps after it
         that will not draft either (every one without a draft, the rest of a failed draft's wait,
         else the policy's quiet steps), within --decode-ahead and the request's tokens and context."""
         if self.proposer is None:
             quiet = self.decode_ahead
-        elif steps < skip_draft_until:
-            quiet = skip_draft_until - steps - 1
+        elif steps < state.skip_draft_until:
+            quiet = state.skip_draft_until - steps - 1
         else:
-            quiet = policy.quiet_steps()
+            quiet = state.lengths.quiet_steps()
             quiet = self.decode_ahead if quiet is None else quiet
         budget = min(self.decode_ahead, quiet, remaining - 1)
         if max_context:
-            budget = min(budget, max_context - length - 2)
+            budget = min(budget, max_context - len(state.tokens) - 2)
         return max(0, budget)
 
     def _run_ahead(self, sequence_id: str, tokens: list[int], draft: DraftOutcome, planned: int, min_prob: float,
@@ -470,6 +517,19 @@ def _part(draft: DraftOutcome, start: int, stop: int | None = None) -> DraftOutc
         known = draft.confidence[start - 1] if start else 1.0
         confidence = [c / known for c in draft.confidence[start:stop]] if known > 0 else None
     return DraftOutcome(tokens, draft.dists[start:stop], compute, compute, int(draft.wire_bytes * share), confidence=confidence)
+
+
+def _finish(new: list[int], eos_token_ids: frozenset[int], remaining: int) -> tuple[list[int], str | None]:
+    """`new` through its first end-of-sequence token and within the request's remaining tokens, and
+    the finish reason if the request ends with them."""
+    finish = None
+    for i, token in enumerate(new):
+        if token in eos_token_ids:
+            new, finish = new[: i + 1], "eos"
+            break
+    if len(new) >= remaining:
+        new, finish = new[:remaining], finish or "length"
+    return new, finish
 
 
 @dataclasses.dataclass

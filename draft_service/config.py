@@ -21,15 +21,34 @@ class DraftConfig:
     model: str = option("", "Draft model for --drafter model: alias, hub id, local folder or .gguf file.")
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16 or bfloat16.")
-    target_tokenizer: str = option("", "Tokenizer of the target when it differs from the draft model's (alias, hub id, folder or .gguf): the draft then maps between the two vocabularies; empty: the same vocabulary.")
+    target_tokenizer: str = option(
+        "",
+        "Tokenizer of the target when it differs from the draft model's (alias, hub id, folder or .gguf): the"
+        " draft then maps between the two vocabularies; empty: the same vocabulary.",
+    )
     top_k: int = option(32, "When sampling, the draft draws from its top-k tokens so the sparse p it sends is exact.")
     ngram_max: int = option(4, "Longest suffix n-gram the n-gram drafter looks up.")
     ngram_min: int = option(1, "Shortest suffix n-gram it accepts as a match.")
-    staged: bool = option(False, "Staged drafting for --drafter model, greedy: an n-gram index guesses the draft model's own next tokens and one draft forward checks them (same tokens, fewer draft passes).")
-    packed_gemm_rows: int = option(gemm.DEFAULT_ROWS, "CPU float32 model drafts: forwards over 1..N positions use specdec's GEMM kernel, compiled on first use (the feature draft's token: 3.7 -> 1.6 ms on 2 cores); 0 turns it off.")
-    batch_window_ms: float = option(2.0, "How long a drafting step waits for the other streams' steps to share its forward pass (continuous batching of model drafts); 0: no wait.")
+    staged: bool = option(
+        False,
+        "Staged drafting for --drafter model, greedy: an n-gram index guesses the draft model's own next "
+        "tokens and one draft forward checks them (same tokens, fewer draft passes).",
+    )
+    packed_gemm_rows: int = option(
+        gemm.DEFAULT_ROWS,
+        "CPU float32 model drafts: forwards over 1..N positions use specdec's GEMM kernel, compiled on first "
+        "use (small forwards cost less than with the stock kernel); 0 turns it off.",
+    )
+    batch_window_ms: float = option(
+        2.0,
+        "How long a drafting step waits for the other streams' steps to share its forward pass (continuous "
+        "batching of model drafts); 0: no wait.",
+    )
     max_batch_size: int = option(16, "Most sequences drafted in one forward pass; 1 turns draft batching off.")
-    max_batch_tokens: int = option(256, "Most padded positions (rows x longest row's new tokens) in one draft pass: long catch-ups run alone.")
+    max_batch_tokens: int = option(
+        256,
+        "Most padded positions (rows x longest row's new tokens) in one draft pass: long catch-ups run alone.",
+    )
     max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted.")
     idle_timeout_s: float = option(600.0, "Free a sequence untouched this long; 0 disables.")
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")

@@ -40,7 +40,7 @@ import uuid
 import torch
 
 from specdec.model import gemm
-from specdec import plan as planlib
+from specdec_tools import plan as planlib
 from specdec_tools.children import ServiceProcesses
 
 PROMPT_SETS = ("chat", "grounded")

@@ -21,7 +21,7 @@ import statistics
 import sys
 import tempfile
 
-from specdec import plan as planlib
+from specdec_tools import plan as planlib
 from specdec_tools.bench import PROMPT_SETS, PROMPTS_DIR, grpc_runner, load_prompts, machine, quick_models
 from specdec_tools.children import ServiceProcesses
 

@@ -25,7 +25,7 @@ import json
 import statistics
 import sys
 
-from specdec import plan as planlib
+from specdec_tools import plan as planlib
 
 
 def _sum(samples, key: str) -> float:

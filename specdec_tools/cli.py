@@ -44,7 +44,7 @@ def cmd_serve(argv: list[str]) -> int:
     if not argv or argv[0] not in SERVICES:
         print(f"usage: specdec serve {{{','.join(SERVICES)}}} [flags]  (--help after the name lists them)", file=sys.stderr)
         return 2
-    from specdec import config as cfg
+    from specdec.serving import config as cfg
     from specdec.serving.logs import configure
 
     cls, prefix, serve = _service(argv[0])

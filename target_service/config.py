@@ -21,11 +21,25 @@ class TargetConfig:
     model: str = option(DEFAULT_TARGET, "Target model: alias, hub id, local folder or .gguf file.")
     device: str = option("auto", "auto (CUDA when present, else CPU), cpu, cuda or cuda:N.")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16/fp16 on GPU), float32, float16 or bfloat16.")
-    packed_gemm_rows: int = option(gemm.DEFAULT_ROWS, "CPU float32 only: forwards over --packed-gemm-min-rows..N positions use specdec's GEMM kernel, compiled on first use (verifying up to 16 positions costs about what one does; batches and prefills cost less than with the stock kernel; its weight panels add about the model's size in memory); 0 turns it off.")
-    packed_gemm_min_rows: int = option(gemm.DEFAULT_MIN_ROWS, "Fewest positions that take the small-M kernel; shorter forwards keep the stock kernel (1: decode steps take it too, 2.2x faster on a 2-core CPU).")
+    packed_gemm_rows: int = option(
+        gemm.DEFAULT_ROWS,
+        "CPU float32 only: forwards over --packed-gemm-min-rows..N positions use specdec's GEMM kernel, "
+        "compiled on first use (verifying up to 16 positions costs about what one does; batches and prefills "
+        "cost less than with the stock kernel; its weight panels add about the model's size in memory); 0 "
+        "turns it off.",
+    )
+    packed_gemm_min_rows: int = option(
+        gemm.DEFAULT_MIN_ROWS,
+        "Fewest positions that take the small-M kernel; shorter forwards keep the stock kernel (1: decode "
+        "steps take it too).",
+    )
     max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted (and re-filled on demand).")
     idle_timeout_s: float = option(600.0, "Free a sequence untouched this long (a coordinator that vanished); 0 disables.")
-    batch_window_ms: float = option(2.0, "How long a Verify waits for the other sequences' calls to share its forward pass (continuous batching); 0: no wait.")
+    batch_window_ms: float = option(
+        2.0,
+        "How long a Verify waits for the other sequences' calls to share its forward pass (continuous "
+        "batching); 0: no wait.",
+    )
     max_batch_size: int = option(16, "Most sequences verified in one forward pass; 1 turns batching off.")
     max_batch_tokens: int = option(256, "Most padded positions (rows x longest row's new tokens) in one pass: long prefills run alone.")
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
@@ -40,7 +54,8 @@ class TargetConfig:
         if not 0 <= self.packed_gemm_rows <= gemm.MAX_ROWS:
             raise ValueError(f"--packed-gemm-rows must be in [0, {gemm.MAX_ROWS}], got {self.packed_gemm_rows}")
         if self.packed_gemm_rows and not 1 <= self.packed_gemm_min_rows <= self.packed_gemm_rows:
-            raise ValueError(f"--packed-gemm-min-rows must be in [1, --packed-gemm-rows={self.packed_gemm_rows}], got {self.packed_gemm_min_rows}")
+            raise ValueError(f"--packed-gemm-min-rows must be in [1, --packed-gemm-rows={self.packed_gemm_rows}], "
+                             f"got {self.packed_gemm_min_rows}")
         if not self.batch_window_ms >= 0:
             raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_ms}")
         if self.max_batch_size < 1:

@@ -59,6 +59,29 @@ def test_a_request_cancelled_while_queued_frees_its_place():
     asyncio.run(main())
 
 
+def test_queue_depth_is_reported_on_every_change():
+    """What feeds the specdec:num_requests_waiting gauge: joins, a cancel while queued, hand-overs."""
+    depths = []
+
+    async def main():
+        admission = Admission(max_running=1, max_queue=3, on_queue=depths.append)
+        release = asyncio.Event()
+
+        async def request():
+            async with admission.slot():
+                await release.wait()
+
+        first, cancelled, second = (asyncio.ensure_future(request()) for _ in range(3))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.gather(first, second)
+
+    asyncio.run(main())
+    assert depths == [1, 2, 1, 0] and depths[-1] == 0
+
+
 def test_draft_length_shrinks_as_the_batch_fills():
     admission = Admission(max_running=0, max_queue=0, verify_token_budget=16)
     caps = []

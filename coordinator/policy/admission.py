@@ -5,8 +5,8 @@
   both, a request is refused at once with RESOURCE_EXHAUSTED and a retry hint, so memory stays
   bounded however much load is offered and a client learns promptly that it should back off.
 - Speculation spends target compute on positions that may be thrown away: the target's pass costs
-  little more for a few extra positions (the CPU forward over 16 new tokens costs ~2x one, DESIGN.md
-  §4), but once the batch's rows already fill those positions, every draft token adds its full
+  little more for a few extra positions (on CPUs a forward over 16 new tokens costs about twice
+  one: docs/benchmarks.md), but once the batch's rows already fill those positions, every draft token adds its full
   cost. So the running requests share a budget of verified positions per target pass: each may
   draft at most budget // running - 1 tokens (the -1 is its own next token). With the default 8:
   one request drafts up to 7, 2 up to 3, 4 up to 1, 8 or more none at all. The default is the
@@ -23,6 +23,7 @@ import asyncio
 import collections
 import contextlib
 import time
+from collections.abc import Callable
 
 from specdec.errors import Overloaded
 
@@ -42,13 +43,16 @@ def busy(message: str, retry_after_s: float) -> Overloaded:
 class Admission:
     """Not thread-safe: used from the coordinator's event loop only."""
 
-    def __init__(self, max_running: int, max_queue: int, verify_token_budget: int = 8):
+    def __init__(self, max_running: int, max_queue: int, verify_token_budget: int = 8,
+                 on_queue: Callable[[int], None] | None = None):
+        """`on_queue(depth)` hears every change of the queue's length (the queue-depth gauge)."""
         if max_running < 0 or max_queue < 0 or verify_token_budget < 0:
             raise ValueError("max_running, max_queue and verify_token_budget must be >= 0")
         self.max_running, self.max_queue, self.budget = max_running, max_queue, verify_token_budget
         self.running = 0
         self._waiting: collections.deque[asyncio.Future] = collections.deque()
         self._mean_seconds = 5.0  # decayed mean request duration, for the retry hint
+        self._on_queue = on_queue
 
     @property
     def queued(self) -> int:
@@ -77,6 +81,7 @@ class Admission:
     async def _wait_turn(self) -> None:
         turn = asyncio.get_running_loop().create_future()
         self._waiting.append(turn)
+        self._queue_changed()
         try:
             await turn  # the slot is handed over with `running` unchanged
         except asyncio.CancelledError:  # the client gave up (deadline, cancel) while queued
@@ -85,15 +90,21 @@ class Admission:
             else:
                 with contextlib.suppress(ValueError):
                     self._waiting.remove(turn)
+                self._queue_changed()
             raise
 
     def _hand_over(self) -> None:
         while self._waiting:
             turn = self._waiting.popleft()
+            self._queue_changed()
             if not turn.done():
                 turn.set_result(None)
                 return
         self.running -= 1
+
+    def _queue_changed(self) -> None:
+        if self._on_queue is not None:
+            self._on_queue(len(self._waiting))
 
     def retry_after_s(self) -> float:
         """Roughly when a slot frees up for one more: the queue ahead drains at running / mean duration."""

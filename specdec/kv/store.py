@@ -1,6 +1,6 @@
 """Per-sequence state with rollback: the tokens a service holds and the KV cache over them.
 
-The cache is soft state (DESIGN.md §2). Every call names `known_len`, the canonical prefix the
+The cache is soft state (docs/architecture.md, "State"). Every call names `known_len`, the canonical prefix the
 caller builds on; `SequenceStore.sync` crops what the service holds beyond it (the rejected draft
 tokens), appends the caller's new tokens, and raises SequenceNotFound when the service holds less
 than the caller believes (a restart, an eviction, another replica), so the caller re-sends it all.

@@ -1,7 +1,7 @@
 """A draft model with a pruned-vocabulary head that shares its input embeddings with the target.
 
-Why this shape: on a CPU the output layer dominates a small draft (DESIGN.md section 4: a
-49,152-row head costs more than two transformer layers of SmolLM2's width), so the head scores only
+Why this shape: on a CPU the output layer dominates a small draft (a 49,152-row head costs more
+than two transformer layers of SmolLM2's width), so the head scores only
 the N most frequent target tokens; every other token gets draft probability 0, which rejection
 sampling handles losslessly (the target's residual distribution covers it). The input embedding is
 the target's own matrix, read from the target's safetensors at load time, so the draft folder stores

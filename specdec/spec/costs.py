@@ -73,7 +73,7 @@ def monotone(values: list[float], weights: list[float]) -> list[float]:
     return [total / w for total, w, cells in blocks for _ in range(cells)]
 
 
-# Priors in units of one target token (DESIGN.md §4, 2-core CPU): a model draft costs ~0.1 of it,
+# Priors in units of one target token, as on a 2-core CPU: a model draft costs ~0.1 of it,
 # an n-gram lookup next to nothing, each exchange's wire a few percent on loopback.
 MODEL_DRAFT_PRIOR = Costs(draft_per_token=0.1, verify=cost_curve(1.0, 1.2, 0.05), wire_per_step=0.03, draft_per_ask=0.03)
 NGRAM_DRAFT_PRIOR = Costs(draft_per_token=0.002, verify=cost_curve(1.0, 1.2, 0.05), wire_per_step=0.03, draft_per_ask=0.03)
