@@ -115,16 +115,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.loop: SpeculativeLoop | None = None
         self.target_info = pb.ModelInfo()
         self.active: dict[str, int] = {}  # running requests per client
-        self.admission = Admission(config.max_concurrent_requests, config.max_queue, config.verify_token_budget)
+        self.admission = Admission(config.max_concurrent_requests, config.max_queue, config.verify_token_budget,
+                                   on_queue=metrics.coordinator().waiting.set)  # specdec:num_requests_waiting
 
-    def attach(self, tokenizer, target: TargetClient, target_info: pb.ModelInfo, draft: DraftClient | None, draft_info: pb.ModelInfo | None) -> None:
+    def attach(self, tokenizer, target: TargetClient, target_info: pb.ModelInfo, draft: DraftClient | None,
+               draft_info: pb.ModelInfo | None) -> None:
         self.tokenizer = tokenizer
         self.target_info = target_info
         self.loop = make_loop(self.config, target, draft, draft_info, self.admission.draft_cap)
 
     # --- request validation: every field checked here, named in the error ---
 
-    def _spec(self, request) -> tuple[GenerationSpec, list[str]]:
+    def _spec(self, request) -> tuple[GenerationSpec, list[str]]:  # noqa: C901 - to split into coordinator/validate.py (issue 26)
         if self.loop is None:
             raise Unavailable("the coordinator is still connecting to the draft and target services")
         config, vocab = self.config, self.target_info.vocab_size
@@ -162,7 +164,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             raise InvalidArgument("max_new_tokens", f"must be in [1, {config.max_new_tokens}], got {max_new}")
         context = self.target_info.max_context
         if context and len(prompt_ids) + max_new > context:
-            raise InvalidArgument("max_new_tokens", f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) exceeds the target's context of {context}")
+            raise InvalidArgument("max_new_tokens", f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) "
+                                                    f"exceeds the target's context of {context}")
 
         s = request.sampling
         temperature = s.temperature if s.HasField("temperature") else 0.0
@@ -281,7 +284,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             # A backend failed past its retries: the client learns which, with the backend's code.
             code = exc.code()
             log.warning("request failed: a backend call failed", code=code.name, details=exc.details())
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED and REQUEST_DEADLINE.get() is not None and time.monotonic() >= REQUEST_DEADLINE.get():
+            bound = REQUEST_DEADLINE.get()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and bound is not None and time.monotonic() >= bound:
                 raise DeadlineExceeded("the request's deadline passed") from exc
             if code == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument("request", f"rejected by a backend: {exc.details()}") from exc
@@ -314,7 +318,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 if tokens or piece:
                     yield pb.GenerateStreamResponse(request_id=spec.request_id, token_ids=tokens, text=piece)
                 if finish:
-                    yield pb.GenerateStreamResponse(request_id=spec.request_id, finish_reason=FINISH_REASONS[finish], stats=stats_proto(stats))
+                    yield pb.GenerateStreamResponse(request_id=spec.request_id, finish_reason=FINISH_REASONS[finish],
+                                                    stats=stats_proto(stats))
         except Overloaded as exc:
             await abort_overloaded(context, exc)
 
@@ -329,7 +334,8 @@ async def abort_overloaded(context, exc: Overloaded) -> None:
     detail.Pack(error_details_pb2.RetryInfo(retry_delay=duration_pb2.Duration(seconds=int(retry_s), nanos=int(retry_s % 1 * 1e9))))
     status.details.append(detail)
     rich = rpc_status.to_status(status)
-    await context.abort(rich.code, rich.details, trailing_metadata=(*rich.trailing_metadata, ("retry-after-ms", str(round(retry_s * 1000)))))
+    retry = ("retry-after-ms", str(round(retry_s * 1000)))
+    await context.abort(rich.code, rich.details, trailing_metadata=(*rich.trailing_metadata, retry))
 
 
 async def _wait_for_info(client, deadline: float) -> pb.ModelInfo:

@@ -327,10 +327,12 @@ class TargetEngine:
         if bad:
             raise InvalidArgument("draft_tree.tokens", f"token id {bad[0]} outside the target's vocabulary [0, {vocab})")
         if tree.child_dists and len(tree.child_dists) != len(tree.tokens) + 1:
-            raise InvalidArgument("draft_tree.child_dists", f"one per position (root + nodes): got {len(tree.child_dists)} for {len(tree.tokens) + 1}")
+            raise InvalidArgument("draft_tree.child_dists",
+                                  f"one per position (root + nodes): got {len(tree.child_dists)} for {len(tree.tokens) + 1}")
         for j, (ids, probs) in enumerate(tree.child_dists):
             if (ids or probs) and not _is_distribution(ids, probs, vocab):
-                raise InvalidArgument(f"draft_tree.child_dists[{j}]", "needs distinct in-vocabulary ids, one prob each, in [0, 1], summing to 1")
+                raise InvalidArgument(f"draft_tree.child_dists[{j}]",
+                                      "needs distinct in-vocabulary ids, one prob each, in [0, 1], summing to 1")
         if not call.sampling.greedy:  # raises for a child its distribution could not have drawn
             draft_probs(tree.parents, tree.tokens, tree.child_dists, call.sampling, vocab)
 

@@ -69,7 +69,8 @@ class FeatureDrafter(ModelDrafter):
         if rows is None:
             return
         if rows.start > state.count:
-            raise InvalidArgument("features.start", f"is {rows.start}, but the draft holds features for {state.count} positions of this sequence")
+            raise InvalidArgument("features.start",
+                                  f"is {rows.start}, but the draft holds features for {state.count} positions of this sequence")
         if rows.rows and rows.values.shape[1] != self.dim:
             raise InvalidArgument("features.dim", f"is {rows.values.shape[1]}, the draft's hidden size is {self.dim}")
         if rows.end > len(seq.tokens):

@@ -189,7 +189,8 @@ def _locate(spec: str, cache_dir: str | None) -> tuple[pathlib.Path, bool, bool]
     try:
         return pathlib.Path(cached_file(spec, "config.json")).parent, False, True
     except OSError as e:
-        raise FileNotFoundError(f"model {spec!r}: not a local folder or .gguf file, and the Hugging Face hub could not provide it: {e}") from e
+        raise FileNotFoundError(f"model {spec!r}: not a local folder or .gguf file, "
+                                f"and the Hugging Face hub could not provide it: {e}") from e
 
 
 def resolve_model_path(spec: str, cache_dir: str | None = None) -> pathlib.Path:

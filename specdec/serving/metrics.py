@@ -21,14 +21,16 @@ class CoordinatorMetrics:
         self.running = Gauge("specdec:num_requests_running", "Requests being generated now.")
         self.waiting = Gauge("specdec:num_requests_waiting", "Requests accepted but not yet started (queue depth).")
         self.ttft = Histogram("specdec:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("specdec:inter_token_latency_seconds", "Time between tokens as streamed (a step's gap shared by its tokens).", buckets=LATENCY_BUCKETS)
+        self.itl = Histogram("specdec:inter_token_latency_seconds",
+                             "Time between tokens as streamed (a step's gap shared by its tokens).", buckets=LATENCY_BUCKETS)
         self.e2e = Histogram("specdec:e2e_request_latency_seconds", "End-to-end request latency.", buckets=LATENCY_BUCKETS)
         self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = Counter("specdec:generation_tokens", "Tokens generated.")
         self.num_drafts = Counter("specdec:spec_decode_num_drafts", "Speculative steps that verified at least one draft token.")
         self.num_draft_tokens = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
         self.num_accepted_tokens = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.accepted_per_pos = Counter("specdec:spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft.", ["position"])
+        self.accepted_per_pos = Counter("specdec:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position in the draft.", ["position"])
         self.steps = Counter("specdec:spec_decode_num_steps", "Target passes (Verify calls).")
 
 
