@@ -2,7 +2,7 @@
 
 Two drafters share one interface: a small causal LM (`ModelDrafter`) and prompt lookup
 (`NgramDrafter`). Both yield proposals one token at a time, so the servicer can stream each token
-the moment it exists. No gRPC here.
+the moment it exists. `build_engine` picks and loads the drafter a DraftConfig names. No gRPC here.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
+from draft_service.config import DraftConfig
 from specdec.limits import MAX_DRAFT_TOKENS
 from draft_service.drafters.ngram import MatchCalibration, NgramIndex
 from draft_service.tree import TreeBuilder, TreeDraft, TreeSettings, check_tree_settings
@@ -20,6 +21,7 @@ from specdec.forward.batching import batchable, forward_batch
 from specdec.errors import InvalidArgument
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, SequenceStore
+from specdec.model import gemm
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import truncated_probs
 
@@ -304,3 +306,78 @@ class DraftEngine:
         for _ in self.propose("__warmup__", 0, [0, 1, 2, 3, 0, 1], DraftSettings(2, 0.0, 0.0, 0), features):
             pass
         self.store.release("__warmup__", retire=False)  # warm-ups may run again
+
+
+# --- building the engine a DraftConfig names ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class DrafterInfo:
+    """What the service says it hosts (GetInfo's ModelInfo, field for field)."""
+
+    model: str
+    drafter: str  # "model", "ngram" or "feature"
+    vocab_size: int = 0  # 0: no vocabulary to check against the target's (n-gram, another vocabulary)
+    max_context: int = 0
+    eos_token_ids: list[int] = dataclasses.field(default_factory=list)
+    device: str = ""
+    dtype: str = ""
+    needs_features: bool = False
+
+
+def _lm_info(config: DraftConfig, drafter, kind: str, **overrides) -> DrafterInfo:
+    """A model draft's info, read off its `lm` (a pruned or feature draft's, which name their dtype)."""
+    lm = drafter.lm
+    fields = {"max_context": lm.max_context, "eos_token_ids": list(lm.eos_token_ids), "device": str(lm.device),
+              "dtype": getattr(lm, "dtype_name", "")} | overrides
+    return DrafterInfo(config.model, kind, drafter.vocab_size, **fields)
+
+
+def _load_model_drafter(config: DraftConfig):
+    """A plain causal LM draft; with --target-tokenizer, one that maps to the target's vocabulary
+    (unless the two tokenizers turn out the same)."""
+    if not config.model:
+        raise ValueError("--drafter model needs --model (alias, hub id, folder or .gguf)")
+    from specdec.model.loading import load_model
+
+    loaded = load_model(config.model, config.device, config.dtype)
+    lm = CausalLM(loaded.model, loaded.device)
+    drafter = ModelDrafter(lm, config.top_k, staged=config.staged)
+    if config.target_tokenizer:
+        from draft_service.drafters.other_vocab import build_cross_drafter
+
+        drafter = build_cross_drafter(lm, loaded.tokenizer, config.model, config.target_tokenizer, config.top_k) or drafter
+    return drafter, _lm_info(config, drafter, "model", device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."))
+
+
+def build_drafter(config: DraftConfig):
+    """The drafter the config names, and its info (blocking: loads weights)."""
+    from specdec.model.loading import feature_draft_folder, pruned_draft_folder
+
+    if config.drafter == "ngram":
+        return NgramDrafter(config.ngram_max, config.ngram_min), DrafterInfo("ngram", "ngram")
+    on_disk = config.drafter == "model" and config.model  # a pruned or feature draft's folder, or a model spec
+    pruned = pruned_draft_folder(config.model) if on_disk else None
+    featured = feature_draft_folder(config.model) if on_disk else None
+    if featured is not None:  # drafts from the target's hidden states (specdec/model/feature_draft.py)
+        from draft_service.drafters.feature import load_feature_drafter
+
+        drafter = load_feature_drafter(featured, config.device, config.dtype, config.top_k)
+        return drafter, _lm_info(config, drafter, "feature", needs_features=True)
+    if pruned is not None:  # a distilled draft in its target's own vocabulary (specdec/model/pruned.py)
+        drafter = load_pruned_drafter(pruned, config.device, config.dtype, config.top_k)
+        drafter.staged = config.staged
+        return drafter, _lm_info(config, drafter, "model")
+    return _load_model_drafter(config)
+
+
+def build_engine(config: DraftConfig) -> tuple[DraftEngine, DrafterInfo]:
+    """The engine over the drafter the config names, warmed up, and its info (blocking: call it
+    off the event loop)."""
+    drafter, info = build_drafter(config)
+    model = getattr(getattr(drafter, "lm", None), "model", None)
+    if isinstance(model, torch.nn.Module) and config.packed_gemm_rows:  # a model draft: its decode steps are 1-row GEMMs
+        parameter = next(model.parameters())
+        gemm.apply(model, parameter.device, parameter.dtype, config.packed_gemm_rows, gemm.DEFAULT_MIN_ROWS)
+    engine = DraftEngine(drafter, config.max_sequences, config.idle_timeout_s)
+    engine.warm_up()
+    return engine, info

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 
 import structlog
-import torch
 
 from draft_service.batcher import DraftBatcher
+from draft_service import engine as draft_engine
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter, NgramDrafter, load_pruned_drafter
+from draft_service.engine import DraftEngine, DraftSettings
 from draft_service.tree import TreeSettings
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
-from specdec.model import gemm
 from specdec.serving import tls
 from specdec.errors import InvalidArgument
 from specdec.model.features import FeatureRows
@@ -207,52 +207,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
 
 def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
-    """Loads the drafter named by the config (blocking: call it off the event loop)."""
-    from specdec.model.loading import feature_draft_folder, pruned_draft_folder
-
-    pruned = pruned_draft_folder(config.model) if config.drafter == "model" and config.model else None
-    featured = feature_draft_folder(config.model) if config.drafter == "model" and config.model else None
-    if config.drafter == "ngram":
-        drafter = NgramDrafter(config.ngram_max, config.ngram_min)
-        info = pb.ModelInfo(model="ngram", drafter="ngram")
-    elif featured is not None:  # drafts from the target's hidden states (specdec/model/feature_draft.py)
-        from draft_service.drafters.feature import load_feature_drafter
-
-        drafter = load_feature_drafter(featured, config.device, config.dtype, config.top_k)
-        info = pb.ModelInfo(model=config.model, vocab_size=drafter.vocab_size, max_context=drafter.lm.max_context,
-                            eos_token_ids=drafter.lm.eos_token_ids, device=str(drafter.lm.device), dtype=drafter.lm.dtype_name,
-                            drafter="feature", needs_features=True)
-    elif pruned is not None:  # a distilled draft in its target's own vocabulary (specdec/model/pruned.py)
-        drafter = load_pruned_drafter(pruned, config.device, config.dtype, config.top_k)
-        drafter.staged = config.staged
-        info = pb.ModelInfo(model=config.model, vocab_size=drafter.vocab_size, max_context=drafter.lm.max_context,
-                            eos_token_ids=drafter.lm.eos_token_ids, device=str(drafter.lm.device), dtype=drafter.lm.dtype_name,
-                            drafter="model")
-    else:
-        if not config.model:
-            raise ValueError("--drafter model needs --model (alias, hub id, folder or .gguf)")
-        from specdec.model.lm import CausalLM
-        from specdec.model.loading import load_model
-
-        loaded = load_model(config.model, config.device, config.dtype)
-        lm = CausalLM(loaded.model, loaded.device)
-        drafter = ModelDrafter(lm, config.top_k, staged=config.staged)
-        if config.target_tokenizer:
-            from draft_service.drafters.other_vocab import build_cross_drafter
-
-            drafter = build_cross_drafter(lm, loaded.tokenizer, config.model, config.target_tokenizer, config.top_k) or drafter
-        info = pb.ModelInfo(
-            model=config.model, vocab_size=drafter.vocab_size, max_context=lm.max_context,
-            eos_token_ids=lm.eos_token_ids, device=str(loaded.device),
-            dtype=str(loaded.dtype).removeprefix("torch."), drafter="model",
-        )
-    model = getattr(getattr(drafter, "lm", None), "model", None)
-    if isinstance(model, torch.nn.Module) and config.packed_gemm_rows:  # a model draft: its decode steps are 1-row GEMMs
-        parameter = next(model.parameters())
-        gemm.apply(model, parameter.device, parameter.dtype, config.packed_gemm_rows, gemm.DEFAULT_MIN_ROWS)
-    engine = DraftEngine(drafter, config.max_sequences, config.idle_timeout_s)
-    engine.warm_up()
-    return engine, info
+    """The engine the config names (draft_service/engine.py) and its ModelInfo, as GetInfo sends it
+    (blocking: call it off the event loop)."""
+    engine, info = draft_engine.build_engine(config)
+    return engine, pb.ModelInfo(**dataclasses.asdict(info))
 
 
 async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signals: bool = True) -> None:

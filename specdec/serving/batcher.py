@@ -1,0 +1,237 @@
+"""Continuous batching: the calls waiting when the model frees up run as ONE pass.
+
+Both services batch this way: the target its Verify calls (target_service/batcher.py), the draft
+the per-token forwards of the Propose streams drafting at the same time (draft_service/batcher.py).
+Decoding is memory-bound: one call's forward is a matrix-vector product that leaves the hardware
+idle, while stacked as rows of one pass the weights are read once for all of them.
+
+Runs in the servicer's event loop (no gRPC here). One pass is in flight at a time, on the engine's
+worker thread; calls that arrive meanwhile wait and form the next batch, so sequences join and
+leave at any step. A batcher is given:
+
+- `run(fn, *args)`: awaits fn on the engine's worker;
+- `run_batch(calls, alone)`: the engine's pass, one result (or one error) per call, in order;
+  `alone` says no other sequence is expected soon, so the engine may do more for this one (the
+  target decodes ahead) without holding anybody's next call up;
+- `key(call)`: the sequence a call belongs to. Rows of one pass are distinct sequences: two rows
+  must not share a cache, so a second call for the same sequence (a late retry) waits a pass;
+- `cost(call)`: the positions a call feeds. Rows are padded to the longest, so a pass costs rows x
+  longest, which `max_batch_tokens` bounds;
+- `seconds(result)`: what a result says its compute took (None: the pass's wall time), which sizes
+  the window below.
+
+Why it waits. Before starting a pass it waits a short while for the calls it expects: one from
+every sequence active lately (a call within the last few passes' time, and not released since)
+that has no call pending yet. After a pass returns, its callers each do their own work (ask the
+draft, send a token) and come back apart; a pass started on the first arrival would split them into
+two half batches, and a batcher that only waited for as many calls as its last pass had would let
+the halves alternate for good. The wait ends when every expected sequence has a call pending, or
+after `window_s` or a share of the last pass's compute, whichever is longer: a row that misses the
+pass waits a whole pass instead.
+
+Why a lone call runs directly. A call from the only active sequence, seen before, with the model
+free, runs straight from its own task: no batch can form, and the two hops to the batcher's task
+and back are a noticeable part of a short exchange. (A new sequence goes through the window:
+others may be arriving with it, as when many streams start.)
+
+A failed pass fails its rows, never the batcher; a call cancelled while it waits is skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Hashable, Sequence
+from typing import Any, Generic, TypeVar
+
+C = TypeVar("C")  # a call: one row of a pass
+R = TypeVar("R")  # its result
+
+# A sequence that stops calling without a release (its client vanished) stops being waited for after
+# this many passes' time, and never sooner than RECENT_FLOOR_S.
+RECENT_PASSES = 4
+RECENT_FLOOR_S = 1.0
+
+
+@dataclasses.dataclass
+class _Pending(Generic[C]):
+    call: C
+    future: asyncio.Future
+
+
+def _settle(future: asyncio.Future, result: Any) -> None:
+    if future.done():  # cancelled while the pass ran
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+class ContinuousBatcher(Generic[C, R]):
+    """The batching loop; subclasses may say differently which calls a pass expects (`_gathered`)
+    and which run directly (`_arrive`)."""
+
+    name = "batcher"
+    window_share = 0.25  # the wait may stretch to this share of the last pass's compute
+
+    def __init__(
+        self,
+        run: Callable[..., Awaitable[Any]],
+        run_batch: Callable[[list[C], bool], Sequence[R | BaseException]],
+        *,
+        key: Callable[[C], Hashable],
+        cost: Callable[[C], int],
+        window_s: float = 0.002,
+        max_batch_size: int = 16,
+        max_batch_tokens: int = 256,
+        seconds: Callable[[R], float] | None = None,
+    ):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self._run, self._run_batch, self._key, self._cost, self._seconds = run, run_batch, key, cost, seconds
+        self.window_s, self.max_batch_size, self.max_batch_tokens = window_s, max_batch_size, max_batch_tokens
+        self._pending: list[_Pending[C]] = []
+        self._arrived = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._active: dict[Hashable, float] = {}  # sequence -> time of its last call (monotonic)
+        self._last_compute_s = 0.0
+        self._running = False  # a pass is on the worker (from the loop, or a call run directly)
+        self.batches = 0  # passes run, and the rows they carried (tests and metrics read these)
+        self.rows = 0
+
+    async def submit(self, call: C) -> R:
+        """Queues the call for the next pass and returns its own result (or raises its own error)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name=self.name)
+        if self._arrive(call):
+            return await self._run_alone(call)
+        item = _Pending(call, asyncio.get_running_loop().create_future())
+        self._pending.append(item)
+        self._arrived.set()
+        return await item.future  # cancelled while waiting: the pass skips it
+
+    def released(self, key: Hashable) -> None:
+        """A sequence left: do not wait for its next call."""
+        self._active.pop(key, None)
+
+    def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    # --- which calls a pass expects ---
+
+    def _arrive(self, call: C) -> bool:
+        """Marks the call's sequence active; True: it is the only active one, seen before, and the
+        model is free, so the call runs from its own task."""
+        key = self._key(call)
+        alone = not self._running and not self._pending and key in self._active and self._expected() <= {key}
+        self._active[key] = time.monotonic()
+        return alone
+
+    def _expected(self) -> set[Hashable]:
+        """The sequences the next pass should hold: those that called lately."""
+        horizon = time.monotonic() - max(RECENT_FLOOR_S, RECENT_PASSES * self._last_compute_s)
+        for key in [k for k, seen in self._active.items() if seen < horizon]:
+            del self._active[key]
+        return set(self._active)
+
+    def _gathered(self) -> bool:
+        """Whether every expected sequence (up to max_batch_size of them) has a call waiting."""
+        expected = self._expected()
+        waiting = {self._key(item.call) for item in self._live()}
+        return len(waiting & expected) >= min(self.max_batch_size, max(1, len(expected)))
+
+    # --- the passes ---
+
+    async def _run_alone(self, call: C) -> R:
+        """The only active sequence's call, with the model free: there is no batch to form, so it
+        runs from the caller's task, without the hops to the batcher's task and back."""
+        self._running = True
+        started = time.perf_counter()
+        try:
+            results = await self._run(self._run_batch, [call], True)
+        finally:
+            self._running = False
+            if self._pending:  # calls that arrived meanwhile: the loop takes them now
+                self._arrived.set()
+        self._count(results, time.perf_counter() - started)
+        if isinstance(results[0], BaseException):
+            raise results[0]
+        return results[0]
+
+    async def _loop(self) -> None:
+        while True:
+            await self._arrived.wait()
+            self._arrived.clear()
+            if self._running or not self._live():  # a call run alone sets _arrived when it is done
+                continue
+            await self._gather_window()
+            if self._running:  # a call ran alone while every waiting one was cancelled
+                continue
+            batch = self._take()
+            if batch:
+                await self._pass(batch)
+            if self._pending:
+                self._arrived.set()
+
+    async def _pass(self, batch: list[_Pending[C]]) -> None:
+        # Extra work for one sequence would hold the other active sequences' next calls up: only when alone.
+        alone = len(self._expected()) <= 1
+        self._running = True
+        started = time.perf_counter()
+        try:
+            results = await self._run(self._run_batch, [item.call for item in batch], alone)
+        except Exception as exc:  # noqa: BLE001 - a failed pass fails its rows, never the batcher
+            results = [exc] * len(batch)
+        finally:
+            self._running = False
+        self._count(results, time.perf_counter() - started)
+        for item, result in zip(batch, results):
+            _settle(item.future, result)
+
+    def _count(self, results: Sequence[R | BaseException], wall_s: float) -> None:
+        self.batches += 1
+        self.rows += len(results)
+        if self._seconds is None:
+            self._last_compute_s = wall_s
+        else:
+            self._last_compute_s = max((self._seconds(r) for r in results if not isinstance(r, BaseException)), default=0.0)
+
+    async def _gather_window(self) -> None:
+        deadline = time.monotonic() + max(self.window_s, self._last_compute_s * self.window_share)
+        while not self._gathered():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except asyncio.TimeoutError:
+                return
+
+    def _live(self) -> list[_Pending[C]]:
+        self._pending = [item for item in self._pending if not item.future.done()]  # drop cancelled calls
+        return self._pending
+
+    def _take(self) -> list[_Pending[C]]:
+        """Up to max_batch_size calls, oldest first, one per sequence. Past max_batch_tokens padded
+        positions a call waits for the next pass (the oldest always goes): one long prefill does not
+        pad every short decode row to its length. Prefill is compute-bound anyway, so batching it
+        gains nothing on a CPU and could overrun deadlines."""
+        batch: list[_Pending[C]] = []
+        seen: set[Hashable] = set()
+        rest: list[_Pending[C]] = []
+        longest = 0
+        for item in self._live():
+            key, cost = self._key(item.call), self._cost(item.call)
+            fits = not batch or (len(batch) + 1) * max(longest, cost) <= self.max_batch_tokens
+            if len(batch) < self.max_batch_size and key not in seen and fits:
+                seen.add(key)
+                batch.append(item)
+                longest = max(longest, cost)
+            else:
+                rest.append(item)
+        self._pending = rest
+        return batch
