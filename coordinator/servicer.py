@@ -1,13 +1,11 @@
-"""The public gRPC API: validates requests, tokenizes, runs the speculative loop, streams text."""
+"""The public gRPC API: a request in (validated by coordinator/validate.py), the speculative loop, text streamed out."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
-import random
 import time
-import uuid
 from collections.abc import Callable
 
 import grpc
@@ -16,13 +14,13 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from specdec.limits import MAX_DRAFT_TOKENS, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
 from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, TreeSpec
+from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
 from coordinator.policy.admission import Admission
 from coordinator.text import TextStream
+from coordinator.validate import generation_spec
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
@@ -30,11 +28,9 @@ from specdec.serving import tls
 from specdec.errors import DeadlineExceeded, InvalidArgument, Overloaded, SpecdecError, Unavailable
 from specdec.serving.rpc import Server, error_status, rpc_method
 from specdec.serving.logs import bind_request
-from specdec.spec.sampling import SamplingConfig
 
 log = structlog.get_logger(__name__)
 
-MAX_REQUEST_ID = 128
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "eos": pb.FINISH_REASON_EOS,
@@ -124,104 +120,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.target_info = target_info
         self.loop = make_loop(self.config, target, draft, draft_info, self.admission.draft_cap)
 
-    # --- request validation: every field checked here, named in the error ---
-
-    def _spec(self, request) -> tuple[GenerationSpec, list[str]]:  # noqa: C901 - to split into coordinator/validate.py (issue 26)
+    def _spec(self, request) -> tuple[GenerationSpec, list[str]]:
+        """The request as a validated spec and its stop strings: the checks are coordinator/validate.py's,
+        the ones the HTTP API's requests pass too. UNAVAILABLE until `attach`."""
         if self.loop is None:
             raise Unavailable("the coordinator is still connecting to the draft and target services")
-        config, vocab = self.config, self.target_info.vocab_size
-        which = request.WhichOneof("prompt")
-        if which == "text":
-            if not request.text:
-                raise InvalidArgument("text", "the prompt is empty")
-            prompt_ids = self.tokenizer(request.text, add_special_tokens=False)["input_ids"]
-        elif which == "token_ids":
-            prompt_ids = list(request.token_ids.ids)
-            bad = [t for t in prompt_ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidArgument("token_ids", f"token id {bad[0]} outside the target's vocabulary [0, {vocab})")
-        elif which == "chat":
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            if not messages:
-                raise InvalidArgument("chat.messages", "the conversation is empty")
-            if any(m["role"] not in ("system", "user", "assistant") for m in messages):
-                raise InvalidArgument("chat.messages.role", "each role must be system, user or assistant")
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidArgument("chat", "the target's tokenizer has no chat template; send text or token_ids")
-            prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-            if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "keys"):
-                prompt_ids = prompt_ids["input_ids"]
-        else:
-            raise InvalidArgument("prompt", "set one of text, token_ids or chat")
-        prompt_ids = [int(t) for t in prompt_ids]
-        if not prompt_ids:
-            raise InvalidArgument(which, "the prompt has no tokens")
-        if len(prompt_ids) > config.max_prompt_tokens:
-            raise InvalidArgument(which, f"the prompt has {len(prompt_ids)} tokens, more than the limit of {config.max_prompt_tokens}")
-
-        max_new = request.max_new_tokens if request.HasField("max_new_tokens") else config.default_max_new_tokens
-        if not 1 <= max_new <= config.max_new_tokens:
-            raise InvalidArgument("max_new_tokens", f"must be in [1, {config.max_new_tokens}], got {max_new}")
-        context = self.target_info.max_context
-        if context and len(prompt_ids) + max_new > context:
-            raise InvalidArgument("max_new_tokens", f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new}) "
-                                                    f"exceeds the target's context of {context}")
-
-        s = request.sampling
-        temperature = s.temperature if s.HasField("temperature") else 0.0
-        if not temperature >= 0:  # also rejects NaN
-            raise InvalidArgument("sampling.temperature", f"must be >= 0, got {temperature}")
-        top_k = s.top_k if s.HasField("top_k") else 0
-        if top_k < 0:
-            raise InvalidArgument("sampling.top_k", f"must be >= 0, got {top_k}")
-        top_p = s.top_p if s.HasField("top_p") else 1.0
-        if not 0 < top_p <= 1:
-            raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
-        seeded = s.HasField("seed")
-        seed = s.seed if seeded else random.getrandbits(63)
-
-        sp = request.speculation
-        draft_length = sp.draft_length if sp.HasField("draft_length") else config.draft_length
-        if not 0 <= draft_length <= MAX_DRAFT_TOKENS:
-            raise InvalidArgument("speculation.draft_length", f"must be in [0, {MAX_DRAFT_TOKENS}], got {draft_length}")
-        adaptive = sp.adaptive if sp.HasField("adaptive") else config.adaptive
-        tree = self._tree_spec(sp, draft_length)
-        for i, stop in enumerate(request.stop):
-            if not stop:
-                raise InvalidArgument(f"stop[{i}]", "stop strings must not be empty")
-        if len(request.request_id) > MAX_REQUEST_ID or not all(" " <= c <= "~" for c in request.request_id):
-            # It travels in gRPC metadata to the backends, which carries printable ASCII only.
-            raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID} printable ASCII characters")
-
-        spec = GenerationSpec(
-            request_id=request.request_id or uuid.uuid4().hex[:16],
-            prompt_ids=prompt_ids,
-            max_new_tokens=max_new,
-            sampling=SamplingConfig(temperature, top_k, top_p, seed),
-            draft_length=draft_length,
-            adaptive=adaptive,
-            eos_token_ids=frozenset(self.target_info.eos_token_ids),
-            seeded=seeded,
-            max_context=context,
-            tree=tree,
-        )
-        return spec, list(request.stop)
-
-    def _tree_spec(self, sp: pb.SpeculationParams, draft_length: int) -> TreeSpec | None:
-        config = self.config
-        budget = sp.tree_budget if sp.HasField("tree_budget") else config.tree_budget
-        if not 0 <= budget <= MAX_TREE_NODES:
-            raise InvalidArgument("speculation.tree_budget", f"must be in [0, {MAX_TREE_NODES}], got {budget}")
-        top_k = sp.tree_top_k if sp.HasField("tree_top_k") else config.tree_top_k
-        if not 1 <= top_k <= MAX_TREE_TOP_K:
-            raise InvalidArgument("speculation.tree_top_k", f"must be in [1, {MAX_TREE_TOP_K}], got {top_k}")
-        shape = tuple(sp.tree_shape) or config.parsed_tree_shape()
-        if len(shape) > MAX_TREE_DEPTH:
-            raise InvalidArgument("speculation.tree_shape", f"at most {MAX_TREE_DEPTH} levels, got {len(shape)}")
-        for d, width in enumerate(shape):
-            if not 1 <= width <= MAX_TREE_TOP_K:
-                raise InvalidArgument(f"speculation.tree_shape[{d}]", f"must be in [1, {MAX_TREE_TOP_K}], got {width}")
-        return TreeSpec(budget, top_k, shape) if budget and draft_length else None
+        return generation_spec(request, self.config, self.tokenizer, self.target_info)
 
     @contextlib.contextmanager
     def _admit(self, client: str):

@@ -7,3 +7,4 @@ MAX_TREE_NODES = 64  # nodes in one draft tree
 MAX_TREE_TOP_K = 16  # children per expanded node (and the most nodes expanded per level)
 MAX_TREE_DEPTH = 32  # levels of one draft tree
 MAX_DECODE_AHEAD = 64  # tokens one Verify may decode after its verdict (VerifyRequest.decode_ahead)
+MAX_REQUEST_ID = 128  # characters of a client request_id, which travels to the backends in gRPC metadata

@@ -1,0 +1,171 @@
+"""The one place a generation request becomes a validated GenerationSpec.
+
+The gRPC API hands its GenerateRequest (or GenerateStreamRequest) here; the HTTP API translates
+OpenAI JSON into the same GenerateRequest (coordinator/http.py) and comes here too, so both APIs
+accept and refuse the same requests with the same messages. Every refusal is an InvalidArgument
+naming the request field as google.rpc.BadRequest does ("sampling.top_p", "stop[2]"); the checks
+run in field order, so the first bad field is the one named. Bounds come from specdec/limits.py
+(the gRPC contract) and the coordinator's config (this deployment's limits and defaults).
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from coordinator.config import CoordinatorConfig
+from coordinator.loop import GenerationSpec, TreeSpec
+from protos import specdec_pb2 as pb
+from specdec.errors import InvalidArgument
+from specdec.limits import MAX_DRAFT_TOKENS, MAX_REQUEST_ID, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
+from specdec.spec.sampling import SamplingConfig
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+Request = pb.GenerateRequest | pb.GenerateStreamRequest
+
+
+def generation_spec(request: Request, config: CoordinatorConfig, tokenizer, target: pb.ModelInfo) -> tuple[GenerationSpec, list[str]]:
+    """(the validated spec, the stop strings) for `request` against `config` and the target it runs on;
+    raises InvalidArgument naming the first bad field."""
+    prompt_ids = prompt_tokens(request, tokenizer, target.vocab_size, config.max_prompt_tokens)
+    max_new = max_new_tokens(request, config, len(prompt_ids), target.max_context)
+    sampling, seeded = sampling_config(request.sampling)
+    draft_length, adaptive, tree = speculation(request.speculation, config)
+    stop = stop_strings(request.stop)
+    check_request_id(request.request_id)
+    spec = GenerationSpec(
+        request_id=request.request_id or uuid.uuid4().hex[:16],
+        prompt_ids=prompt_ids,
+        max_new_tokens=max_new,
+        sampling=sampling,
+        draft_length=draft_length,
+        adaptive=adaptive,
+        eos_token_ids=frozenset(target.eos_token_ids),
+        seeded=seeded,
+        max_context=target.max_context,
+        tree=tree,
+    )
+    return spec, stop
+
+
+# --- the prompt: one of text, token_ids or chat, in the target's token ids ---
+
+
+def _text_ids(request: Request, tokenizer, vocab: int) -> Sequence[int]:
+    if not request.text:
+        raise InvalidArgument("text", "the prompt is empty")
+    return tokenizer(request.text, add_special_tokens=False)["input_ids"]
+
+
+def _token_ids(request: Request, tokenizer, vocab: int) -> Sequence[int]:
+    ids = list(request.token_ids.ids)
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidArgument("token_ids", f"token id {bad[0]} outside the target's vocabulary [0, {vocab})")
+    return ids
+
+
+def _chat_ids(request: Request, tokenizer, vocab: int) -> Sequence[int]:
+    messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+    if not messages:
+        raise InvalidArgument("chat.messages", "the conversation is empty")
+    if any(m["role"] not in CHAT_ROLES for m in messages):
+        raise InvalidArgument("chat.messages.role", "each role must be system, user or assistant")
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidArgument("chat", "the target's tokenizer has no chat template; send text or token_ids")
+    ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # some tokenizers return a BatchEncoding regardless
+        ids = ids["input_ids"]
+    return ids
+
+
+PROMPTS: dict[str, Callable[[Request, Any, int], Sequence[int]]] = {"text": _text_ids, "token_ids": _token_ids, "chat": _chat_ids}
+
+
+def prompt_tokens(request: Request, tokenizer, vocab: int, limit: int) -> list[int]:
+    """The prompt in the target's token ids: at least one, at most `limit`."""
+    which = request.WhichOneof("prompt")
+    encode = PROMPTS.get(which or "")
+    if encode is None:
+        raise InvalidArgument("prompt", "set one of text, token_ids or chat")
+    ids = [int(t) for t in encode(request, tokenizer, vocab)]
+    if not ids:
+        raise InvalidArgument(which, "the prompt has no tokens")
+    if len(ids) > limit:
+        raise InvalidArgument(which, f"the prompt has {len(ids)} tokens, more than the limit of {limit}")
+    return ids
+
+
+# --- how much to generate, and how ---
+
+
+def max_new_tokens(request: Request, config: CoordinatorConfig, prompt_len: int, context: int) -> int:
+    """max_new_tokens (or the default), inside the coordinator's limit and the target's context (0: unbounded)."""
+    max_new = request.max_new_tokens if request.HasField("max_new_tokens") else config.default_max_new_tokens
+    if not 1 <= max_new <= config.max_new_tokens:
+        raise InvalidArgument("max_new_tokens", f"must be in [1, {config.max_new_tokens}], got {max_new}")
+    if context and prompt_len + max_new > context:
+        raise InvalidArgument("max_new_tokens", f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) "
+                                                f"exceeds the target's context of {context}")
+    return max_new
+
+
+def sampling_config(s: pb.SamplingParams) -> tuple[SamplingConfig, bool]:
+    """(the sampling settings, whether the client chose the seed); unset fields mean greedy, no top-k or top-p."""
+    temperature = s.temperature if s.HasField("temperature") else 0.0
+    if not temperature >= 0:  # also rejects NaN
+        raise InvalidArgument("sampling.temperature", f"must be >= 0, got {temperature}")
+    top_k = s.top_k if s.HasField("top_k") else 0
+    if top_k < 0:
+        raise InvalidArgument("sampling.top_k", f"must be >= 0, got {top_k}")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:
+        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
+    seeded = s.HasField("seed")
+    seed = s.seed if seeded else random.getrandbits(63)
+    return SamplingConfig(temperature, top_k, top_p, seed), seeded
+
+
+def speculation(sp: pb.SpeculationParams, config: CoordinatorConfig) -> tuple[int, bool, TreeSpec | None]:
+    """(draft length, adaptive, tree settings or None for chains); unset fields take the config's defaults."""
+    draft_length = sp.draft_length if sp.HasField("draft_length") else config.draft_length
+    if not 0 <= draft_length <= MAX_DRAFT_TOKENS:
+        raise InvalidArgument("speculation.draft_length", f"must be in [0, {MAX_DRAFT_TOKENS}], got {draft_length}")
+    adaptive = sp.adaptive if sp.HasField("adaptive") else config.adaptive
+    return draft_length, adaptive, tree_spec(sp, config, draft_length)
+
+
+def tree_spec(sp: pb.SpeculationParams, config: CoordinatorConfig, draft_length: int) -> TreeSpec | None:
+    """Draft trees when the budget and the draft length are both non-zero; None drafts chains."""
+    budget = sp.tree_budget if sp.HasField("tree_budget") else config.tree_budget
+    if not 0 <= budget <= MAX_TREE_NODES:
+        raise InvalidArgument("speculation.tree_budget", f"must be in [0, {MAX_TREE_NODES}], got {budget}")
+    top_k = sp.tree_top_k if sp.HasField("tree_top_k") else config.tree_top_k
+    if not 1 <= top_k <= MAX_TREE_TOP_K:
+        raise InvalidArgument("speculation.tree_top_k", f"must be in [1, {MAX_TREE_TOP_K}], got {top_k}")
+    shape = tuple(sp.tree_shape) or config.parsed_tree_shape()
+    if len(shape) > MAX_TREE_DEPTH:
+        raise InvalidArgument("speculation.tree_shape", f"at most {MAX_TREE_DEPTH} levels, got {len(shape)}")
+    for d, width in enumerate(shape):
+        if not 1 <= width <= MAX_TREE_TOP_K:
+            raise InvalidArgument(f"speculation.tree_shape[{d}]", f"must be in [1, {MAX_TREE_TOP_K}], got {width}")
+    return TreeSpec(budget, top_k, shape) if budget and draft_length else None
+
+
+# --- what ends generation, and what names the request ---
+
+
+def stop_strings(stop: Sequence[str]) -> list[str]:
+    for i, s in enumerate(stop):
+        if not s:
+            raise InvalidArgument(f"stop[{i}]", "stop strings must not be empty")
+    return list(stop)
+
+
+def check_request_id(request_id: str) -> None:
+    # It travels in gRPC metadata to the backends, which carries printable ASCII only.
+    if len(request_id) > MAX_REQUEST_ID or not all(" " <= c <= "~" for c in request_id):
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID} printable ASCII characters")
