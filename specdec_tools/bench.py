@@ -41,10 +41,8 @@ import torch
 
 from specdec.model import gemm
 from specdec_tools import plan as planlib
-from specdec_tools.children import ServiceProcesses
-
-PROMPT_SETS = ("chat", "grounded")
-PROMPTS_DIR = pathlib.Path(__file__).resolve().parent / "prompts"  # package data: an installed wheel has them
+from specdec_tools.stacks import Stack, draft_config
+from specdec_tools.workload import PROMPT_SETS, PROMPTS_DIR, greedy_generate, load_prompts, prompt_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +95,7 @@ class Result:
     curves: list[planlib.CostCurve] = dataclasses.field(default_factory=list)  # V(n) right before and after each pass
 
 
-# --- models and prompts ---------------------------------------------------------------------------
+# --- models ---------------------------------------------------------------------------------------
 
 def quick_models(folder: pathlib.Path, noise: float = 0.08) -> tuple[str, str]:
     """Tiny random target and draft (byte tokenizer with a chat template) saved as model folders;
@@ -106,18 +104,6 @@ def quick_models(folder: pathlib.Path, noise: float = 0.08) -> tuple[str, str]:
 
     target, draft = tiny_pair(seed=0, noise=noise)
     return save(target, folder / "target"), save(draft, folder / "draft")
-
-
-def load_prompts(tokenizer, prompt_set: str, limit: int) -> list[tuple[str, list[int]]]:
-    path = PROMPTS_DIR / f"{prompt_set}.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt set {prompt_set!r}: {path} not found (sets: {', '.join(PROMPT_SETS)})")
-    out = []
-    for line in path.read_text().splitlines()[: limit or None]:
-        item = json.loads(line)
-        ids = tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
-        out.append((item["id"], list(ids)))
-    return out
 
 
 # --- measurements the analytic model needs --------------------------------------------------------
@@ -194,15 +180,10 @@ def measure_rtt(address: str, repeats: int = 50) -> float:
 # --- runners --------------------------------------------------------------------------------------
 
 def hf_runner(model, max_new: int, eos: list[int], **generate_kwargs):
-    @torch.inference_mode()
     def run(prompt: list[int]) -> Sample:
-        ids = torch.tensor([prompt])
         start = time.perf_counter()
-        with gemm.disabled():  # transformers as users run it, not through specdec's packed layers
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                                 eos_token_id=eos, pad_token_id=eos[0] if eos else None, **generate_kwargs)
-        seconds = time.perf_counter() - start
-        return Sample(out[0, len(prompt):].tolist(), seconds)
+        tokens = greedy_generate(model, prompt, max_new, eos, **generate_kwargs)
+        return Sample(tokens, time.perf_counter() - start)
 
     return run
 
@@ -263,7 +244,7 @@ def stats_dict(s) -> dict:
     }
 
 
-class GrpcStack(ServiceProcesses):
+class GrpcStack(Stack):
     """`specdec serve` target, draft(s) and coordinator(s) as child processes on loopback ports."""
 
     def __init__(self, target: str, drafters: tuple[str, ...], logs: pathlib.Path, device: str = "cpu",
@@ -271,26 +252,20 @@ class GrpcStack(ServiceProcesses):
         """`tree` (budget, top-k): model drafts also get a coordinator that drafts trees."""
         from specdec.model.loading import feature_draft_folder
 
-        super().__init__(logs)
-        self.target_address = self.spawn("target", "--model", target, "--device", device)
+        super().__init__(target, logs, device)
+        self.start_target()
         self.coordinators: dict[str, str] = {}
         self.tree_coordinators: dict[str, str] = {}
         self.ngram_in_coordinator: str | None = None
         for drafter in drafters:
-            flags = (["--drafter", "ngram"] if drafter == "ngram"
-                     else ["--drafter", "model", "--model", drafter, "--device", device, "--target-tokenizer", target])
-            draft_address = self.spawn("draft", *flags)
-            self.coordinators[drafter] = self.spawn("coordinator", "--target", self.target_address, "--draft", draft_address,
-                                                    "--tokenizer", target, "--http-port", "-1")
+            draft_address = self.start_draft(drafter)
+            self.coordinators[drafter] = self.start_coordinator(draft_address)
             if drafter == "ngram":  # and prompt lookup inside the coordinator: no draft service, one hop a step
-                self.ngram_in_coordinator = self.spawn("coordinator", "--target", self.target_address, "--draft", "ngram",
-                                                       "--tokenizer", target, "--http-port", "-1")
+                self.ngram_in_coordinator = self.start_coordinator("ngram")
             if tree is not None and drafter != "ngram" and feature_draft_folder(drafter) is None:  # feature drafts: chains
-                self.tree_coordinators[drafter] = self.spawn(
-                    "coordinator", "--target", self.target_address, "--draft", draft_address, "--tokenizer", target,
-                    "--http-port", "-1", "--tree-budget", str(tree[0]), "--tree-top-k", str(tree[1]))
-        self.wait_healthy([self.target_address, *self.coordinators.values(), *self.tree_coordinators.values(),
-                           *([self.ngram_in_coordinator] if self.ngram_in_coordinator else [])])
+                self.tree_coordinators[drafter] = self.start_coordinator(draft_address, "--tree-budget", str(tree[0]),
+                                                                         "--tree-top-k", str(tree[1]))
+        self.wait()
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -305,7 +280,6 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
     from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
     from coordinator.local import LocalProposer, LocalVerifier
     from coordinator.loop import SpeculativeLoop, TreeSpec
-    from draft_service.config import DraftConfig
     from draft_service.servicer import build_engine
     from specdec.model.loading import load_model, pruned_draft_folder
     from specdec.model.pruned import hf_assistant
@@ -321,9 +295,7 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
     engines = {}
     for drafter in drafters:
         name = short_name(drafter)
-        # target_tokenizer: a draft of another vocabulary maps between the two (same vocabulary: no-op)
-        config = (DraftConfig(drafter="ngram", device="cpu") if drafter == "ngram"
-                  else DraftConfig(drafter="model", model=drafter, device="cpu", target_tokenizer=target_spec))
+        config = draft_config(drafter, target_spec)  # as the gRPC stack's draft service runs it
         engine, _ = build_engine(config)
         engines[drafter] = engine
         prior = NGRAM_DRAFT_PRIOR if drafter == "ngram" else MODEL_DRAFT_PRIOR
@@ -518,7 +490,7 @@ def parse(argv: list[str]) -> Options:
         parser.error("--tree-budgets must be in 1..64 and --tree-top-k in 1..16")
     sets = tuple(s.strip() for s in args.prompts.split(",") if s.strip())
     for name in sets:
-        if not (PROMPTS_DIR / f"{name}.jsonl").is_file():
+        if not prompt_path(name).is_file():
             parser.error(f"--prompts: no prompt set {name!r} in {PROMPTS_DIR}")
     if any(g < 1 or g > 32 for g in (*lengths, args.max_draft)):
         parser.error("draft lengths must be in 1..32")

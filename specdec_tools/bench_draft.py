@@ -64,7 +64,7 @@ async def _run(args, levels: list[int]) -> int:
 
     from draft_service.config import DraftConfig
     from draft_service.servicer import serve
-    from specdec_tools.loadtest import load_prompt_ids
+    from specdec_tools.workload import load_prompt_ids
     from specdec.model.loading import load_tokenizer
 
     prompts = load_prompt_ids(load_tokenizer(args.model), "chat", 16)

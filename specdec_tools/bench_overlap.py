@@ -22,29 +22,27 @@ import sys
 import tempfile
 
 from specdec_tools import plan as planlib
-from specdec_tools.bench import PROMPT_SETS, PROMPTS_DIR, grpc_runner, load_prompts, machine, quick_models
-from specdec_tools.children import ServiceProcesses
+from specdec_tools.bench import grpc_runner, machine, quick_models
+from specdec_tools.stacks import Stack
+from specdec_tools.workload import PROMPT_SETS, PROMPTS_DIR, load_prompts, prompt_path
 
 MODES = ("off", "sequential", "overlapped")
 
 
-class PinnedStack(ServiceProcesses):
+class PinnedStack(Stack):
     """Target on one core, draft (and the coordinators: light, mostly waiting) on the other."""
 
     def __init__(self, target: str, drafter: str, logs: pathlib.Path, cores: tuple[int, int] | None):
-        super().__init__(logs)
+        super().__init__(target, logs, "cpu")
         target_core, draft_core = cores if cores else (None, None)
-        target_address = self.spawn("target", "--model", target, "--device", "cpu", core=target_core)
-        flags = (["--drafter", "ngram"] if drafter == "ngram"
-                 else ["--drafter", "model", "--model", drafter, "--device", "cpu", "--target-tokenizer", target])
-        draft_address = self.spawn("draft", *flags, core=draft_core)
-        common = ["--target", target_address, "--tokenizer", target, "--http-port", "-1"]
+        self.start_target(core=target_core)
+        draft_address = self.start_draft(drafter, core=draft_core)
         self.coordinators = {
-            "off": self.spawn("coordinator", *common, "--draft", "", core=draft_core),
-            "sequential": self.spawn("coordinator", *common, "--draft", draft_address, "--overlap", "off", core=draft_core),
-            "overlapped": self.spawn("coordinator", *common, "--draft", draft_address, "--overlap", "on", core=draft_core),
+            "off": self.start_coordinator("", core=draft_core),
+            "sequential": self.start_coordinator(draft_address, "--overlap", "off", core=draft_core),
+            "overlapped": self.start_coordinator(draft_address, "--overlap", "on", core=draft_core),
         }
-        self.wait_healthy(list(self.coordinators.values()))
+        self.wait()
 
 
 _TOTALS = ("steps", "draft_steps", "draft_tokens", "accepted_tokens", "completion_tokens", "draft_seconds", "verify_seconds",
@@ -187,7 +185,7 @@ def main(argv: list[str]) -> int:
         parser.error("--draft-lengths must name lengths in 1..32")
     args.prompts = tuple(s.strip() for s in args.prompts.split(",") if s.strip())
     for name in args.prompts:
-        if name not in PROMPT_SETS and not (PROMPTS_DIR / f"{name}.jsonl").is_file():
+        if name not in PROMPT_SETS and not prompt_path(name).is_file():
             parser.error(f"--prompts: no prompt set {name!r} in {PROMPTS_DIR}")
     if args.repeats < 1 or args.max_new_tokens < 1 or args.limit < 0:
         parser.error("--repeats and --max-new-tokens must be >= 1, --limit >= 0")

@@ -1,8 +1,11 @@
-"""`specdec serve` services as child processes on loopback: what the benchmarks and the load
-tester start their stacks with (`specdec up` runs the same services in-process instead).
+"""`specdec serve` services as child processes on loopback: what `specdec up`, the benchmarks and
+the load tester run their stacks with (specdec_tools/stacks.py says which services and flags).
 
-One place for spawning (a free port, a log file, JSON logs, optionally pinned to one core with one
-compute thread), waiting until every service reports SERVING, and stopping them all.
+One place for spawning (a port, JSON logs, optionally pinned to one core with one compute thread),
+waiting until every service reports SERVING, and stopping them all. A tool's children (`logs`: a
+folder) take free ports, write a log file each and run quiet: no metrics endpoint, no HTTP API,
+gRPC's own logging at errors only. `specdec up`'s (`logs` None) print to this terminal and keep
+their metrics endpoints and the coordinator's HTTP API.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 
 def free_port() -> int:
@@ -21,47 +25,91 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def health_ok(address: str, timeout: float = 1.0) -> bool:
+    """Whether the service at `address` reports SERVING (the gRPC health protocol)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return response.status == health_pb2.HealthCheckResponse.SERVING
+
+
 class ServiceProcesses:
-    """The child services of one stack; subclasses start the services they need in __init__."""
+    """The child services of one stack. `grace`: seconds each gets to exit after SIGTERM."""
 
-    def __init__(self, logs: pathlib.Path):
-        from specdec_tools.cli import _health_ok
-
-        self._health_ok = _health_ok
+    def __init__(self, logs: pathlib.Path | None, grace: float = 20.0):
         self.logs = logs
-        logs.mkdir(parents=True, exist_ok=True)
+        self.grace = grace
         self.children: list[subprocess.Popen] = []
+        self.roles: dict[str, str] = {}  # address -> role, in start order
 
-    def spawn(self, role: str, *flags: str, core: int | None = None, log_level: str | None = None) -> str:
-        """Starts `specdec serve ROLE` on a free port; its address. `core`: pinned to that CPU
-        core, with one compute thread (a core of its own stands in for a machine of its own)."""
-        port = free_port()
-        extra = ["--metrics-port", "-1"] if role != "coordinator" else []
+    def spawn(self, role: str, *flags: str, core: int | None = None, log_level: str | None = None, port: int = 0) -> str:
+        """Starts `specdec serve ROLE` on `port` (0: a free one); its address. `core`: pinned to that
+        CPU core, with one compute thread (a core of its own stands in for a machine of its own)."""
+        port = port or free_port()
         prefix = f"SPECDEC_{role.upper()}_"
-        env = {**os.environ, prefix + "LOG_FORMAT": "json", "GRPC_VERBOSITY": "ERROR"}
+        env = {**os.environ, prefix + "LOG_FORMAT": "json", **({"GRPC_VERBOSITY": "ERROR"} if self.logs is not None else {})}
         if log_level:
             env[prefix + "LOG_LEVEL"] = log_level
         if core is not None:
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        log = open(self.logs / f"{role}-{port}.log", "wb")  # noqa: SIM115 - lives as long as the child
+        log = self._log_file(role, port)
         self.children.append(subprocess.Popen(
-            [sys.executable, "-m", "specdec_tools.cli", "serve", role, "--port", str(port), *extra, *flags],
-            stdout=log, stderr=subprocess.STDOUT, env=env,
+            [sys.executable, "-m", "specdec_tools.cli", "serve", role, "--port", str(port), *self._quiet_flags(role), *flags],
+            stdout=log, stderr=subprocess.STDOUT if log else None, env=env,
             preexec_fn=(lambda: os.sched_setaffinity(0, {core})) if core is not None else None))
-        return f"127.0.0.1:{port}"
+        address = f"127.0.0.1:{port}"
+        self.roles[address] = role
+        return address
 
-    def wait_healthy(self, addresses: list[str], timeout: float = 600.0) -> None:
-        """Returns once every address reports SERVING; stops every child before raising, so a
-        failed start-up leaves no process behind."""
+    def _quiet_flags(self, role: str) -> list[str]:
+        """A tool's children: no metrics endpoint (the model services) and no HTTP API (the coordinator)."""
+        if self.logs is None:
+            return []
+        return ["--metrics-port", "-1"] if role != "coordinator" else ["--http-port", "-1"]
+
+    def _log_file(self, role: str, port: int):
+        """A tool's child's log file (it lives as long as the child); None: this terminal."""
+        if self.logs is None:
+            return None
+        self.logs.mkdir(parents=True, exist_ok=True)
+        return open(self.logs / f"{role}-{port}.log", "wb")  # noqa: SIM115
+
+    def wait_healthy(self, addresses: list[str], timeout: float = 600.0,
+                     announce: Callable[[str, str], None] | None = None) -> None:
+        """Returns once every address reports SERVING (`announce(role, address)` as each does);
+        stops every child before raising, so a failed start-up leaves no process behind."""
         deadline = time.monotonic() + timeout
-        while not all(self._health_ok(a) for a in addresses):
-            if any(c.poll() is not None for c in self.children):
-                self.stop()
-                raise RuntimeError(f"a service exited during start-up; see the logs in {self.logs}")
-            if time.monotonic() > deadline:
-                self.stop()
-                raise TimeoutError(f"services not healthy after {timeout:.0f}s; see the logs in {self.logs}")
+        pending = self._serving(list(addresses), announce)
+        while pending:
+            self._check_start_up(pending, deadline, timeout)
             time.sleep(0.2)
+            pending = self._serving(pending, announce)
+
+    def _serving(self, pending: list[str], announce: Callable[[str, str], None] | None) -> list[str]:
+        """Announces the addresses now SERVING; those still not."""
+        healthy = [a for a in pending if health_ok(a)]
+        if announce:
+            for address in healthy:
+                announce(self.roles.get(address, address), address)
+        return [a for a in pending if a not in healthy]
+
+    def _check_start_up(self, pending: list[str], deadline: float, timeout: float) -> None:
+        """Stops every child and raises when one has exited or the deadline has passed."""
+        exited = [(role, c) for role, c in zip(self.roles.values(), self.children) if c.poll() is not None]
+        if exited:
+            self.stop()
+            raise RuntimeError(f"{exited[0][0]} exited with code {exited[0][1].returncode}{self._see_logs()}")
+        if time.monotonic() > deadline:
+            self.stop()
+            raise TimeoutError(f"not healthy after {timeout:.0f}s: {sorted(self.roles.get(a, a) for a in pending)}{self._see_logs()}")
+
+    def _see_logs(self) -> str:
+        return f"; see the logs in {self.logs}" if self.logs is not None else ""
 
     def alive(self) -> bool:
         return all(c.poll() is None for c in self.children)
@@ -72,6 +120,6 @@ class ServiceProcesses:
                 child.terminate()
         for child in self.children:
             try:
-                child.wait(timeout=20)
+                child.wait(timeout=self.grace)
             except subprocess.TimeoutExpired:
                 child.kill()

@@ -15,9 +15,10 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import subprocess
 import sys
 import time
+
+from specdec_tools.children import health_ok
 
 SERVICES = ("target", "draft", "coordinator")
 
@@ -64,18 +65,6 @@ def cmd_serve(argv: list[str]) -> int:
     return 0
 
 
-def _health_ok(address: str, timeout: float = 1.0) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return response.status == health_pb2.HealthCheckResponse.SERVING
-
-
 def default_drafter(target_model: str, draft_model: str = "") -> tuple[str, str]:
     """(drafter, draft model) for `specdec up --drafter auto`.
 
@@ -106,66 +95,30 @@ def cmd_up(argv: list[str]) -> int:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds to wait for all three to be healthy.")
     args = parser.parse_args(argv)
-    ports = {"coordinator": args.port, "target": args.port + 1, "draft": args.port + 2}
-    target_flags = ["--model", args.target_model] if args.target_model else []
-    from specdec.model.loading import DEFAULT_TARGET, feature_draft_folder, pruned_draft_folder
+    from specdec.model.loading import DEFAULT_TARGET
+    from specdec_tools.stacks import Stack
 
-    # Another model may speak another vocabulary: the draft then maps its tokens to the target's
-    # (it falls back to plain drafting when the two tokenizers turn out identical).
-    target_model = args.target_model or DEFAULT_TARGET
     if args.drafter == "auto":
-        args.drafter, args.draft_model = default_drafter(target_model, args.draft_model)
-    # A pruned distilled draft is built on its target's vocabulary: no mapping between tokenizers.
-    cross = ["--target-tokenizer", target_model] if (args.drafter == "model" and args.draft_model and args.draft_model != target_model
-                                                     and pruned_draft_folder(args.draft_model) is None
-                                                     and feature_draft_folder(args.draft_model) is None) else []
-    commands = {
-        "target": ["target", "--port", str(ports["target"]), "--device", args.device, *target_flags],
-        "draft": ["draft", "--port", str(ports["draft"]), "--drafter", args.drafter, "--device", args.device,
-                  *(["--model", args.draft_model] if args.draft_model else []), *cross],
-        "coordinator": ["coordinator", "--port", str(ports["coordinator"]), "--target", f"127.0.0.1:{ports['target']}",
-                        "--draft", f"127.0.0.1:{ports['draft']}", *(["--tokenizer", args.target_model] if args.target_model else [])],
-    }
-    env = {**os.environ, "SPECDEC_TARGET_LOG_FORMAT": "json", "SPECDEC_DRAFT_LOG_FORMAT": "json", "SPECDEC_COORDINATOR_LOG_FORMAT": "json"}
-    children = {name: subprocess.Popen([sys.executable, "-m", "specdec_tools.cli", "serve", *cmd], env=env) for name, cmd in commands.items()}
-
-    def stop_all(*_):
-        for child in children.values():
-            if child.poll() is None:
-                child.send_signal(signal.SIGTERM)
-        for child in children.values():
-            try:
-                child.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                child.kill()
-
-    signal.signal(signal.SIGTERM, lambda *_: (stop_all(), sys.exit(0)))
+        args.drafter, args.draft_model = default_drafter(args.target_model or DEFAULT_TARGET, args.draft_model)
+    stack = Stack(args.target_model or "", None, args.device, grace=15.0)  # on this terminal, with metrics and the HTTP API
+    signal.signal(signal.SIGTERM, lambda *_: (stack.stop(), sys.exit(0)))
     try:
-        deadline = time.monotonic() + args.timeout
-        pending = set(children)
-        while pending:
-            for name in list(pending):
-                if children[name].poll() is not None:
-                    print(f"specdec up: {name} exited with code {children[name].returncode}", file=sys.stderr)
-                    stop_all()
-                    return 1
-                if _health_ok(f"127.0.0.1:{ports[name]}"):
-                    print(f"specdec up: {name} healthy on 127.0.0.1:{ports[name]}", file=sys.stderr, flush=True)
-                    pending.discard(name)
-            if time.monotonic() > deadline:
-                print(f"specdec up: not healthy after {args.timeout:.0f}s: {sorted(pending)}", file=sys.stderr)
-                stop_all()
-                return 1
-            time.sleep(0.25)
-        print(f"specdec up: ready; coordinator on 127.0.0.1:{ports['coordinator']} (Ctrl-C stops all three)", file=sys.stderr, flush=True)
-        while all(child.poll() is None for child in children.values()):
+        stack.start_target(port=args.port + 1)
+        draft = stack.start_draft("ngram" if args.drafter == "ngram" else args.draft_model, port=args.port + 2)
+        coordinator = stack.start_coordinator(draft, port=args.port)
+        stack.wait(args.timeout, announce=lambda role, address: print(f"specdec up: {role} healthy on {address}", file=sys.stderr, flush=True))
+        print(f"specdec up: ready; coordinator on {coordinator} (Ctrl-C stops all three)", file=sys.stderr, flush=True)
+        while stack.alive():
             time.sleep(0.5)
         print("specdec up: a service exited; stopping the others", file=sys.stderr)
+        return 1
+    except (RuntimeError, TimeoutError) as exc:  # a service exited, or not healthy in time
+        print(f"specdec up: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        stop_all()
+        stack.stop()
 
 
 def cmd_generate(argv: list[str]) -> int:
@@ -228,7 +181,7 @@ def cmd_generate(argv: list[str]) -> int:
         return tokens, stats, finish
 
     deadline = time.monotonic() + args.wait
-    while not _health_ok(args.address):  # SERVING only once the models are loaded and warmed
+    while not health_ok(args.address):  # SERVING only once the models are loaded and warmed
         if time.monotonic() > deadline:
             print(f"specdec generate: no healthy coordinator at {args.address} after {args.wait:.0f}s "
                   "(start one with `specdec up`)", file=sys.stderr)

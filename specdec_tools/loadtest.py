@@ -26,7 +26,8 @@ import sys
 import tempfile
 import time
 
-from specdec_tools.children import ServiceProcesses
+from specdec_tools.stacks import Stack
+from specdec_tools.workload import load_prompt_ids, reference_outputs
 
 DEFAULT_OUT = pathlib.Path("benchmarks/results/loadtest")
 
@@ -169,65 +170,21 @@ async def run_level(address: str, prompts: list[list[int]], num_requests: int, m
 
 # --- the local stack ------------------------------------------------------------------------------
 
-class LocalStack(ServiceProcesses):
+class LocalStack(Stack):
     """target + draft + coordinator as `specdec serve` child processes on loopback (like `specdec up`)."""
 
     def __init__(self, target: str, drafter: str, logs: pathlib.Path, coordinator_flags: list[str], target_flags: list[str]):
-        super().__init__(logs)
-        target_address = self.spawn("target", "--model", target, "--device", "cpu", *target_flags, log_level="warning")
-        draft_flags = ["--drafter", "ngram"] if drafter == "ngram" else ["--drafter", "model", "--model", drafter, "--device", "cpu"]
-        draft_address = self.spawn("draft", *draft_flags, log_level="warning")
-        self.address = self.spawn("coordinator", "--target", target_address, "--draft", draft_address, "--tokenizer", target,
-                                  "--http-port", "-1", *coordinator_flags, log_level="warning")
-        self.addresses = [target_address, draft_address, self.address]
-
-    def wait(self, timeout: float = 600.0) -> None:
-        self.wait_healthy(self.addresses, timeout)
+        super().__init__(target, logs, "cpu", log_level="warning")
+        self.start_target(*target_flags)
+        self.address = self.start_coordinator(self.start_draft(drafter), *coordinator_flags)
 
 
-# --- prompts and the reference --------------------------------------------------------------------
-
-def load_prompt_ids(tokenizer, prompts: str, limit: int) -> list[list[int]]:
-    """A prompt set name (specdec_tools/prompts/NAME.jsonl) or a .jsonl path, through the chat template."""
-    from specdec_tools.bench import PROMPTS_DIR, load_prompts
-
-    path = pathlib.Path(prompts)
-    if path.suffix == ".jsonl":
-        if not path.is_file():
-            raise ValueError(f"--prompts: {path} not found")
-        name, folder = path.stem, path.parent
-    else:
-        name, folder = prompts, PROMPTS_DIR
-    if folder != PROMPTS_DIR:
-        out = []
-        for line in path.read_text().splitlines()[: limit or None]:
-            ids = tokenizer.apply_chat_template(json.loads(line)["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
-            out.append(list(ids))
-        return out
+def prompt_ids(tokenizer, prompts: str, limit: int) -> list[list[int]]:
+    """--prompts: a prompt set name (specdec_tools/prompts/NAME.jsonl) or a .jsonl path, through the chat template."""
     try:
-        return [ids for _, ids in load_prompts(tokenizer, name, limit)]
+        return load_prompt_ids(tokenizer, prompts, limit)
     except FileNotFoundError as exc:
         raise ValueError(f"--prompts: {exc}") from exc
-
-
-def reference_outputs(target: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """The target decoding alone (transformers' greedy generate, no specdec): the ground truth."""
-    import torch
-
-    from specdec.model.lm import CausalLM
-    from specdec.model.loading import load_model
-
-    loaded = load_model(target, "cpu", "auto")
-    eos = CausalLM(loaded.model, loaded.device).eos_token_ids
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = loaded.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                        max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos[0] if eos else 0)
-            new = ids[0, len(prompt):].tolist()
-            cut = next((i for i, t in enumerate(new) if t in eos), None)
-            out.append(new[: cut + 1] if cut is not None else new)
-    return out
 
 
 # --- the run --------------------------------------------------------------------------------------
@@ -293,7 +250,7 @@ def run(args: argparse.Namespace) -> dict:
         args.max_concurrent_requests, args.max_queue, args.overload = 2, 2, not args.address
     target = args.target_model or DEFAULT_TARGET
     tokenizer = load_tokenizer(target)
-    prompts = load_prompt_ids(tokenizer, args.prompts, args.max_prompts)
+    prompts = prompt_ids(tokenizer, args.prompts, args.max_prompts)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.speculation]
     stack = None
     if not args.address:

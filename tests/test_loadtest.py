@@ -46,3 +46,28 @@ def test_bad_flags_are_named(argv, capsys):
     with pytest.raises(SystemExit):
         loadtest.parse(argv)
     assert argv[0] in capsys.readouterr().err
+
+
+def test_local_stack_gives_another_tokenizer_draft_the_targets(tmp_path, monkeypatch):
+    """The load tester's draft of another model maps to the target's tokenizer, as `specdec up` and the
+    benchmarks configure it (specdec_tools.stacks builds every tool's command lines)."""
+    commands = []
+
+    class Child:  # records the command line instead of starting a service
+        def __init__(self, argv, **_):
+            commands.append(argv)
+
+        def poll(self):
+            return None
+
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr("subprocess.Popen", Child)
+    loadtest.LocalStack("some-target", "another-draft", tmp_path, [], []).stop()
+    draft = next(argv for argv in commands if argv[argv.index("serve") + 1] == "draft")
+    assert draft[draft.index("--target-tokenizer") + 1] == "some-target"
+    assert draft[draft.index("--model") + 1] == "another-draft"

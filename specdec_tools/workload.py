@@ -1,0 +1,70 @@
+"""What the tools run and what they check it against: the prompt sets, and the target decoding alone.
+
+Prompt sets are package data (specdec_tools/prompts/NAME.jsonl: one {"id", "messages"} per line),
+so an installed wheel can run `specdec bench` and `specdec loadtest`; a .jsonl path of the same
+shape works too. The reference is transformers' greedy generate() on the target, as users run it:
+greedy speculation must reproduce it token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+PROMPT_SETS = ("chat", "grounded")
+PROMPTS_DIR = pathlib.Path(__file__).resolve().parent / "prompts"  # package data: an installed wheel has them
+
+
+def prompt_path(prompts: str) -> pathlib.Path:
+    """The file of a prompt set: NAME (specdec_tools/prompts/NAME.jsonl) or a .jsonl path."""
+    path = pathlib.Path(prompts)
+    return path if path.suffix == ".jsonl" else PROMPTS_DIR / f"{prompts}.jsonl"
+
+
+def load_prompts(tokenizer, prompts: str, limit: int) -> list[tuple[str, list[int]]]:
+    """(id, token ids through the chat template) of the first `limit` prompts (0: all) of a set."""
+    path = prompt_path(prompts)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt set {path.stem!r}: {path} not found (sets: {', '.join(PROMPT_SETS)})"
+                                if path.parent == PROMPTS_DIR else f"{path} not found")
+    out = []
+    for index, line in enumerate(path.read_text().splitlines()[: limit or None]):
+        item = json.loads(line)
+        ids = tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        out.append((item.get("id", str(index)), list(ids)))
+    return out
+
+
+def load_prompt_ids(tokenizer, prompts: str, limit: int) -> list[list[int]]:
+    """load_prompts without the ids."""
+    return [ids for _, ids in load_prompts(tokenizer, prompts, limit)]
+
+
+def greedy_generate(model, prompt: list[int], max_new: int, eos: list[int], **generate_kwargs) -> list[int]:
+    """transformers' greedy generate() of one prompt's continuation, as users run it (specdec's
+    packed layers off): the target decoding alone; with generate_kwargs (assistant_model=,
+    prompt_lookup_num_tokens=), transformers' own assisted generation."""
+    import torch
+
+    from specdec.model import gemm
+
+    ids = torch.tensor([prompt])
+    with torch.inference_mode(), gemm.disabled():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             eos_token_id=eos, pad_token_id=eos[0] if eos else None, **generate_kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def reference_outputs(target: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """The target decoding alone on every prompt, up to its first end-of-sequence token: the ground truth."""
+    from specdec.model.lm import CausalLM
+    from specdec.model.loading import load_model
+
+    loaded = load_model(target, "cpu", "auto")
+    eos = CausalLM(loaded.model, loaded.device).eos_token_ids
+    out = []
+    for prompt in prompts:
+        new = greedy_generate(loaded.model, prompt, max_new, eos)
+        cut = next((i for i, t in enumerate(new) if t in eos), None)
+        out.append(new[: cut + 1] if cut is not None else new)
+    return out
