@@ -290,9 +290,11 @@ def test_tree_draft(models, shape):
 
 def test_ngram_draft(models):
     """Prompt lookup: one-hot p, and the coordinator cuts each proposal by its calibrated confidence.
-    The prompt repeats a pattern this target tends to continue (4 after it ~41%, then 1 ~96%)."""
-    check_case("n-gram", models, NgramDrafter(4, 1), prompt=[1, 0, 4, 1, 0, 4, 1, 0], loop_kwargs={"drafter": "ngram"},
-               min_drafted=0.1)
+    The prompt repeats a pattern this target continues about half the time (1 after it ~93%, then
+    0 less often): the lookup drafts about half a token a request, half of them accepted, once its
+    calibration has seen the acceptance; the guard leaves room for that."""
+    check_case("n-gram", models, NgramDrafter(4, 1), prompt=[1, 0, 4, 1, 0, 4], loop_kwargs={"drafter": "ngram"},
+               min_drafted=0.15)
 
 
 def test_overlap_on(models):
