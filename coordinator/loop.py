@@ -26,6 +26,7 @@ from coordinator.state import SequenceState
 from specdec.errors import SequenceNotFound
 from specdec.model.features import FeatureLog, FeatureRows
 from specdec.spec.sampling import SamplingConfig, derive_seed
+from specdec.spec.tree import tree_depth
 
 log = structlog.get_logger(__name__)
 
@@ -45,12 +46,7 @@ class DraftOutcome:
     @property
     def depth(self) -> int:
         """Draft positions the longest branch spans (a chain's length)."""
-        if self.parents is None:
-            return len(self.tokens)
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 + (depths[parent] if parent >= 0 else 0))
-        return max(depths, default=0)
+        return len(self.tokens) if self.parents is None else tree_depth(self.parents)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,10 +19,12 @@ from coordinator.config import CoordinatorConfig
 from coordinator.loop import GenerationSpec, TreeSpec
 from protos import specdec_pb2 as pb
 from specdec.errors import InvalidArgument
-from specdec.limits import MAX_DRAFT_TOKENS, MAX_REQUEST_ID, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
+from specdec.limits import MAX_DRAFT_TOKENS, MAX_REQUEST_ID
+from specdec.spec.tree import check_tree_bounds
 from specdec.spec.sampling import SamplingConfig
 
 CHAT_ROLES = ("system", "user", "assistant")
+TREE_FIELDS = {"budget": "speculation.tree_budget", "top_k": "speculation.tree_top_k", "shape": "speculation.tree_shape"}
 
 Request = pb.GenerateRequest | pb.GenerateStreamRequest
 
@@ -141,17 +143,9 @@ def speculation(sp: pb.SpeculationParams, config: CoordinatorConfig) -> tuple[in
 def tree_spec(sp: pb.SpeculationParams, config: CoordinatorConfig, draft_length: int) -> TreeSpec | None:
     """Draft trees when the budget and the draft length are both non-zero; None drafts chains."""
     budget = sp.tree_budget if sp.HasField("tree_budget") else config.tree_budget
-    if not 0 <= budget <= MAX_TREE_NODES:
-        raise InvalidArgument("speculation.tree_budget", f"must be in [0, {MAX_TREE_NODES}], got {budget}")
     top_k = sp.tree_top_k if sp.HasField("tree_top_k") else config.tree_top_k
-    if not 1 <= top_k <= MAX_TREE_TOP_K:
-        raise InvalidArgument("speculation.tree_top_k", f"must be in [1, {MAX_TREE_TOP_K}], got {top_k}")
     shape = tuple(sp.tree_shape) or config.parsed_tree_shape()
-    if len(shape) > MAX_TREE_DEPTH:
-        raise InvalidArgument("speculation.tree_shape", f"at most {MAX_TREE_DEPTH} levels, got {len(shape)}")
-    for d, width in enumerate(shape):
-        if not 1 <= width <= MAX_TREE_TOP_K:
-            raise InvalidArgument(f"speculation.tree_shape[{d}]", f"must be in [1, {MAX_TREE_TOP_K}], got {width}")
+    check_tree_bounds(budget, top_k, shape, TREE_FIELDS, min_budget=0)  # budget 0: chains
     return TreeSpec(budget, top_k, shape) if budget and draft_length else None
 
 

@@ -26,11 +26,14 @@ import math
 
 import torch
 
-from specdec.limits import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
+from specdec.limits import MAX_TREE_DEPTH, MAX_TREE_TOP_K
 from specdec.errors import InvalidArgument
 from specdec.kv.store import Sequence
 from specdec.spec.sampling import truncated_probs
 from specdec.forward.tree import forward_masked
+from specdec.spec.tree import check_tree_bounds
+
+TREE_FIELDS = {"budget": "tree.budget", "top_k": "tree.top_k", "shape": "tree.shape"}
 
 
 
@@ -53,17 +56,9 @@ class TreeDraft:
 
 
 def check_tree_settings(settings: TreeSettings) -> None:
-    if not 1 <= settings.budget <= MAX_TREE_NODES:
-        raise InvalidArgument("tree.budget", f"must be in [1, {MAX_TREE_NODES}], got {settings.budget}")
+    check_tree_bounds(settings.budget, settings.top_k, settings.shape, TREE_FIELDS, check_top_k=not settings.shape)
     if not 1 <= settings.max_depth <= MAX_TREE_DEPTH:
         raise InvalidArgument("tree.max_depth", f"must be in [1, {MAX_TREE_DEPTH}], got {settings.max_depth}")
-    if len(settings.shape) > MAX_TREE_DEPTH:
-        raise InvalidArgument("tree.shape", f"at most {MAX_TREE_DEPTH} levels, got {len(settings.shape)}")
-    for d, width in enumerate(settings.shape):
-        if not 1 <= width <= MAX_TREE_TOP_K:
-            raise InvalidArgument(f"tree.shape[{d}]", f"must be in [1, {MAX_TREE_TOP_K}], got {width}")
-    if not settings.shape and not 1 <= settings.top_k <= MAX_TREE_TOP_K:
-        raise InvalidArgument("tree.top_k", f"must be in [1, {MAX_TREE_TOP_K}], got {settings.top_k}")
     if not settings.temperature >= 0:  # also rejects NaN
         raise InvalidArgument("temperature", f"must be >= 0, got {settings.temperature}")
 

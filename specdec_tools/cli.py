@@ -71,8 +71,8 @@ def default_drafter(target_model: str, draft_model: str = "") -> tuple[str, str]
     A named draft model wins; the default target gets the pruned draft distilled for it when the
     checkout has one in models/; any other target gets the n-gram drafter, which needs no weights
     and is never slower than the target alone by more than its microseconds. The committed feature
-    draft (smollm2-135m-eagle) is not the default: over gRPC on 2 CPU cores it did not beat n-gram
-    drafting on the demo prompt (docs/benchmarks.md); pass --draft-model smollm2-135m-eagle for it.
+    draft (smollm2-135m-feature) is not the default: over gRPC on 2 CPU cores it did not beat n-gram
+    drafting on the demo prompt (docs/benchmarks.md); pass --draft-model smollm2-135m-feature for it.
     """
     from specdec.model.loading import DEFAULT_TARGET, DRAFT_ALIASES, _REPO_DRAFTS
     from specdec.model.pruned import is_pruned_draft
@@ -89,7 +89,7 @@ def cmd_up(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specdec up", description="Start draft, target and coordinator on loopback, wait until all are healthy, and keep them running until Ctrl-C.")
     parser.add_argument("--target-model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--drafter", default="auto", choices=("auto", "ngram", "model"),
-                        help="auto: n-gram, or a pruned distilled draft committed for the default target (specdec/drafts/smollm2-135m-draft). The feature draft: --drafter model --draft-model smollm2-135m-eagle.")
+                        help="auto: n-gram, or a pruned distilled draft committed for the default target (specdec/drafts/smollm2-135m-draft). The feature draft: --drafter model --draft-model smollm2-135m-feature.")
     parser.add_argument("--draft-model", default="", help="Draft model for --drafter model (default with auto: smollm2-135m-draft).")
     parser.add_argument("--port", type=int, default=50051, help="Coordinator port; the target takes port+1, the draft port+2.")
     parser.add_argument("--device", default="auto")

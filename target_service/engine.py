@@ -23,7 +23,7 @@ from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig, generator_for, target_probs
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch
-from specdec.spec.tree import check_parents, depths
+from specdec.spec.tree import check_parents, tree_depth
 from specdec.spec.treeplan import TreePlan, draft_probs, plan_tree, tree_verdict
 from specdec.spec.verify import verify_greedy, verify_rejection
 
@@ -247,9 +247,7 @@ class TargetEngine:
         if call.decode_ahead and call.tree is not None:
             raise InvalidArgument("decode_ahead", "is for chains: a draft_tree cannot decode ahead")
         seq = self.store.sync(call.sequence_id, call.known_len, call.append)
-        total = len(seq.tokens) + len(call.draft_tokens)
-        if call.tree is not None and call.tree.tokens:
-            total = len(seq.tokens) + int(depths(torch.tensor(call.tree.parents)).max())
+        total = len(seq.tokens) + (tree_depth(call.tree.parents) if call.tree is not None else len(call.draft_tokens))
         if self.lm.max_context and total > self.lm.max_context:
             raise InvalidArgument("draft_tokens", f"sequence would hold {total} tokens, past the target's context of {self.lm.max_context}")
         return seq

@@ -67,12 +67,12 @@ def test_greedy_equals_target_alone_with_ngram_draft(real, prompt):
 def real_feature_draft(real):
     from specdec.model.loading import feature_draft_folder
 
-    if feature_draft_folder("smollm2-135m-eagle") is None:
-        pytest.skip("no committed feature draft in specdec/drafts/smollm2-135m-eagle")
+    if feature_draft_folder("smollm2-135m-feature") is None:
+        pytest.skip("no committed feature draft in specdec/drafts/smollm2-135m-feature")
     loaded, _ = real
     stack = Stack()
     target = stack.target(DEFAULT_TARGET)
-    draft = stack.draft(drafter="model", model="smollm2-135m-eagle")
+    draft = stack.draft(drafter="model", model="smollm2-135m-feature")
     yield loaded, stack.client(stack.coordinator(target, draft, loaded.tokenizer))
     stack.stop()
 

@@ -11,7 +11,7 @@ them is the tree's root, at position L - 1 with L = c + m) and N tree nodes:
 
 So a node's key and value are exactly what they would be had its root-to-node path been fed as a
 chain; keeping the accepted path's entries (gathered by index) leaves the cache a chain would leave.
-Only caches whose layers line up position by position (full attention, `kvbuffer.full_attention`)
+Only caches whose layers line up position by position (full attention, `specdec.kv.buffers.full_attention`)
 can be gathered; `supports_trees` says whether a model has them.
 """
 

@@ -10,7 +10,7 @@ blocks, llama.cpp's fixed-size cache).
 `GrowingLayer` keeps keys and values in buffers with spare room, doubling when full (amortised
 O(1) per appended position, for at most about twice the memory of the filled part), and exposes
 `keys`/`values` as views of the filled part, so attention reads exactly what DynamicLayer would
-hand it: the logits are bit-identical (tests/test_kvbuffer.py). Rollback (`crop`) only moves the
+hand it: the logits are bit-identical (tests/test_kv_buffers.py). Rollback (`crop`) only moves the
 end. Code that replaces `keys`/`values` outright (a tree's path compaction, transformers' beam
 reordering) is honoured: the next append adopts whatever the layer then holds.
 """

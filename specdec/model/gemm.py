@@ -6,7 +6,7 @@ over one does. On a GPU that holds; on a CPU with fp32 weights the stock (MKL) k
 there: their small-M GEMMs are neither bandwidth- nor compute-bound. SmolLM2-135M's 211 linear
 layers on 2 cores (AMD EPYC) took 43 ms for one row and 63 ms for nine; whole forwards measured
 V(1) 55, V(4) 82, V(9) 86 ms there, and V(1) 45, V(4) 68, V(9) 89 ms on an Intel Xeon. The kernel
-in specdec/model/csrc/smallgemm.c (built by specdec/model/gemm_kernel.py) streams each weight once from a panel
+in specdec/model/csrc/gemm.c (built by specdec/model/gemm_kernel.py) streams each weight once from a panel
 layout and reads it at about the memory's speed: 17-20 ms for the same 211 layers at 1 and at 9
 rows. Past 16 rows it takes the rows 16 at a time through each panel while the panel sits in the
 core's caches, and stayed ahead of the stock kernel at every row count measured (2.2x at 24 rows,
@@ -45,7 +45,7 @@ log = structlog.get_logger(__name__)
 # the stock kernel with margin; decode steps (1 row) gain the most of all (2.3x per layer).
 DEFAULT_ROWS = 4096
 DEFAULT_MIN_ROWS = 1
-MAX_ROWS = 1 << 20  # the kernel's own bound (SG_MAX_ROWS in specdec/model/csrc/smallgemm.c)
+MAX_ROWS = 1 << 20  # the kernel's own bound (SG_MAX_ROWS in specdec/model/csrc/gemm.c)
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("specdec_packed_gemm", default=True)
 

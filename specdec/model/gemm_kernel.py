@@ -1,4 +1,4 @@
-"""Builds, loads and calls the small-M float32 GEMM kernel (specdec/model/csrc/smallgemm.c) on CPUs.
+"""Builds, loads and calls the small-M float32 GEMM kernel (specdec/model/csrc/gemm.c) on CPUs.
 
 The kernel is compiled on first use with the machine's C compiler (`$CC`, else `cc`) and
 `-O3 -march=native -fopenmp`, into the specdec cache (`$SPECDEC_CACHE_DIR/kernels`, else
@@ -27,7 +27,7 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-SOURCE = pathlib.Path(__file__).parent / "csrc" / "smallgemm.c"
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "gemm.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 ALIGNMENT = 64  # bytes: the kernel reads packed panels with aligned 64-byte vector loads
 
@@ -111,7 +111,7 @@ def load() -> Kernel | None:
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
         digest = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
-        target = _cache_dir() / f"smallgemm-{digest.hexdigest()[:16]}.so"
+        target = _cache_dir() / f"gemm-{digest.hexdigest()[:16]}.so"
         if not target.is_file():
             _build(compiler, target)
             log.info("small-M GEMM kernel compiled", path=str(target))

@@ -1,7 +1,7 @@
 """A causal LM behind the one call both services need: feed a sequence's pending tokens, get logits.
 
 Kept free of gRPC and of any policy, so the draft and the target share it and tests drive it
-directly (tests/test_kvcache.py checks rollback against a fresh forward).
+directly (tests/test_kv_store.py checks rollback against a fresh forward).
 """
 
 from __future__ import annotations

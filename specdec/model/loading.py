@@ -236,7 +236,9 @@ def load_model(spec: str, device: str = "auto", dtype: str = "auto", cache_dir: 
 
 # Distilled drafts committed in this repository (specdec/model/pruned.py format), by alias.
 _REPO_DRAFTS = pathlib.Path(__file__).resolve().parent.parent / "drafts"  # package data (specdec/drafts)
-DRAFT_ALIASES = {"smollm2-135m-draft": "smollm2-135m-draft", "smollm2-135m-eagle": "smollm2-135m-eagle"}
+# "smollm2-135m-eagle" is the feature draft's first name, kept so commands written with it still run.
+DRAFT_ALIASES = {"smollm2-135m-draft": "smollm2-135m-draft", "smollm2-135m-feature": "smollm2-135m-feature",
+                 "smollm2-135m-eagle": "smollm2-135m-feature"}
 
 
 def pruned_draft_folder(spec: str) -> pathlib.Path | None:

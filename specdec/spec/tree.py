@@ -30,10 +30,12 @@ siblings', the budget left), never on the children's own values.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from specdec.errors import InvalidArgument
+from specdec.limits import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 from specdec.spec.verify import sample_from
 
 ROOT = -1
@@ -56,6 +58,32 @@ def check_parents(parents: list[int], field: str = "draft_tree.parents") -> None
                 f"is {parent}: a node's parent must be -1 (the root) or an earlier node, in [-1, {i}) "
                 "(parents before children, which also rules out cycles)",
             )
+
+
+def check_tree_bounds(budget: int, top_k: int, shape: Sequence[int], fields: Mapping[str, str], *, min_budget: int = 1,
+                      check_top_k: bool = True) -> None:
+    """Raises InvalidArgument unless a tree's settings are inside the contract's bounds: the one check
+    the coordinator (a request's speculation fields) and the draft service (Propose's tree) share.
+    `fields` names "budget", "top_k" and "shape" as the caller's message calls them; `min_budget` 0
+    lets a request ask for chains; `check_top_k` False: a static shape makes top_k unused."""
+    if not min_budget <= budget <= MAX_TREE_NODES:
+        raise InvalidArgument(fields["budget"], f"must be in [{min_budget}, {MAX_TREE_NODES}], got {budget}")
+    if check_top_k and not 1 <= top_k <= MAX_TREE_TOP_K:
+        raise InvalidArgument(fields["top_k"], f"must be in [1, {MAX_TREE_TOP_K}], got {top_k}")
+    if len(shape) > MAX_TREE_DEPTH:
+        raise InvalidArgument(fields["shape"], f"at most {MAX_TREE_DEPTH} levels, got {len(shape)}")
+    for d, width in enumerate(shape):
+        if not 1 <= width <= MAX_TREE_TOP_K:
+            raise InvalidArgument(f"{fields['shape']}[{d}]", f"must be in [1, {MAX_TREE_TOP_K}], got {width}")
+
+
+def tree_depth(parents: Sequence[int]) -> int:
+    """Levels the deepest node sits below the root: the positions its longest branch spans (a chain's
+    length); 0 for no nodes. Parents come first, so one pass suffices."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 + (depth[parent] if parent != ROOT else 0))
+    return max(depth, default=0)
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:

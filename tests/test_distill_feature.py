@@ -33,7 +33,7 @@ KEPT = 200
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("featuredistill")
+    folder = tmp_path_factory.mktemp("distill_feature")
     target, _ = tiny.tiny_pair(seed=1)
     target_path = tiny.save(target, folder / "target")
     corpus = folder / "corpus.txt"
