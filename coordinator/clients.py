@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import os
+import socket
 import time
 from collections.abc import Callable
 
@@ -29,18 +31,61 @@ log = structlog.get_logger(__name__)
 
 # Transparent retries of calls that failed with UNAVAILABLE (a restart, a dropped connection).
 # Deadlines are set per call, not here: a service config with both misbehaves in grpcio 1.85.
-_SERVICE_CONFIG = json.dumps({
-    "methodConfig": [{
-        "name": [{"service": "specdec.v1.DraftService"}, {"service": "specdec.v1.TargetService"}],
-        "retryPolicy": {
-            "maxAttempts": 3,
-            "initialBackoff": "0.05s",
-            "maxBackoff": "0.5s",
-            "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
-        },
-    }]
-})
+_RETRY_POLICY = {
+    "name": [{"service": "specdec.v1.DraftService"}, {"service": "specdec.v1.TargetService"}],
+    "retryPolicy": {
+        "maxAttempts": 3,
+        "initialBackoff": "0.05s",
+        "maxBackoff": "0.5s",
+        "backoffMultiplier": 2,
+        "retryableStatusCodes": ["UNAVAILABLE"],
+    },
+}
+
+# Sequence affinity across replicas is gRPC's own: the ring_hash policy hashes this header, which
+# every call about a sequence carries, onto a ring of the resolved endpoints, so a sequence's calls
+# all reach the replica holding its KV cache, and a replica that goes away moves only its own
+# sequences (the next replica answers NOT_FOUND and the loop re-fills them). Client-side health
+# checking takes a replica that reports NOT_SERVING (loading, draining) off the ring. Hashing a
+# header needs this experiment switched on in gRPC; it is read when a channel is built.
+SEQUENCE_METADATA = "x-specdec-sequence"
+os.environ.setdefault("GRPC_EXPERIMENTAL_RING_HASH_SET_REQUEST_HASH_KEY", "true")
+_FLEET_POLICY = {
+    "loadBalancingConfig": [{"ring_hash_experimental": {"requestHashHeader": SEQUENCE_METADATA}}],
+    "healthCheckConfig": {"serviceName": ""},
+}
+
+
+def channel_target(address: str) -> tuple[str, bool]:
+    """(the gRPC target for an address flag, whether it may name several replicas).
+
+    `host:port` is one replica. A comma-separated list is a fleet: its names are resolved once, here
+    (`ipv4:`/`ipv6:` targets take addresses only). A `dns:///name:port` target is a fleet gRPC
+    resolves itself, again when connections fail: a headless Service's name, whose pods come and go."""
+    endpoints = [a.strip() for a in address.split(",") if a.strip()]
+    if address.startswith("dns:"):
+        return address, True
+    if len(endpoints) <= 1:
+        return (endpoints[0] if endpoints else address.strip()), False
+    resolved = [_resolve(endpoint) for endpoint in endpoints]
+    families = {family for family, _ in resolved}
+    if len(families) > 1:
+        raise ValueError(f"{address!r}: mixes IPv4 and IPv6 endpoints; list one family, or use a dns:/// name")
+    return f"{families.pop()}:" + ",".join(endpoint for _, endpoint in resolved), True
+
+
+def _resolve(endpoint: str) -> tuple[str, str]:
+    """("ipv4" or "ipv6", "address:port") of one `host:port`."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ValueError(f"{endpoint!r}: expected host:port")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ValueError(f"{endpoint!r}: cannot resolve {host!r} ({exc})") from exc
+    family, *_, sockaddr = infos[0]
+    return ("ipv6", f"[{sockaddr[0]}]:{port}") if family == socket.AF_INET6 else ("ipv4", f"{sockaddr[0]}:{port}")
 
 
 # gRPC's reconnect back-off grows to two minutes while a service is down, so a restarted draft
@@ -49,10 +94,13 @@ _RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_rec
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
-    options = [*CHANNEL_OPTIONS, *_RECONNECT_OPTIONS, ("grpc.service_config", _SERVICE_CONFIG), ("grpc.enable_retries", 1)]
+    """A channel to one service, or to its replicas (see channel_target) with sequence affinity."""
+    target, fleet = channel_target(address)
+    config = {"methodConfig": [_RETRY_POLICY], **(_FLEET_POLICY if fleet else {})}
+    options = [*CHANNEL_OPTIONS, *_RECONNECT_OPTIONS, ("grpc.service_config", json.dumps(config)), ("grpc.enable_retries", 1)]
     if credentials is not None:
-        return grpc.aio.secure_channel(address, credentials, options=options)
-    return grpc.aio.insecure_channel(address, options=options)
+        return grpc.aio.secure_channel(target, credentials, options=options)
+    return grpc.aio.insecure_channel(target, options=options)
 
 
 # The client's deadline (time.monotonic() seconds) of the request being served, if it set one: every
@@ -71,9 +119,10 @@ def call_timeout(limit: float) -> float:
     return min(limit, remaining)
 
 
-def _metadata() -> tuple[tuple[str, str], ...]:
+def _metadata(sequence_id: str) -> tuple[tuple[str, str], ...]:
+    """The request id (for the services' logs) and the sequence (what a fleet's ring hashes)."""
     request_id = structlog.contextvars.get_contextvars().get("request_id")
-    return ((REQUEST_ID_METADATA, str(request_id)),) if request_id else ()
+    return ((SEQUENCE_METADATA, sequence_id), *(((REQUEST_ID_METADATA, str(request_id)),) if request_id else ()))
 
 
 def _sampling_proto(sampling: SamplingConfig) -> pb.SamplingParams:
@@ -122,7 +171,7 @@ class Sessions:
         """The answer to `message`; None if the server has no session method (use the unary one)."""
         call = self._calls.get(sequence_id)
         if call is None:
-            call = self._calls[sequence_id] = self._open(metadata=_metadata())
+            call = self._calls[sequence_id] = self._open(metadata=_metadata(sequence_id))
         try:
             async with asyncio.timeout(timeout):
                 await call.write(message)
@@ -221,7 +270,7 @@ class TargetClient:
                                                             call_timeout(self.timeout_s))
                     if response is not None:
                         return response.verify
-                return await self.stub.Verify(request, timeout=call_timeout(self.timeout_s), metadata=_metadata())
+                return await self.stub.Verify(request, timeout=call_timeout(self.timeout_s), metadata=_metadata(sequence_id))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     raise SequenceNotFound(sequence_id, exc.details() or "") from exc
@@ -236,7 +285,8 @@ class TargetClient:
 
     async def release(self, sequence_id: str) -> None:
         self.sessions.close(sequence_id)
-        await self.stub.Release(pb.TargetServiceReleaseRequest(sequence_id=sequence_id), timeout=RELEASE_TIMEOUT_S, metadata=_metadata())
+        await self.stub.Release(pb.TargetServiceReleaseRequest(sequence_id=sequence_id), timeout=RELEASE_TIMEOUT_S,
+                                metadata=_metadata(sequence_id))
 
     async def close(self) -> None:
         self.sessions.close_all()
@@ -276,7 +326,7 @@ class DraftClient:
                 compute = answer.compute_seconds
             else:
                 messages = []
-                async for message in self.stub.Propose(request, timeout=call_timeout(self.timeout_s), metadata=_metadata()):
+                async for message in self.stub.Propose(request, timeout=call_timeout(self.timeout_s), metadata=_metadata(sequence_id)):
                     messages.append(message)
                     size += message.ByteSize()
                     if progress is not None:
@@ -300,7 +350,7 @@ class DraftClient:
                                         temperature=temperature, seed=seed)
         start = time.perf_counter()
         try:
-            response = await self.stub.ProposeTree(request, timeout=call_timeout(self.timeout_s), metadata=_metadata())
+            response = await self.stub.ProposeTree(request, timeout=call_timeout(self.timeout_s), metadata=_metadata(sequence_id))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise SequenceNotFound(sequence_id, exc.details() or "") from exc
@@ -313,7 +363,8 @@ class DraftClient:
 
     async def release(self, sequence_id: str) -> None:
         self.sessions.close(sequence_id)
-        await self.stub.Release(pb.DraftServiceReleaseRequest(sequence_id=sequence_id), timeout=RELEASE_TIMEOUT_S, metadata=_metadata())
+        await self.stub.Release(pb.DraftServiceReleaseRequest(sequence_id=sequence_id), timeout=RELEASE_TIMEOUT_S,
+                                metadata=_metadata(sequence_id))
 
     async def close(self) -> None:
         self.sessions.close_all()

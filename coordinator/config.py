@@ -20,10 +20,14 @@ class CoordinatorConfig:
     port: int = option(50051, "Port to listen on; 0 picks a free one.")
     http_port: int = option(8000, "Port of the OpenAI-compatible HTTP API, /health and /metrics; 0 picks a free one, -1 disables it.")
     api_token: str = option("", "Bearer token the public APIs require (gRPC metadata `authorization` and HTTP); empty: open.")
-    target: str = option("127.0.0.1:50052", "Address of the target service.")
+    target: str = option(
+        "127.0.0.1:50052",
+        "Address of the target service; replicas: a comma-separated list or a dns:/// name resolving to each "
+        "(a headless Service), each sequence's calls kept on one replica by consistent hashing.",
+    )
     draft: str = option(
         "127.0.0.1:50053",
-        "Address of the draft service; `ngram`: prompt lookup inside the coordinator (no draft service, no "
+        "Address of the draft service (replicas as for --target); `ngram`: prompt lookup inside the coordinator (no draft service, no "
         "draft round trip); empty turns speculation off.",
     )
     tokenizer: str = option(DEFAULT_TARGET, "Tokenizer of the target model: alias, hub id, folder or .gguf file.")

@@ -24,6 +24,7 @@ from coordinator.policy.draft_length import DraftLengthPolicy
 from coordinator.policy.overlap import RunAheadPolicy
 from coordinator.state import SequenceState
 from specdec.errors import SequenceNotFound
+from specdec.serving import metrics
 from specdec.model.features import FeatureLog, FeatureRows
 from specdec.spec.sampling import SamplingConfig, derive_seed
 from specdec.spec.tree import tree_depth
@@ -31,6 +32,12 @@ from specdec.spec.tree import tree_depth
 log = structlog.get_logger(__name__)
 
 Dist = tuple[list[int], list[float]] | None  # sparse distribution a draft token was drawn from
+
+
+def _refilled(service: str, sequence_id: str) -> None:
+    """A service lost the sequence (a restart, an eviction, a fleet's replica gone): it is sent whole."""
+    log.info("re-filling a sequence the service lost", service=service, sequence_id=sequence_id)
+    metrics.coordinator().refills.labels(service).inc()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,7 +429,7 @@ class SpeculativeLoop:
         try:
             return await self.proposer.propose(sequence_id, known, tokens[known:], gamma, min_prob, sampling.temperature, seed, **extra)
         except SequenceNotFound:
-            log.info("draft lost the sequence; re-sending it whole")
+            _refilled("draft", sequence_id)
             extra = {} if feature_log is None else {"features": feature_log.since(0)}
             return await self.proposer.propose(sequence_id, 0, list(tokens), gamma, min_prob, sampling.temperature, seed, **extra)
 
@@ -436,14 +443,14 @@ class SpeculativeLoop:
         try:
             return await self.proposer.propose_tree(sequence_id, known, tokens[known:], tree, max_depth, sampling.temperature, seed)
         except SequenceNotFound:
-            log.info("draft lost the sequence; re-sending it whole")
+            _refilled("draft", sequence_id)
             return await self.proposer.propose_tree(sequence_id, 0, list(tokens), tree, max_depth, sampling.temperature, seed)
 
     async def _verify(self, sequence_id, tokens, known, draft: DraftOutcome, sampling, decode_ahead: int = 0) -> VerifyOutcome:
         try:
             return await self._verify_call(sequence_id, known, tokens[known:], draft, sampling, decode_ahead)
         except SequenceNotFound:
-            log.info("target lost the sequence; re-filling it from the canonical tokens")
+            _refilled("target", sequence_id)
             return await self._verify_call(sequence_id, 0, list(tokens), draft, sampling, decode_ahead)
 
     async def _verify_call(self, sequence_id, known, append, draft: DraftOutcome, sampling, decode_ahead: int = 0) -> VerifyOutcome:

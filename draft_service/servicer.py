@@ -226,6 +226,7 @@ async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signal
         server.install_signal_handlers(config.grace_s)
     log.info("draft listening", port=server.port, drafter=config.drafter, model=config.model, metrics_port=metrics_port)
     engine, info = await server.loading(servicer.host.run(build_engine, config))
+    engine.store.on_start = metrics.draft().sequences_started.inc
     servicer.host.attach(engine, info)
     await server.mark_serving()
     log.info("draft serving", port=server.port)

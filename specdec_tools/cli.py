@@ -91,10 +91,16 @@ def cmd_up(argv: list[str]) -> int:
     parser.add_argument("--drafter", default="auto", choices=("auto", "ngram", "model"),
                         help="auto: n-gram, or a pruned distilled draft committed for the default target (specdec/drafts/smollm2-135m-draft). The feature draft: --drafter model --draft-model smollm2-135m-feature.")
     parser.add_argument("--draft-model", default="", help="Draft model for --drafter model (default with auto: smollm2-135m-draft).")
-    parser.add_argument("--port", type=int, default=50051, help="Coordinator port; the target takes port+1, the draft port+2.")
+    parser.add_argument("--port", type=int, default=50051,
+                        help="Coordinator port; the target takes port+1, the draft port+2 (replicas past the first take free ports).")
+    parser.add_argument("--target-replicas", type=int, default=1,
+                        help="Target services, each its own process; the coordinator routes each sequence to one of them.")
+    parser.add_argument("--draft-replicas", type=int, default=1, help="Draft services, each its own process (as --target-replicas).")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds to wait for all three to be healthy.")
     args = parser.parse_args(argv)
+    if args.target_replicas < 1 or args.draft_replicas < 1:
+        parser.error("--target-replicas and --draft-replicas must be >= 1")
     from specdec.model.loading import DEFAULT_TARGET
     from specdec_tools.stacks import Stack
 
@@ -103,11 +109,12 @@ def cmd_up(argv: list[str]) -> int:
     stack = Stack(args.target_model or "", None, args.device, grace=15.0)  # on this terminal, with metrics and the HTTP API
     signal.signal(signal.SIGTERM, lambda *_: (stack.stop(), sys.exit(0)))
     try:
-        stack.start_target(port=args.port + 1)
-        draft = stack.start_draft("ngram" if args.drafter == "ngram" else args.draft_model, port=args.port + 2)
+        stack.start_target(port=args.port + 1, replicas=args.target_replicas)
+        draft = stack.start_draft("ngram" if args.drafter == "ngram" else args.draft_model, port=args.port + 2,
+                                  replicas=args.draft_replicas)
         coordinator = stack.start_coordinator(draft, port=args.port)
         stack.wait(args.timeout, announce=lambda role, address: print(f"specdec up: {role} healthy on {address}", file=sys.stderr, flush=True))
-        print(f"specdec up: ready; coordinator on {coordinator} (Ctrl-C stops all three)", file=sys.stderr, flush=True)
+        print(f"specdec up: ready; coordinator on {coordinator} (Ctrl-C stops them all)", file=sys.stderr, flush=True)
         while stack.alive():
             time.sleep(0.5)
         print("specdec up: a service exited; stopping the others", file=sys.stderr)

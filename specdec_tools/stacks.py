@@ -63,18 +63,24 @@ class Stack(ServiceProcesses):
         self.target, self.device, self.log_level = target, device, log_level
         self.target_address = ""
 
-    def start_target(self, *extra: str, core: int | None = None, port: int = 0) -> str:
+    def start_target(self, *extra: str, core: int | None = None, port: int = 0, replicas: int = 1) -> str:
+        """`replicas` target services (the first on `port`, the rest on free ports; each its own
+        process with its own metrics port); the coordinators' --target: their addresses, comma-separated."""
         model = ["--model", self.target] if self.target else []
-        self.target_address = self.spawn("target", *model, "--device", self.device, *extra, core=core, log_level=self.log_level,
-                                         port=port)
+        self.target_address = self._replicas("target", [*model, "--device", self.device, *extra], core, port, replicas)
         return self.target_address
 
-    def start_draft(self, drafter: str, core: int | None = None, port: int = 0) -> str:
-        """A draft service for `drafter` ('ngram' or a draft model)."""
+    def _replicas(self, role: str, flags: list[str], core: int | None, port: int, replicas: int) -> str:
+        metrics = ["--metrics-port", "0"] if replicas > 1 and self.logs is None else []  # else they would share one port
+        return ",".join(self.spawn(role, *flags, *metrics, core=core, log_level=self.log_level, port=port if i == 0 else 0)
+                        for i in range(replicas))
+
+    def start_draft(self, drafter: str, core: int | None = None, port: int = 0, replicas: int = 1) -> str:
+        """`replicas` draft services for `drafter` ('ngram' or a draft model), as start_target."""
         from specdec.model.loading import DEFAULT_TARGET
 
         flags = draft_flags(drafter, self.target or DEFAULT_TARGET, self.device)
-        return self.spawn("draft", *flags, core=core, log_level=self.log_level, port=port)
+        return self._replicas("draft", flags, core, port, replicas)
 
     def start_coordinator(self, draft: str, *extra: str, core: int | None = None, port: int = 0) -> str:
         """A coordinator on this stack's target; `draft`: a draft service's address, 'ngram' (prompt

@@ -128,6 +128,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
         model=config.model, vocab_size=engine.lm.vocab_size, max_context=engine.lm.max_context,
         eos_token_ids=engine.lm.eos_token_ids, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
     )
+    engine.store.on_start = metrics.target().sequences_started.inc
     servicer.host.attach(engine, info)
     await server.mark_serving()
     log.info("target serving", port=server.port, vocab_size=engine.lm.vocab_size)

@@ -12,6 +12,7 @@ least the last token and yields the logits that predict what follows it.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 import dataclasses
 import time
 from typing import Any
@@ -77,6 +78,9 @@ class SequenceStore:
         # cancelled can reach the engine after its Release; without this it would re-create the
         # sequence and hold its cache until the idle timeout.
         self._retired: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Called once per sequence created (a prefill, or a re-fill after a loss): the services count
+        # them, so a fleet shows which replica served which sequences and whether any was re-filled.
+        self.on_start: Callable[[], object] = lambda: None
 
     def __len__(self) -> int:
         return len(self._sequences)
@@ -129,6 +133,8 @@ class SequenceStore:
             log.warning("evicted least recently used sequence", evicted=evicted, capacity=self.max_sequences)
         seq = Sequence(sequence_id)
         self._sequences[sequence_id] = seq
+        log.info("sequence started", sequence_id=sequence_id)
+        self.on_start()
         return seq
 
     def _expire_idle(self) -> None:

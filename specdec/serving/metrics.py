@@ -31,6 +31,8 @@ class CoordinatorMetrics:
         self.num_accepted_tokens = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = Counter("specdec:spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position in the draft.", ["position"])
+        self.refills = Counter("specdec:sequence_refills", "Sequences re-sent whole to a service that had lost them "
+                               "(a restart, an eviction, a fleet replica gone).", ["service"])
         self.steps = Counter("specdec:spec_decode_num_steps", "Target passes (Verify calls).")
 
 
@@ -39,6 +41,7 @@ class TargetMetrics:
         self.verify_seconds = Histogram("specdec:target_verify_seconds", "Target compute per Verify call.", buckets=LATENCY_BUCKETS)
         self.batch_size = Histogram("specdec:target_batch_size", "Sequences per target forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64))
         self.sequences = Gauge("specdec:target_num_sequences", "Sequences held in the target's KV caches.")
+        self.sequences_started = Counter("specdec:target_sequences_started", "Sequences this target prefilled (re-fills included).")
         self.draft_tokens = Counter("specdec:target_spec_decode_num_draft_tokens", "Draft tokens the target verified.")
         self.accepted_tokens = Counter("specdec:target_spec_decode_num_accepted_tokens", "Draft tokens the target accepted.")
 
@@ -48,6 +51,7 @@ class DraftMetrics:
         self.propose_seconds = Histogram("specdec:draft_propose_seconds", "Draft compute per Propose call.", buckets=LATENCY_BUCKETS)
         self.proposed_tokens = Counter("specdec:draft_num_proposed_tokens", "Tokens the draft proposed.")
         self.sequences = Gauge("specdec:draft_num_sequences", "Sequences held in the draft's caches.")
+        self.sequences_started = Counter("specdec:draft_sequences_started", "Sequences this draft prefilled (re-fills included).")
 
 
 @functools.cache

@@ -1,0 +1,226 @@
+"""A fleet: three target replicas and two draft replicas, each a real `specdec serve` process on
+loopback, behind one coordinator given both lists. gRPC's ring_hash policy keeps each sequence on one
+replica of each (coordinator/clients.py); these tests show it from the replicas' side.
+
+Which replica served which sequence is read from the replicas' own records: each logs "sequence
+started" with the sequence id whenever it creates one (a prefill, or a re-fill after a loss), and
+counts them in `specdec:{target,draft}_sequences_started`. The coordinator logs every re-fill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import re
+import signal
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec_tools.children import free_port
+from specdec_tools.stacks import Stack, draft_flags
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TARGETS, DRAFTS, REQUESTS = 3, 2, 12
+MAX_NEW = 160  # long enough that a replica killed after every stream's first tokens still holds sequences
+
+
+class Fleet(Stack):
+    """The replicas (each with its own metrics port) and one coordinator over their lists. The
+    coordinator drafts for every running request (--verify-token-budget 0; by default it stops
+    drafting at 8 running requests, so 12 would leave the drafts idle)."""
+
+    def __init__(self, target: str, draft: str, logs: pathlib.Path):
+        super().__init__(target, logs, log_level="info")
+        self.metrics: dict[str, int] = {}  # replica address -> its metrics port
+        self.processes: dict[str, object] = {}  # address -> the process serving it now
+        self.target_flags = ["--model", target, "--device", "cpu"]
+        self.targets = [self.replica("target", self.target_flags) for _ in range(TARGETS)]
+        self.drafts = [self.replica("draft", draft_flags(draft, target)) for _ in range(DRAFTS)]
+        self.address = self.spawn("coordinator", "--target", ",".join(self.targets), "--draft", ",".join(self.drafts),
+                                  "--tokenizer", target, "--verify-token-budget", "0", log_level="info")
+        self.wait(300)
+
+    def replica(self, role: str, flags: list[str], port: int = 0) -> str:
+        metrics_port = free_port()
+        address = self.spawn(role, *flags, "--metrics-port", str(metrics_port), log_level="info", port=port)
+        self.metrics[address], self.processes[address] = metrics_port, self.children[-1]
+        return address
+
+    def process(self, address: str):
+        return self.processes[address]
+
+    def started(self, address: str) -> float:
+        """The replica's own count of sequences it created (its /metrics)."""
+        role = self.roles[address]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics[address]}/metrics", timeout=10).read().decode()
+        return float(re.search(rf"^specdec:{role}_sequences_started_total (\S+)$", text, re.M).group(1))
+
+    def events(self, address: str, event: str) -> list[dict]:
+        """The JSON log lines of the service at `address` (every process it ran as) with this event."""
+        port = address.rsplit(":", 1)[1]
+        lines = []
+        for path in self.logs.glob(f"{self.roles[address]}-{port}.log*"):
+            for line in path.read_text(errors="replace").splitlines():
+                if line.startswith("{") and f'"{event}"' in line:
+                    lines.append(json.loads(line))
+        return [entry for entry in lines if entry.get("event") == event]
+
+    def sequences(self, address: str) -> list[str]:
+        return [e["sequence_id"] for e in self.events(address, "sequence started") if not e["sequence_id"].startswith("__")]
+
+    def refills(self) -> list[dict]:
+        return self.events(self.address, "re-filling a sequence the service lost")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    from specdec_tools.bench import quick_models
+
+    return quick_models(tmp_path_factory.mktemp("fleet-models"), noise=0.2)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    """Each prompt's continuation by the target decoding alone (transformers' greedy generate)."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec_tools.workload import greedy_generate
+
+    target = AutoModelForCausalLM.from_pretrained(models[0]).eval()
+    eos = [target.generation_config.eos_token_id] if target.generation_config.eos_token_id is not None else []
+    return {tuple(p): greedy_generate(target, p, MAX_NEW, eos) for p in prompts(3 * REQUESTS)}
+
+
+def prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 200, (6 + i % 5,), generator=gen).tolist() for i in range(n)]
+
+
+async def generate_all(address: str, batch: list[list[int]], on_first_tokens=None) -> list[list[int]]:
+    """The prompts as concurrent greedy streams; `on_first_tokens()` runs once every stream has tokens."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.CoordinatorServiceStub(channel)
+        started = asyncio.Event()
+        waiting = [len(batch)]
+
+        async def one(i: int, prompt: list[int]) -> list[int]:
+            request = pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=MAX_NEW,
+                                               request_id=f"fleet-{os.getpid()}-{i}-{len(batch)}")
+            tokens = []
+            async for chunk in stub.GenerateStream(request, timeout=300):
+                if not tokens and chunk.token_ids:
+                    waiting[0] -= 1
+                    if not waiting[0]:
+                        started.set()
+                tokens += chunk.token_ids
+            return tokens
+
+        tasks = [asyncio.create_task(one(i, p)) for i, p in enumerate(batch)]
+        if on_first_tokens is not None:
+            await started.wait()
+            on_first_tokens()
+        return await asyncio.gather(*tasks)
+
+
+def served(fleet: Fleet, addresses: list[str]) -> dict[str, list[str]]:
+    return {address: fleet.sequences(address) for address in addresses}
+
+
+def assert_one_replica_each(placement: dict[str, list[str]], expected: int, role: str):
+    ids = [s for seqs in placement.values() for s in seqs]
+    assert len(ids) == len(set(ids)) == expected, f"{role}: sequences prefilled more than once or lost: {placement}"
+    share = expected / len(placement)
+    loads = {address: len(seqs) for address, seqs in placement.items()}
+    assert max(loads.values()) <= 2 * share, f"{role}: the load is not spread: {loads}"
+    print(f"{role} replicas served {sorted(loads.values())} of {expected} sequences")
+
+
+@pytest.mark.slow
+def test_a_fleet_keeps_each_sequence_on_one_replica_and_spreads_them(models, reference, tmp_path):
+    fleet = Fleet(*models, tmp_path)
+    try:
+        batch = prompts(REQUESTS)
+        outputs = asyncio.run(generate_all(fleet.address, batch))
+        assert outputs == [reference[tuple(p)] for p in batch]  # every request: the target alone's tokens
+
+        assert fleet.refills() == []  # steady state: no sequence lost, none re-filled
+        for role, addresses in (("target", fleet.targets), ("draft", fleet.drafts)):
+            placement = served(fleet, addresses)
+            assert_one_replica_each(placement, REQUESTS, role)
+            assert [fleet.started(a) for a in addresses] == [len(placement[a]) for a in addresses]  # the metrics agree
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.slow
+def test_a_killed_target_replica_moves_only_its_own_sequences(models, reference, tmp_path):
+    fleet = Fleet(*models, tmp_path)
+    try:
+        batch = prompts(REQUESTS)
+        victim = []
+
+        def kill_the_busiest():  # every stream has tokens: every sequence sits on some replica
+            placement = served(fleet, fleet.targets)
+            address = max(placement, key=lambda a: len(placement[a]))
+            fleet.process(address).send_signal(signal.SIGKILL)
+            victim.append((address, set(placement[address])))
+
+        outputs = asyncio.run(generate_all(fleet.address, batch, on_first_tokens=kill_the_busiest))
+        assert outputs == [reference[tuple(p)] for p in batch]
+
+        dead, dead_sequences = victim[0]
+        refilled = {e["sequence_id"] for e in fleet.refills() if e["service"] == "target"}
+        survivors = served(fleet, [a for a in fleet.targets if a != dead])
+        moved = {s for seqs in survivors.values() for s in seqs} & dead_sequences
+        print(f"killed {dead}: it held {len(dead_sequences)} sequences; {len(refilled)} re-filled on the others")
+        assert refilled and refilled <= dead_sequences  # only the dead replica's sequences were re-filled ...
+        assert moved == refilled  # ... each once, on a surviving replica
+        assert sum(len(s) for s in survivors.values()) == REQUESTS - len(dead_sequences) + len(refilled)
+
+        # The replica comes back on its address; new sequences reach it again.
+        fleet.process(dead).wait(timeout=30)
+        fleet.children.remove(fleet.process(dead))  # gone for good; its successor takes its address
+        fleet.replica("target", fleet.target_flags, port=int(dead.rsplit(":", 1)[1]))
+        fleet.wait(300)
+        before = len(fleet.sequences(dead))
+        later = prompts(3 * REQUESTS)[REQUESTS:]
+        outputs = asyncio.run(generate_all(fleet.address, later))
+        assert outputs == [reference[tuple(p)] for p in later]
+        assert len(fleet.sequences(dead)) > before, "the restarted replica received no new sequences"
+    finally:
+        fleet.stop()
+
+
+# -- the address flags --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("address, target, fleet", [
+    ("127.0.0.1:50052", "127.0.0.1:50052", False),
+    ("127.0.0.1:1, 127.0.0.1:2,127.0.0.1:3", "ipv4:127.0.0.1:1,127.0.0.1:2,127.0.0.1:3", True),
+    ("[::1]:1,[::1]:2", "ipv6:[::1]:1,[::1]:2", True),
+    ("dns:///target-headless.specdec.svc.cluster.local:50052", "dns:///target-headless.specdec.svc.cluster.local:50052", True),
+    ("127.0.0.1:7,", "127.0.0.1:7", False),
+])
+def test_address_flags_name_one_service_or_a_fleet(address, target, fleet):
+    from coordinator.clients import channel_target
+
+    assert channel_target(address) == (target, fleet)
+
+
+@pytest.mark.parametrize("address, message", [
+    ("127.0.0.1:1,127.0.0.1", "expected host:port"),
+    ("127.0.0.1:1,no-such-host.invalid:2", "cannot resolve"),
+    ("127.0.0.1:1,[::1]:2", "mixes IPv4 and IPv6"),
+])
+def test_a_bad_fleet_address_is_named(address, message):
+    from coordinator.clients import channel_target
+
+    with pytest.raises(ValueError, match=message):
+        channel_target(address)
