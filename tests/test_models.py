@@ -217,6 +217,7 @@ def converted(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.ci
 def test_alias_converts_into_the_cache_with_gguf_identical_logits(converted):
     loaded, _, cache = converted
     folder = pathlib.Path(loaded.path)

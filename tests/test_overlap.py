@@ -249,6 +249,7 @@ def test_draft_killed_while_running_ahead_all_complete_identical(pair, tmp_path)
         stack.stop()
 
 
+@pytest.mark.slow
 def test_overlap_bench_quick(tmp_path):
     """`specdec bench --overlap --quick`: both schedules, pinned apart, every run identical."""
     import json

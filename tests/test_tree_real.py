@@ -30,7 +30,7 @@ def real():
     return load_model(DEFAULT_TARGET, device="cpu")
 
 
-@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("batched", [pytest.param(False, marks=pytest.mark.ci), True])
 def test_greedy_trees_on_the_real_target_match_generate(real, batched):
     engine = TargetEngine(CausalLM(real.model, real.device))
     rng = random.Random(1)
