@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Makes a development CA and certificates for mutual TLS between specdec's services:
 #   ca.pem            the CA every service trusts (--tls-ca, --backend-tls-ca)
-#   server.pem/.key   the draft's and target's certificate (names: localhost, draft, target, ...)
+#   server.pem/.key   the draft's and target's certificate (names: localhost, draft, target, their headless Services, ...)
 #   client.pem/.key   the coordinator's client certificate (--backend-tls-cert/--backend-tls-key)
 # Usage: scripts/make_dev_certs.sh [OUT_DIR] [extra DNS names...]   (default OUT_DIR: ./certs)
 set -euo pipefail
@@ -9,7 +9,7 @@ OUT=${1:-certs}
 shift || true
 mkdir -p "$OUT"
 cd "$OUT"
-SANS="DNS:localhost,IP:127.0.0.1,DNS:draft,DNS:target,DNS:coordinator"
+SANS="DNS:localhost,IP:127.0.0.1,DNS:draft,DNS:target,DNS:draft-headless,DNS:target-headless,DNS:coordinator"
 for name in "$@"; do SANS="$SANS,DNS:$name"; done
 openssl req -x509 -newkey rsa:2048 -nodes -days 365 -subj "/CN=specdec-dev-ca" \
   -keyout ca.key -out ca.pem 2>/dev/null

@@ -5,7 +5,10 @@ project's rules by the `check_*` functions below. Each rule is also fed a delibe
 manifest, so a rule that silently stopped checking would fail here too.
 
 kubernetes-validate misses things the API server rejects (an empty selector, a probe with two
-handlers, a container without an image, `cpu: lots`): the rules here cover those.
+handlers, a container without an image, `cpu: lots`): the rules here cover those. Nor can it see
+what only a running cluster would show: whether the coordinator's dns:/// names reach every replica
+through headless Services, whether an autoscaler owns its Deployment's replica count, whether the
+prometheus-adapter rule serves the metric the autoscaler asks for. Rules here cover those too.
 """
 
 from __future__ import annotations
@@ -44,13 +47,17 @@ KUBECTL = shutil.which("kubectl")
 needs_kubectl = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed, so the kustomize overlays cannot be rendered")
 
 # What to render: a directory, or (for a component) the overlay plus components, composed in a
-# temporary kustomization. "tls" is the cpu overlay with the opt-in mutual-TLS component.
+# temporary kustomization. "tls" is the cpu overlay with the opt-in mutual-TLS component,
+# "autoscale" the gpu overlay with the optional HorizontalPodAutoscaler of the target.
 TARGETS = {
     "base": ("base", ()),
     "cpu": ("overlays/cpu", ()),
     "gpu": ("overlays/gpu", ()),
     "tls": ("overlays/cpu", ("components/tls",)),
+    "autoscale": ("overlays/gpu", ("components/autoscale-target",)),
 }
+AUTOSCALE = K8S / "components" / "autoscale-target"
+ADAPTER_RULES = AUTOSCALE / "prometheus-adapter-rules.yaml"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -319,28 +326,49 @@ def check_config(docs) -> list[str]:
     for workload, (component, config, _spec, _c) in parsed.items():
         if component != "coordinator":
             continue
-        for backend, address in (("target", config.target), ("draft", config.draft)):
-            if not address:
-                continue
-            reached = resolve(docs, address)
-            if reached is None:
-                problems.append(f"{workload}: {backend} address {address} is no Service port")
-            elif listening.get(reached) != backend:
-                problems.append(f"{workload}: {backend} address {address} reaches {reached}, where no {backend} listens")
+        for backend, address in backend_addresses(config):
+            for endpoint in backend_endpoints(address)[1]:
+                reached = resolve(docs, endpoint)
+                if reached is None:
+                    problems.append(f"{workload}: {backend} address {endpoint} reaches no container port through a Service")
+                elif listening.get(reached) != backend:
+                    problems.append(f"{workload}: {backend} address {endpoint} reaches {reached}, where no {backend} listens")
     return problems
 
 
+def backend_addresses(config) -> list[tuple[str, str]]:
+    """(backend, address) of a coordinator's backends that are services: not an empty draft
+    (speculation off) nor `ngram` (prompt lookup inside the coordinator)."""
+    return [(backend, address) for backend, address in (("target", config.target), ("draft", config.draft))
+            if address and not (backend == "draft" and address == "ngram")]
+
+
+def backend_endpoints(address: str) -> tuple[bool, list[str]]:
+    """(whether it is a dns: name, its host:port parts) of a --target/--draft value, read as the
+    coordinator reads it (coordinator.clients.channel_target): `dns:[//authority/]host:port` is one
+    name that gRPC resolves to every address it has; anything else is a comma-separated list."""
+    if address.startswith("dns:"):
+        rest = address[len("dns:"):]
+        if rest.startswith("//"):
+            rest = rest[2:].partition("/")[2]
+        return True, [rest]
+    return False, [part.strip() for part in address.split(",") if part.strip()]
+
+
 def resolve(docs, address: str):
-    """host:port through a Service to (workload, container port number), or None."""
+    """host:port through a Service to (workload, container port number), or None. A ClusterIP
+    Service maps its port to a targetPort; a headless Service (clusterIP None) has no virtual IP: its
+    name resolves to the pods' own addresses, so clients reach the pods at `port` itself."""
     host, _, port = address.rpartition(":")
     host = host.split(".")[0]
     for svc in of_kind(docs, "Service"):
         if svc["metadata"]["name"] != host:
             continue
-        for sp in svc["spec"].get("ports", []):
-            if str(sp["port"]) != port:
-                continue
-            target = sp.get("targetPort", sp["port"])
+        if svc["spec"].get("clusterIP") == "None":
+            targets = [int(port)] if port.isdigit() else []
+        else:
+            targets = [sp.get("targetPort", sp["port"]) for sp in svc["spec"].get("ports", []) if str(sp["port"]) == port]
+        for target in targets:
             for workload, spec, labels in pod_specs(docs):
                 if not selects(svc["spec"].get("selector"), labels):
                     continue
@@ -412,7 +440,83 @@ def check_gpu(docs, components=("draft", "target")) -> list[str]:
     return problems
 
 
-RULES = [check_selectors, check_probes, check_resources, check_images, check_non_root, check_config, check_writable_paths, check_shutdown]
+def check_fleets(docs) -> list[str]:
+    """The coordinator reaches the target's and the draft's replicas as fleets: each backend address
+    is a dns: name of a headless Service, which gRPC resolves to every ready pod (the coordinator then
+    keeps each sequence on one of them). A ClusterIP name would resolve to one virtual IP, and
+    kube-proxy would pin each coordinator's one connection to one pod. Every headless Service has a
+    selector (else no pod records), leaves unready pods (loading, draining) out of DNS, and selects the
+    same pods as a ClusterIP Service (which keeps one address for port-forwarding and metrics).
+    check_config checks that the names reach the right containers' ports."""
+    problems = []
+    services = {s["metadata"]["name"]: s["spec"] for s in of_kind(docs, "Service")}
+    for name, spec in services.items():
+        if spec.get("clusterIP") != "None":
+            continue
+        selector = spec.get("selector") or {}
+        if not selector:
+            problems.append(f"Service {name}: headless without a selector, so DNS has no records of pods")
+        if spec.get("publishNotReadyAddresses"):
+            problems.append(f"Service {name}: publishes unready pods (loading or draining) in DNS")
+        if not any(other.get("clusterIP") != "None" and (other.get("selector") or {}) == selector for other in services.values()):
+            problems.append(f"Service {name}: no ClusterIP Service selects the same pods")
+    for workload, (component, config, _spec, _c) in _parsed(docs).items():
+        if component != "coordinator":
+            continue
+        for backend, address in backend_addresses(config):
+            is_dns, (endpoint, *rest) = backend_endpoints(address)
+            if not is_dns:
+                problems.append(f"{workload}: {backend} address {address!r} is not a dns: name of a headless Service, so it is one "
+                                "replica or a fixed list")
+                continue
+            host, _, port = endpoint.rpartition(":")
+            host = host.split(".")[0]
+            if not port.isdigit():
+                problems.append(f"{workload}: {backend} address {address} names no port")
+            elif host not in services:
+                problems.append(f"{workload}: {backend} address {address}: no Service {host}")
+            elif services[host].get("clusterIP") != "None":
+                problems.append(f"{workload}: {backend} address {address}: Service {host} is not headless; its name resolves to one "
+                                "virtual IP, not to the replicas")
+    return problems
+
+
+_METRIC_SOURCES = {"Pods": "pods", "Object": "object", "External": "external", "Resource": "resource", "ContainerResource": "containerResource"}
+
+
+def check_autoscalers(docs) -> list[str]:
+    """Every HorizontalPodAutoscaler scales a Deployment of the same render that leaves its replica
+    count to it (a `replicas` in the manifest resets the count on every apply), between sane bounds,
+    on custom metrics named as prometheus-adapter serves them: specdec's metric names carry a ':'
+    (vLLM's style), which the adapter rule renames away."""
+    problems = []
+    deployments = {d["metadata"]["name"]: d for d in of_kind(docs, "Deployment")}
+    for hpa in of_kind(docs, "HorizontalPodAutoscaler"):
+        where = f"HorizontalPodAutoscaler {hpa['metadata']['name']}"
+        spec = hpa["spec"]
+        ref = spec.get("scaleTargetRef") or {}
+        target = deployments.get(ref.get("name")) if (ref.get("apiVersion"), ref.get("kind")) == ("apps/v1", "Deployment") else None
+        if target is None:
+            problems.append(f"{where}: scales {ref}, which is no Deployment here")
+        elif "replicas" in target["spec"]:
+            problems.append(f"{where}: Deployment {ref['name']} still sets replicas ({target['spec']['replicas']}); every apply resets the "
+                            "autoscaler's count to it")
+        low, high = spec.get("minReplicas", 1), spec.get("maxReplicas", 0)
+        if not 1 <= low <= high:
+            problems.append(f"{where}: minReplicas {low} and maxReplicas {high} are not 1 <= min <= max")
+        if not spec.get("metrics"):
+            problems.append(f"{where}: no metrics (it would fall back to CPU utilization)")
+        for metric in spec.get("metrics") or []:
+            source = metric.get(_METRIC_SOURCES.get(metric.get("type"), ""), {}) or {}
+            name = (source.get("metric") or {}).get("name", "")
+            if ":" in name:
+                problems.append(f"{where}: metric {name!r} has a ':'; have the adapter rule rename it (e.g. to {name.replace(':', '_')!r}) "
+                                "and ask for that name")
+    return problems
+
+
+RULES = [check_selectors, check_probes, check_resources, check_images, check_non_root, check_config, check_writable_paths, check_shutdown,
+         check_fleets, check_autoscalers]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -425,7 +529,9 @@ def test_renders_and_validates_against_the_kubernetes_schemas(name):
 
     docs = render(name)
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds.count("Deployment") == 3 and kinds.count("Service") == 3 and kinds.count("PodDisruptionBudget") == 3, kinds
+    # Per service a Deployment, a ClusterIP Service and a PodDisruptionBudget; a headless Service for the draft and the target.
+    assert kinds.count("Deployment") == 3 and kinds.count("Service") == 5 and kinds.count("PodDisruptionBudget") == 3, kinds
+    assert kinds.count("HorizontalPodAutoscaler") == (1 if name == "autoscale" else 0), kinds
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
@@ -442,7 +548,10 @@ def test_gpu_overlay_puts_draft_and_target_on_gpus():
     docs = render("gpu")
     assert check_gpu(docs) == []
     deployments = {d["metadata"]["name"]: d for d in of_kind(docs, "Deployment")}
-    assert deployments["target"]["spec"]["replicas"] == 2
+    # Each service scaled on its own: the coordinators spread sequences over every target and draft.
+    assert {name: d["spec"]["replicas"] for name, d in deployments.items()} == {"target": 3, "draft": 2, "coordinator": 2}
+    for name in ("draft", "target"):  # no spare GPU for a surge pod
+        assert deployments[name]["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}, name
     for name in ("draft", "target"):
         spec = deployments[name]["spec"]["template"]["spec"]
         assert spec["nodeSelector"], name
@@ -490,6 +599,219 @@ def test_secrets_are_mounted_but_optional_unless_tls_is_on(name):
         assert bool(tls_settings) is (name == "tls"), tls_settings
 
 
+@needs_kubectl
+@pytest.mark.parametrize("name", TARGETS)
+def test_headless_services_select_the_same_pods_as_the_cluster_ip_ones(name):
+    services = {s["metadata"]["name"]: s["spec"] for s in of_kind(render(name), "Service")}
+    for backend in ("target", "draft"):
+        headless, cluster_ip = services[f"{backend}-headless"], services[backend]
+        assert headless["clusterIP"] == "None" and headless["publishNotReadyAddresses"] is False, headless
+        assert cluster_ip.get("clusterIP") != "None" and cluster_ip["type"] == "ClusterIP"
+        assert headless["selector"] == cluster_ip["selector"] == {"app.kubernetes.io/name": "specdec", "app.kubernetes.io/component": backend}
+        assert [(p["name"], p["port"]) for p in headless["ports"]] == [("grpc", GRPC_PORTS[backend])]
+
+
+@needs_kubectl
+@pytest.mark.parametrize("name", TARGETS)
+def test_the_coordinator_dials_every_replica_through_the_headless_services(name):
+    from coordinator.clients import channel_target
+
+    docs = render(name)
+    env = container_env(docs, next(c for _, _, c in containers(docs) if c["name"] == "coordinator"))
+    for backend in ("target", "draft"):
+        address = env[f"SPECDEC_COORDINATOR_{backend.upper()}"]
+        # The short name: it resolves through the pod's DNS search path in whatever namespace the
+        # overlay is applied to (test_the_short_dns_name_resolves_through_the_search_path).
+        assert address == f"dns:///{backend}-headless:{GRPC_PORTS[backend]}"
+        assert channel_target(address) == (address, True)  # the coordinator treats it as a fleet (ring_hash)
+
+
+@needs_kubectl
+def test_only_the_autoscale_component_adds_an_autoscaler_and_it_owns_the_target_count():
+    for name in TARGETS:
+        assert bool(of_kind(render(name), "HorizontalPodAutoscaler")) is (name == "autoscale"), name
+    docs = render("autoscale")
+    deployments = {d["metadata"]["name"]: d["spec"] for d in of_kind(docs, "Deployment")}
+    assert "replicas" not in deployments["target"]
+    assert deployments["draft"]["replicas"] == 2 and deployments["coordinator"]["replicas"] == 2  # the others keep theirs
+    (hpa,) = of_kind(docs, "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "target"}
+    assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"] == ["specdec_target_num_sequences"]
+    # The PodDisruptionBudget still allows one target down at a time, whatever the count.
+    pdb = next(d for d in of_kind(docs, "PodDisruptionBudget") if d["metadata"]["name"] == "target")
+    assert pdb["spec"]["maxUnavailable"] == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# The prometheus-adapter rule the autoscaler needs (an example file, not rendered with the overlays)
+
+def exported_metrics() -> set[str]:
+    """Names of the Prometheus metrics the three services export."""
+    import prometheus_client
+
+    from specdec.serving import metrics
+
+    metrics.coordinator(), metrics.target(), metrics.draft()  # registered once per process
+    return {family.name for family in prometheus_client.REGISTRY.collect()}
+
+
+def check_adapter_rules(config: dict, hpas, exported: set[str]) -> list[str]:
+    """Each custom metric an autoscaler asks for is served by a rule that finds an exported series,
+    associates it with namespaces and pods, renames it to exactly that name, and queries per pod."""
+    problems = []
+    rules = config.get("rules") or []
+    wanted = {(m.get("pods") or m.get("object") or {}).get("metric", {}).get("name")
+              for hpa in hpas for m in hpa["spec"].get("metrics", []) if m["type"] in ("Pods", "Object")}
+    for name in sorted(n for n in wanted if n):
+        serving = [r for r in rules if (r.get("name") or {}).get("as") == name]
+        if not serving:
+            problems.append(f"no adapter rule serves {name!r} (name.as)")
+            continue
+        for rule in serving:
+            series = re.match(r"\s*([a-zA-Z_:][a-zA-Z0-9_:]*)", rule.get("seriesQuery", ""))
+            series = series.group(1) if series else ""
+            if series not in exported:
+                problems.append(f"rule for {name}: seriesQuery names {series!r}, which no specdec service exports")
+            elif not re.search(rule["name"].get("matches", ".*"), series):
+                problems.append(f"rule for {name}: name.matches {rule['name'].get('matches')!r} does not match {series!r}")
+            overrides = (rule.get("resources") or {}).get("overrides") or {}
+            resources = {(v or {}).get("resource") for v in overrides.values()}
+            if not {"namespace", "pod"} <= resources:
+                problems.append(f"rule for {name}: resources.overrides map no namespace and pod labels: {overrides}")
+            for label in overrides:
+                if f'{label}!=""' not in rule.get("seriesQuery", "").replace(" ", ""):
+                    problems.append(f"rule for {name}: seriesQuery does not require the label {label}")
+            query = rule.get("metricsQuery", "")
+            for part in ("<<.Series>>", "<<.LabelMatchers>>", "<<.GroupBy>>"):
+                if part not in query:
+                    problems.append(f"rule for {name}: metricsQuery lacks {part}")
+    return problems
+
+
+def adapter_config() -> tuple[dict, dict]:
+    configmap = yaml.safe_load(ADAPTER_RULES.read_text())
+    return configmap, yaml.safe_load(configmap["data"]["config.yaml"])
+
+
+def test_the_adapter_rule_serves_the_metric_the_autoscaler_asks_for():
+    import kubernetes_validate
+
+    configmap, config = adapter_config()
+    kubernetes_validate.validate(configmap, K8S_VERSION, strict=True)
+    hpas = [yaml.safe_load((AUTOSCALE / "hpa-target.yaml").read_text())]
+    exported = exported_metrics()
+    assert "specdec:target_num_sequences" in exported
+    assert check_adapter_rules(config, hpas, exported) == []
+    # The example is not applied with the component (it belongs in the adapter's own configuration).
+    component = yaml.safe_load((AUTOSCALE / "kustomization.yaml").read_text())
+    assert ADAPTER_RULES.name not in str(component)
+
+
+@pytest.mark.parametrize("breaking, words", [
+    (lambda c, h: c["rules"][0]["name"].update({"as": "specdec:target_num_sequences"}), "no adapter rule serves"),
+    (lambda c, h: h[0]["spec"]["metrics"][0]["pods"]["metric"].update(name="specdec_target_sequences"), "no adapter rule serves"),
+    (lambda c, h: c["rules"][0].update(seriesQuery='specdec:target_num_seqs{namespace!="",pod!=""}'), "no specdec service exports"),
+    (lambda c, h: c["rules"][0]["name"].update(matches="^specdec_target_num_sequences$"), "does not match"),
+    (lambda c, h: c["rules"][0]["resources"]["overrides"].pop("pod"), "no namespace and pod"),
+    (lambda c, h: c["rules"][0].update(seriesQuery="specdec:target_num_sequences"), "does not require the label"),
+    (lambda c, h: c["rules"][0].update(metricsQuery="sum(<<.Series>>{<<.LabelMatchers>>})"), "<<.GroupBy>>"),
+], ids=["colon-name", "hpa-asks-another", "unknown-series", "matches-misses", "no-pod-override", "unlabelled-series", "no-group-by"])
+def test_the_adapter_rule_check_catches_a_broken_rule(breaking, words):
+    _, config = adapter_config()
+    hpas = [yaml.safe_load((AUTOSCALE / "hpa-target.yaml").read_text())]
+    breaking(config, hpas)
+    problems = check_adapter_rules(config, hpas, exported_metrics())
+    assert any(words in p for p in problems), problems
+
+
+# ---------------------------------------------------------------------------------------------------
+# The short dns:/// name, resolved by gRPC's own resolver (c-ares) as in a pod: the namespace comes
+# from the DNS search path, which kubelet writes into the pod's resolv.conf and c-ares also reads
+# from LOCALDOMAIN / RES_OPTIONS. A fake DNS server knows only the fully qualified name.
+
+class _FakeDNS:
+    """A UDP DNS server answering A queries from a table (NXDOMAIN otherwise); records every query."""
+
+    def __init__(self, records: dict[str, str]):
+        import socket
+        import threading
+
+        self.records, self.queries = records, []
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        import socket
+        import struct
+
+        while True:
+            try:
+                data, peer = self.sock.recvfrom(4096)
+            except OSError:
+                return
+            labels, i = [], 12
+            while data[i]:
+                labels.append(data[i + 1:i + 1 + data[i]].decode())
+                i += 1 + data[i]
+            qtype = struct.unpack(">H", data[i + 1:i + 3])[0]
+            name = ".".join(labels).lower()
+            self.queries.append(name)
+            address = self.records.get(name)
+            answer = b"\xc0\x0c" + struct.pack(">HHIH", 1, 1, 5, 4) + socket.inet_aton(address) if address and qtype == 1 else b""
+            header = data[:2] + struct.pack(">HHHHH", 0x8180 | (0 if address else 3), 1, 1 if answer else 0, 0, 0)
+            self.sock.sendto(header + data[12:i + 5] + answer, peer)
+
+    def close(self):
+        self.sock.close()
+
+
+@needs_kubectl
+def test_the_short_dns_name_resolves_through_the_search_path(monkeypatch):
+    import asyncio
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from coordinator.clients import open_channel
+
+    docs = render("cpu")
+    address = container_env(docs, next(c for _, _, c in containers(docs) if c["name"] == "coordinator"))["SPECDEC_COORDINATOR_TARGET"]
+    assert address.startswith("dns:///")
+    host = address[len("dns:///"):].rpartition(":")[0]
+    dns = _FakeDNS({f"{host}.specdec.svc.cluster.local": "127.0.0.1"})
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # SERVING
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    # The same name and the coordinator's own channel (ring_hash, health checks), asking the fake server.
+    target = f"dns://127.0.0.1:{dns.port}/{host}:{port}"
+
+    async def check() -> str:
+        async with open_channel(target) as channel:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    try:
+        monkeypatch.setenv("RES_OPTIONS", "ndots:5")  # what kubelet writes for a pod
+        monkeypatch.setenv("LOCALDOMAIN", "specdec.svc.cluster.local svc.cluster.local cluster.local")
+        assert asyncio.run(check()) == "SERVING"
+        assert f"{host}.specdec.svc.cluster.local" in dns.queries
+        # In another namespace the same short name finds nothing here: the search path made the difference.
+        monkeypatch.setenv("LOCALDOMAIN", "elsewhere.svc.cluster.local svc.cluster.local cluster.local")
+        assert asyncio.run(check()) == "UNAVAILABLE"
+        assert f"{host}.elsewhere.svc.cluster.local" in dns.queries
+    finally:
+        server.stop(0)
+        dns.close()
+
+
 # ---------------------------------------------------------------------------------------------------
 # Every rule can fail: a small manifest that passes them all, then broken copies of it.
 
@@ -498,7 +820,7 @@ def good_manifest() -> list[dict]:
     return [
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"},
          "data": {"SPECDEC_CACHE_DIR": "/var/cache/specdec", "SPECDEC_TARGET_HOST": "0.0.0.0", "SPECDEC_TARGET_PORT": "50052",
-                  "SPECDEC_COORDINATOR_HOST": "0.0.0.0", "SPECDEC_COORDINATOR_TARGET": "target:50052", "SPECDEC_COORDINATOR_DRAFT": "",
+                  "SPECDEC_COORDINATOR_HOST": "0.0.0.0", "SPECDEC_COORDINATOR_TARGET": "dns:///target-headless:50052", "SPECDEC_COORDINATOR_DRAFT": "",
                   "SPECDEC_COORDINATOR_HTTP_PORT": "-1", "SPECDEC_TARGET_METRICS_PORT": "-1"}},
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "target"},
          "spec": {"selector": {"matchLabels": dict(labels)},
@@ -519,6 +841,13 @@ def good_manifest() -> list[dict]:
          "spec": {"selector": {**labels, "app.kubernetes.io/component": "coordinator"}, "ports": [{"name": "grpc", "port": 50051}]}},
         {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "target"},
          "spec": {"maxUnavailable": 1, "selector": {"matchLabels": dict(labels)}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "target-headless"},
+         "spec": {"clusterIP": "None", "publishNotReadyAddresses": False, "selector": dict(labels),
+                  "ports": [{"name": "grpc", "port": 50052, "targetPort": "grpc"}]}},
+        {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": "target"},
+         "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": "target"}, "minReplicas": 1, "maxReplicas": 3,
+                  "metrics": [{"type": "Pods", "pods": {"metric": {"name": "specdec_target_num_sequences"},
+                                                        "target": {"type": "AverageValue", "averageValue": "16"}}}]}},
     ]
 
 
@@ -547,13 +876,22 @@ def _config(docs):
     return docs[0]["data"]
 
 
+def _service(docs, name):
+    return next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == name)
+
+
+def _hpa(docs):
+    return next(d for d in docs if d["kind"] == "HorizontalPodAutoscaler")
+
+
 BREAKAGES = {
     # name: (rule, how to break the good manifest, words the problem must contain)
     "selector-mismatch": (check_selectors, lambda d: _deployment(d)["spec"]["selector"]["matchLabels"].update({"app.kubernetes.io/component": "draft"}), "does not match"),
     "empty-selector": (check_selectors, lambda d: _deployment(d)["spec"].update(selector={}), "does not match"),
     "no-component-label": (check_selectors, lambda d: [x["spec"]["template"]["metadata"]["labels"].pop("app.kubernetes.io/component")
                                                        for x in d if x["kind"] == "Deployment"], "missing"),
-    "no-service": (check_selectors, lambda d: d.remove(next(x for x in d if x["kind"] == "Service" and x["metadata"]["name"] == "target")), "no Service"),
+    "no-service": (check_selectors, lambda d: [d.remove(x) for x in [x for x in d if x["kind"] == "Service" and x["metadata"]["name"].startswith("target")]],
+                   "no Service"),
     "service-selects-nothing": (check_selectors, lambda d: d[2]["spec"]["selector"].update({"app.kubernetes.io/component": "targett"}), "selects no pods"),
     "pdb-selects-nothing": (check_selectors, lambda d: d[5]["spec"]["selector"]["matchLabels"].update({"app.kubernetes.io/name": "x"}), "selects no pods"),
     "probe-wrong-port": (check_probes, lambda d: _target(d)["readinessProbe"]["grpc"].update(port=50051), "not a declared container port"),
@@ -580,7 +918,29 @@ BREAKAGES = {
     "wrong-service-name": (check_config, lambda d: _target(d).update(args=["serve", "traget"]), "expected args"),
     "port-mismatch": (check_config, lambda d: _config(d).update(SPECDEC_TARGET_PORT="6000"), "listens on 6000"),
     "loopback-host": (check_config, lambda d: _config(d).pop("SPECDEC_TARGET_HOST"), "unreachable"),
-    "coordinator-to-nowhere": (check_config, lambda d: _config(d).update(SPECDEC_COORDINATOR_TARGET="target:50053"), "no Service port"),
+    "coordinator-to-nowhere": (check_config, lambda d: _config(d).update(SPECDEC_COORDINATOR_TARGET="target:50053"), "reaches no container port"),
+    "fleet-to-nowhere": (check_config, lambda d: _config(d).update(SPECDEC_COORDINATOR_TARGET="dns:///target-headless:50053"), "reaches no container port"),
+    # A headless Service maps no ports: clients dial the pods at the port they asked DNS for.
+    "headless-port-mapping": (check_config, lambda d: (_config(d).update(SPECDEC_COORDINATOR_TARGET="dns:///target-headless:6000"),
+                                                       _service(d, "target-headless")["spec"].update(ports=[{"port": 6000, "targetPort": "grpc"}])),
+                              "reaches no container port"),
+    "headless-selects-coordinators": (check_config, lambda d: (_config(d).update(SPECDEC_COORDINATOR_TARGET="dns:///target-headless:50051"),
+                                                               _service(d, "target-headless")["spec"]["selector"].update({"app.kubernetes.io/component": "coordinator"})),
+                                      "no target listens"),
+    "list-with-a-wrong-endpoint": (check_config, lambda d: _config(d).update(SPECDEC_COORDINATOR_TARGET="target:50052,coordinator:50051"), "no target listens"),
+    "not-a-fleet": (check_fleets, lambda d: _config(d).update(SPECDEC_COORDINATOR_TARGET="target:50052"), "not a dns: name"),
+    "fleet-through-cluster-ip": (check_fleets, lambda d: _config(d).update(SPECDEC_COORDINATOR_TARGET="dns:///target:50052"), "not headless"),
+    "fleet-without-port": (check_fleets, lambda d: _config(d).update(SPECDEC_COORDINATOR_TARGET="dns:///target-headless"), "names no port"),
+    "fleet-to-no-service": (check_fleets, lambda d: _config(d).update(SPECDEC_COORDINATOR_TARGET="dns:///targets-headless:50052"), "no Service"),
+    "headless-publishes-unready": (check_fleets, lambda d: _service(d, "target-headless")["spec"].update(publishNotReadyAddresses=True), "unready"),
+    "headless-without-selector": (check_fleets, lambda d: _service(d, "target-headless")["spec"].pop("selector"), "without a selector"),
+    "headless-without-cluster-ip-twin": (check_fleets, lambda d: d.remove(_service(d, "target")), "no ClusterIP Service selects the same pods"),
+    "autoscaler-and-replicas": (check_autoscalers, lambda d: _deployment(d)["spec"].update(replicas=3), "still sets replicas"),
+    "autoscaler-scales-nothing": (check_autoscalers, lambda d: _hpa(d)["spec"]["scaleTargetRef"].update(name="targets"), "no Deployment"),
+    "autoscaler-bounds": (check_autoscalers, lambda d: _hpa(d)["spec"].update(minReplicas=4), "minReplicas 4"),
+    "autoscaler-without-metrics": (check_autoscalers, lambda d: _hpa(d)["spec"].pop("metrics"), "no metrics"),
+    "autoscaler-colon-metric": (check_autoscalers, lambda d: _hpa(d)["spec"]["metrics"][0]["pods"]["metric"].update(name="specdec:target_num_sequences"),
+                                "rename"),
     "coordinator-to-itself": (check_config, lambda d: _config(d).update(SPECDEC_COORDINATOR_TARGET="coordinator:50051"), "no target listens"),
     "undeclared-metrics-port": (check_config, lambda d: _config(d).update(SPECDEC_TARGET_METRICS_PORT="8002"), "does not declare"),
     "no-cache-volume": (check_writable_paths, lambda d: _target(d)["volumeMounts"].pop(0), "/var/cache/specdec"),
