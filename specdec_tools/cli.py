@@ -18,7 +18,7 @@ import signal
 import sys
 import time
 
-from specdec_tools.children import health_ok
+from specdec_tools import connect
 
 SERVICES = ("target", "draft", "coordinator")
 
@@ -146,7 +146,12 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--stop", action="append", default=[])
     parser.add_argument("--compare", action="store_true", help="Also generate twice with speculation off and once more with it (A B B A), report whether every run's tokens are identical and the speed-up over the two runs of each.")
     parser.add_argument("--wait", type=float, default=60.0, help="Seconds to wait for the coordinator to come up.")
+    connect.add_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        conn = connect.Connection.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     import grpc
 
@@ -177,7 +182,7 @@ def cmd_generate(argv: list[str]) -> int:
 
     def run(stub, request, echo: bool):
         tokens, stats, finish = [], None, None
-        for message in stub.GenerateStream(request, wait_for_ready=True, timeout=args.wait + 600):
+        for message in stub.GenerateStream(request, wait_for_ready=True, timeout=args.wait + 600, metadata=conn.metadata):
             tokens.extend(message.token_ids)
             if echo and message.text:
                 print(message.text, end="", flush=True)
@@ -187,19 +192,17 @@ def cmd_generate(argv: list[str]) -> int:
             print()
         return tokens, stats, finish
 
-    deadline = time.monotonic() + args.wait
-    while not health_ok(args.address):  # SERVING only once the models are loaded and warmed
-        if time.monotonic() > deadline:
-            print(f"specdec generate: no healthy coordinator at {args.address} after {args.wait:.0f}s "
-                  "(start one with `specdec up`)", file=sys.stderr)
-            return 1
-        time.sleep(0.5)
-    with grpc.insecure_channel(args.address) as channel:
+    try:  # SERVING only once the models are loaded and warmed; the same credentials as the calls
+        connect.wait_healthy(conn, args.wait)
+    except connect.ConnectError as exc:
+        print(f"specdec generate: {exc}", file=sys.stderr)
+        return 1
+    with conn.channel() as channel:
         stub = pb_grpc.CoordinatorServiceStub(channel)
         try:
             tokens, stats, finish = run(stub, build(args.draft_length), echo=True)
         except grpc.RpcError as exc:
-            print(f"specdec generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"specdec generate: {connect.describe(exc, conn)}", file=sys.stderr)
             return 1
         print(_format_stats(stats, pb.FinishReason.Name(finish)), file=sys.stderr)
         if args.compare:

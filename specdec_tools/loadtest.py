@@ -10,15 +10,18 @@ definitions, so numbers compare directly:
 (a chunk is one target pass: with speculation it carries several tokens, as in vLLM).
 
 It starts its own local stack (target, draft, coordinator as `specdec serve` child processes), or
-drives `--address`. `--quick` runs tiny random models in well under a minute (CI).
+drives `--address` (with --api-token and the --tls-* flags of specdec_tools/connect.py, as
+`specdec generate`). `--quick` runs tiny random models in well under a minute (CI).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import os
 import pathlib
 import random
 import statistics
@@ -26,6 +29,7 @@ import sys
 import tempfile
 import time
 
+from specdec_tools import connect
 from specdec_tools.stacks import Stack
 from specdec_tools.workload import load_prompt_ids, reference_outputs
 
@@ -37,6 +41,7 @@ class RequestResult:
     prompt_index: int
     ok: bool
     code: str = "OK"
+    details: str = ""
     tokens: list[int] = dataclasses.field(default_factory=list)
     ttft: float = 0.0
     e2el: float = 0.0
@@ -97,7 +102,8 @@ def summarise(results: list[RequestResult], duration: float) -> dict:
 
 # --- the client -----------------------------------------------------------------------------------
 
-async def one_request(stub, index: int, prompt: list[int], max_new: int, speculation: bool, timeout: float) -> RequestResult:
+async def one_request(stub, index: int, prompt: list[int], max_new: int, speculation: bool, timeout: float,
+                      metadata: tuple = ()) -> RequestResult:
     import grpc
 
     from protos import specdec_pb2 as pb
@@ -106,7 +112,7 @@ async def one_request(stub, index: int, prompt: list[int], max_new: int, specula
     request = pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new, speculation=spec)
     result = RequestResult(index, ok=False)
     start = last = time.perf_counter()
-    call = stub.GenerateStream(request, timeout=timeout)
+    call = stub.GenerateStream(request, timeout=timeout, metadata=metadata)
     try:
         async for message in call:
             now = time.perf_counter()
@@ -122,7 +128,7 @@ async def one_request(stub, index: int, prompt: list[int], max_new: int, specula
                 result.draft_tokens, result.accepted_tokens, result.steps = s.draft_tokens, s.accepted_tokens, s.steps
         result.ok = True
     except grpc.aio.AioRpcError as exc:
-        result.code = exc.code().name
+        result.code, result.details = exc.code().name, exc.details() or ""
         for key, value in exc.trailing_metadata() or ():
             if key == "retry-after-ms":
                 result.retry_after_ms = int(value)
@@ -130,21 +136,21 @@ async def one_request(stub, index: int, prompt: list[int], max_new: int, specula
     return result
 
 
-async def run_level(address: str, prompts: list[list[int]], num_requests: int, max_new: int, speculation: bool,
+async def run_level(coordinator: connect.Connection | str, prompts: list[list[int]], num_requests: int, max_new: int, speculation: bool,
                     concurrency: int | None, rate: float | None, seed: int, progress=None, timeout: float = 600.0) -> tuple[list[RequestResult], float]:
-    """`num_requests` requests, prompts cycled; at most `concurrency` in flight, or Poisson arrivals at `rate`/s."""
-    import grpc
-
+    """`num_requests` requests, prompts cycled; at most `concurrency` in flight, or Poisson arrivals at `rate`/s.
+    `coordinator`: its connection (token, TLS), or a plaintext address."""
     from protos import specdec_pb2_grpc as pb_grpc
     from specdec.serving.rpc import CHANNEL_OPTIONS
 
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    conn = connect.Connection(coordinator) if isinstance(coordinator, str) else coordinator
+    async with conn.aio_channel(options=CHANNEL_OPTIONS) as channel:
         stub = pb_grpc.CoordinatorServiceStub(channel)
         results: list[RequestResult] = []
         task_id = progress.add_task(f"{'spec' if speculation else 'no-spec'} " + (f"c={concurrency}" if rate is None else f"rate={rate}/s"), total=num_requests) if progress else None
 
         async def fire(i: int) -> None:
-            result = await one_request(stub, i % len(prompts), prompts[i % len(prompts)], max_new, speculation, timeout)
+            result = await one_request(stub, i % len(prompts), prompts[i % len(prompts)], max_new, speculation, timeout, conn.metadata)
             results.append(result)
             if progress:
                 progress.advance(task_id)
@@ -171,12 +177,39 @@ async def run_level(address: str, prompts: list[list[int]], num_requests: int, m
 # --- the local stack ------------------------------------------------------------------------------
 
 class LocalStack(Stack):
-    """target + draft + coordinator as `specdec serve` child processes on loopback (like `specdec up`)."""
+    """target + draft + coordinator as `specdec serve` child processes on loopback (like `specdec up`).
+    `api_token`: the token its coordinator requires (empty: none, whatever this environment says)."""
 
-    def __init__(self, target: str, drafter: str, logs: pathlib.Path, coordinator_flags: list[str], target_flags: list[str]):
+    def __init__(self, target: str, drafter: str, logs: pathlib.Path, coordinator_flags: list[str], target_flags: list[str],
+                 api_token: str = ""):
         super().__init__(target, logs, "cpu", log_level="warning")
         self.start_target(*target_flags)
-        self.address = self.start_coordinator(self.start_draft(drafter), *coordinator_flags)
+        draft = self.start_draft(drafter)
+        with _environment(SPECDEC_COORDINATOR_API_TOKEN=api_token):  # in its environment, not on a command line `ps` shows
+            self.address = self.start_coordinator(draft, *coordinator_flags)
+
+
+@contextlib.contextmanager
+def _environment(**values: str):
+    """os.environ with `values` set, for the children started inside; restored afterwards."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def refused_access(results: list[RequestResult], conn: connect.Connection) -> str:
+    """One line when every request was turned away for its API token (no point in measuring on); '' otherwise."""
+    if not results or not all(r.code in ("UNAUTHENTICATED", "PERMISSION_DENIED") for r in results):
+        return ""
+    first = results[0]
+    return f"every request was refused: {first.code}: {' '.join(first.details.split())} ({connect.hint(first.code, first.details, conn)})"
 
 
 def prompt_ids(tokenizer, prompts: str, limit: int) -> list[list[int]]:
@@ -212,7 +245,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="Folder for loadtest.json and the PNG plots.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="Tiny random models, short runs, overload included: CI, < 60 s.")
+    connect.add_arguments(parser)  # --api-token also makes the local stack's coordinator require it
     args = parser.parse_args(argv)
+    try:
+        connect.Connection.from_args(args)  # the flags' combinations and files, before any stack starts
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.address and (args.tls or args.tls_ca or args.tls_cert or args.tls_server_name):
+        parser.error("--tls and the --tls-* flags need --address: the local stack serves plaintext")
     try:
         args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
@@ -255,31 +295,41 @@ def run(args: argparse.Namespace) -> dict:
     stack = None
     if not args.address:
         flags = ["--max-concurrent-requests", str(args.max_concurrent_requests), "--max-queue", str(args.max_queue)]
-        stack = LocalStack(target, args.drafter, workdir / "logs", flags, args.target_flags.split())
-    report: dict = {"config": {k: v for k, v in vars(args).items() if k != "levels"} | {"levels": args.levels, "target": target,
+        stack = LocalStack(target, args.drafter, workdir / "logs", flags, args.target_flags.split(), api_token=args.api_token.strip())
+    secret = {"api_token", "levels"}  # the token stays out of the report
+    report: dict = {"config": {k: v for k, v in vars(args).items() if k not in secret} | {"levels": args.levels, "target": target,
                                                                                       "num_prompts": len(prompts)}, "runs": []}
     try:
         if stack:
             stack.wait()
-        address = args.address or stack.address
+        conn = connect.Connection.from_args(args, address=args.address or stack.address)
+        if args.address:
+            connect.wait_healthy(conn, 30.0)  # TLS problems show here, in one line
+
+        def level(*level_args, **kwargs):
+            results, duration = asyncio.run(run_level(conn, *level_args, **kwargs))
+            refused = refused_access(results, conn)
+            if refused:
+                raise connect.ConnectError(refused)
+            return results, duration
+
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
         with Progress(*columns, transient=False) as progress:
             levels = [None] if args.request_rate else args.levels
             for speculation in modes:
                 if args.warmup:
-                    asyncio.run(run_level(address, prompts, args.warmup, args.max_new_tokens, speculation, args.warmup, None, args.seed))
-                for level in levels:
-                    n = args.num_requests or max(8, 2 * (level or 4))
-                    results, duration = asyncio.run(run_level(address, prompts, n, args.max_new_tokens, speculation, level,
-                                                              args.request_rate or None, args.seed, progress))
-                    report["runs"].append({"speculation": speculation, "concurrency": level, "request_rate": args.request_rate or None,
+                    level(prompts, args.warmup, args.max_new_tokens, speculation, args.warmup, None, args.seed)
+                for concurrency in levels:
+                    n = args.num_requests or max(8, 2 * (concurrency or 4))
+                    results, duration = level(prompts, n, args.max_new_tokens, speculation, concurrency, args.request_rate or None,
+                                              args.seed, progress)
+                    report["runs"].append({"speculation": speculation, "concurrency": concurrency, "request_rate": args.request_rate or None,
                                            "num_requests": n, **summarise(results, duration), "_results": results})
                     save_partial(report, args.out)  # a long run killed later still leaves its numbers
                     progress.console.print(format_report({"runs": report["runs"][-1:]}).splitlines()[-1])
             if args.overload and stack:
                 offered = 4 * (args.max_concurrent_requests + args.max_queue)
-                results, duration = asyncio.run(run_level(address, prompts, offered, args.max_new_tokens, True, offered, None,
-                                                          args.seed, progress))
+                results, duration = level(prompts, offered, args.max_new_tokens, True, offered, None, args.seed, progress)
                 report["overload"] = {"offered_concurrency": offered, "max_concurrent_requests": args.max_concurrent_requests,
                                       "max_queue": args.max_queue, **summarise(results, duration), "stack_alive": stack.alive(),
                                       "_results": results}
@@ -383,6 +433,9 @@ def main(argv: list[str]) -> int:
     except ValueError as exc:
         print(f"specdec loadtest: {exc}", file=sys.stderr)
         return 2
+    except connect.ConnectError as exc:
+        print(f"specdec loadtest: {exc}", file=sys.stderr)
+        return 1
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "loadtest.json").write_text(json.dumps(report, indent=2))

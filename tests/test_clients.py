@@ -3,6 +3,10 @@
 Each CLI streams GenerateStream; its output must be what the Python client gets from Generate for
 the same request: the same tokens (the target's own greedy generate()), the same text, the same
 counts. The clients are installed and built by scripts/setup_clients.sh; without it these skip.
+
+Coordinators on the same backends that require an API token and serve TLS (one of them mutual TLS,
+certificates from scripts/make_dev_certs.sh) check the clients' --api-token/$SPECDEC_API_TOKEN and
+--tls-* flags: the same output with the right ones, exit 1 and the status name without them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 NODE_DIR = REPO / "clients" / "node"
 JAVA_DIR = REPO / "clients" / "java"
 MAX_NEW = 16
+TOKEN = "client-token"
+TOKEN_ENV = "SPECDEC_API_TOKEN"
 SETUP_HINT = "run `bash scripts/setup_clients.sh` (as root) to install and build the clients"
 
 
@@ -61,7 +67,8 @@ def env(tmp_path_factory):
         target_addr = stack.target(tiny.save(target, folder / "target"))
         draft_addr = stack.draft(drafter="model", model=tiny.save(draft, folder / "draft"))
         address = stack.coordinator(target_addr, draft_addr, tiny.byte_tokenizer())
-        yield {"target": target, "address": address, "client": stack.client(address)}
+        yield {"target": target, "address": address, "client": stack.client(address), "stack": stack,
+               "backends": (target_addr, draft_addr)}
     finally:
         stack.stop()
 
@@ -82,9 +89,23 @@ class Run:
         return f"exit {self.code}\n--- stdout\n{self.stdout!r}\n--- stderr\n{self.stderr}"
 
 
-def run(cli: list[str], address: str, *args: str) -> Run:
+@pytest.fixture(scope="module")
+def secure(env, tmp_path_factory) -> dict:
+    """Coordinators on env's backends requiring TOKEN: one over TLS, one over mutual TLS."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (needed to make test certificates)")
+    certs = tmp_path_factory.mktemp("client-certs")
+    subprocess.run(["bash", str(REPO / "scripts" / "make_dev_certs.sh"), str(certs)], check=True, capture_output=True, timeout=60)
+    server = dict(tls_cert=str(certs / "server.pem"), tls_key=str(certs / "server.key"), api_token=TOKEN)
+    coordinator = lambda **tls: env["stack"].coordinator(*env["backends"], tiny.byte_tokenizer(), **server, **tls)  # noqa: E731
+    return {"certs": certs, "tls": coordinator(), "mtls": coordinator(tls_ca=str(certs / "ca.pem"))}
+
+
+def run(cli: list[str], address: str, *args: str, env: dict[str, str] | None = None) -> Run:
     # The POSIX locale, as a bare CI shell may have: the clients must read and write UTF-8 anyway.
-    environ = {k: v for k, v in os.environ.items() if k != "LANG" and not k.startswith("LC_")}
+    # No API token from this shell: each test passes its own.
+    environ = {k: v for k, v in os.environ.items() if k not in ("LANG", TOKEN_ENV) and not k.startswith("LC_")}
+    environ.update(env or {})
     proc = subprocess.run([*cli, "--address", address, "--timeout", "60", *args],
                           capture_output=True, timeout=90, env=environ, cwd=REPO)
     return Run(proc)
@@ -142,3 +163,55 @@ def test_usage_error_exits_2(cli):
     result = run(cli, "127.0.0.1:1", "--token-ids", "1,x")
     assert result.code == 2, result
     assert "usage:" in result.stderr
+
+
+def greedy_unary(env, index: int) -> tuple[list[int], pb.GenerateResponse]:
+    prompt = tiny.prompts()[index]
+    unary = env["client"].Generate(
+        pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=MAX_NEW), timeout=60)
+    return prompt, unary
+
+
+def test_token_and_tls_match_the_python_client(cli, env, secure):
+    prompt, unary = greedy_unary(env, 5)
+    result = run(cli, secure["tls"], "--api-token", TOKEN, "--tls-ca", str(secure["certs"] / "ca.pem"),
+                 "--token-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(MAX_NEW))
+    check_against_unary(result, unary, len(prompt))
+    assert len(result.stderr.splitlines()) == 1, result  # the summary only: no warning about TLS to an IP address
+
+
+def test_mutual_tls_with_the_token_from_the_environment(cli, env, secure):
+    """A client certificate, $SPECDEC_API_TOKEN, and a server name other than the address's host."""
+    certs = secure["certs"]
+    prompt, unary = greedy_unary(env, 9)
+    result = run(cli, secure["mtls"], "--tls-ca", str(certs / "ca.pem"), "--tls-cert", str(certs / "client.pem"),
+                 "--tls-key", str(certs / "client.key"), "--tls-server-name", "coordinator",
+                 "--token-ids", ",".join(map(str, prompt)), "--max-new-tokens", str(MAX_NEW), env={TOKEN_ENV: TOKEN})
+    check_against_unary(result, unary, len(prompt))
+
+
+@pytest.mark.parametrize("token, status", [("wrong-token", "PERMISSION_DENIED"), (None, "UNAUTHENTICATED")])
+def test_refused_token_exits_1_with_the_status(cli, secure, token, status):
+    flags = ["--api-token", token] if token else []
+    result = run(cli, secure["tls"], *flags, "--tls-ca", str(secure["certs"] / "ca.pem"), "--token-ids", "1,2,3")
+    assert result.code == 1, result
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{status}: ") and "--api-token" in last, result
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("case", ["plaintext", "no client certificate"])
+def test_tls_mismatch_exits_1_unavailable(cli, secure, case):
+    address, flags = (secure["tls"], []) if case == "plaintext" else (secure["mtls"], ["--tls-ca", str(secure["certs"] / "ca.pem")])
+    result = run(cli, address, "--api-token", TOKEN, *flags, "--token-ids", "1,2,3")
+    assert result.code == 1, result
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("UNAVAILABLE: ") and "--tls-c" in last, result  # with a hint: --tls-ca or --tls-cert
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("flags", [["--tls-cert", "client.pem"], ["--tls-ca", "/nonexistent/ca.pem"]])
+def test_bad_tls_flags_exit_2(cli, flags):
+    result = run(cli, "127.0.0.1:1", *flags, "--token-ids", "1")
+    assert result.code == 2, result
+    assert "usage:" in result.stderr and flags[0] in result.stderr, result

@@ -71,3 +71,48 @@ def test_local_stack_gives_another_tokenizer_draft_the_targets(tmp_path, monkeyp
     draft = next(argv for argv in commands if argv[argv.index("serve") + 1] == "draft")
     assert draft[draft.index("--target-tokenizer") + 1] == "some-target"
     assert draft[draft.index("--model") + 1] == "another-draft"
+
+
+def test_local_stack_coordinator_requires_the_token_from_its_environment(tmp_path, monkeypatch):
+    """--api-token with the local stack: its coordinator requires that token, passed in the child's
+    environment (not on a command line `ps` shows), and this process's environment is left as it was."""
+    started = []
+
+    class Child:
+        def __init__(self, argv, env=None, **_):
+            started.append((argv, dict(env or {})))
+
+        def poll(self):
+            return None
+
+        def terminate(self):
+            pass
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr("subprocess.Popen", Child)
+    monkeypatch.setenv("SPECDEC_COORDINATOR_API_TOKEN", "from-the-shell")
+    loadtest.LocalStack("some-target", "ngram", tmp_path, [], [], api_token="tok-123").stop()
+    roles = {argv[argv.index("serve") + 1]: (argv, env) for argv, env in started}
+    argv, env = roles["coordinator"]
+    assert env["SPECDEC_COORDINATOR_API_TOKEN"] == "tok-123" and not any("tok-123" in arg for arg in argv)
+    assert "tok-123" not in roles["target"][1].values()
+    assert loadtest.os.environ["SPECDEC_COORDINATOR_API_TOKEN"] == "from-the-shell"
+
+    started.clear()  # no --api-token: an open coordinator, whatever the shell exported
+    loadtest.LocalStack("some-target", "ngram", tmp_path, [], []).stop()
+    assert {argv[argv.index("serve") + 1]: env for argv, env in started}["coordinator"]["SPECDEC_COORDINATOR_API_TOKEN"] == ""
+
+
+def test_tls_flags_need_an_address(tmp_path, capsys):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not used")
+    with pytest.raises(SystemExit):
+        loadtest.parse(["--tls-ca", str(ca)])
+    assert "--address" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        loadtest.parse(["--address", "127.0.0.1:1", "--tls-cert", str(ca)])
+    assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
+    args = loadtest.parse(["--address", "127.0.0.1:1", "--tls-ca", str(ca), "--api-token", "t"])
+    assert args.tls_ca == str(ca) and args.api_token == "t"
