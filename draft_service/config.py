@@ -55,6 +55,11 @@ class DraftConfig:
     tls_key: str = option("", "PEM private key of --tls-cert.")
     tls_ca: str = option("", "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).")
     grace_s: float = option(10.0, "Seconds in-flight calls get to finish after SIGTERM.")
+    max_connection_age_s: float = option(
+        0.0,
+        "Close each client connection this long after it opened (calls in flight keep going), so coordinators "
+        "dialling a dns:/// name re-resolve it and find replicas added since; 0: never.",
+    )
     event_loop: str = event_loop_option()
     log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
     log_level: str = option("info", "debug, info, warning or error.")

@@ -111,7 +111,8 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
 
     servicer = TargetServicer(config.batch_window_ms, config.max_batch_size, config.max_batch_tokens)
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
-    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], credentials=credentials)
+    server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], credentials=credentials,
+                    max_connection_age_s=config.max_connection_age_s)
     metrics.target()
     metrics_port = metrics.serve_http(config.metrics_port, config.host)
     pb_grpc.add_TargetServiceServicer_to_server(servicer, server.server)

@@ -95,6 +95,10 @@ def rpc_method(method: Callable) -> Callable:
     return unary
 
 
+# A connection closed for its age keeps its calls this long: a sequence's session stream lives as long
+# as its generation, and is cut (then re-opened by the coordinator) only past this.
+CONNECTION_AGE_GRACE_S = 3600.0
+
 CLEANUP_S = 5.0  # after the grace period, how long cancelled calls get to release what they hold
 
 # Always answered, also while draining: probes must see NOT_SERVING, not a refused connection.
@@ -209,10 +213,15 @@ class Server:
         max_concurrent_rpcs: int | None = None,
         interceptors=(),
         credentials: grpc.ServerCredentials | None = None,
+        max_connection_age_s: float = 0.0,
     ):
         self.drain = Drain()
+        options = list(CHANNEL_OPTIONS)
+        if max_connection_age_s > 0:  # a GOAWAY makes the client re-resolve its target and reconnect
+            options += [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
+                        ("grpc.max_connection_age_grace_ms", int(CONNECTION_AGE_GRACE_S * 1000))]
         self.server = grpc.aio.server(
-            options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs, interceptors=[self.drain, *interceptors]
+            options=options, maximum_concurrent_rpcs=max_concurrent_rpcs, interceptors=[self.drain, *interceptors]
         )
         self.http = None  # an HTTP server to stop with this one (the coordinator's API)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
