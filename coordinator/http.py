@@ -10,7 +10,6 @@ Extensions to OpenAI's request: `top_k`, `draft_length`, `adaptive`.
 
 from __future__ import annotations
 
-import hmac
 import json
 import time
 import uuid
@@ -20,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from coordinator.validate import token_matches
 from protos import specdec_pb2 as pb
 from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
 
@@ -143,7 +143,7 @@ def build_app(servicer, model_name: str, api_token: str = "") -> FastAPI:
             header = request.headers.get("authorization", "")
             if not header.startswith("Bearer "):
                 return _error(401, "missing bearer token", kind="authentication_error")
-            if not hmac.compare_digest(header.removeprefix("Bearer ").strip(), api_token):
+            if not token_matches(header, api_token):
                 return _error(403, "invalid bearer token", kind="permission_error")
         return await call_next(request)
 

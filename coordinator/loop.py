@@ -572,3 +572,10 @@ class RunAhead:
 
 # Release tasks in flight, held so the event loop does not garbage-collect them before they finish.
 _RELEASES: set[asyncio.Task] = set()
+
+
+async def releases_done(timeout: float) -> None:
+    """Waits (up to `timeout`) for the releases still running: a handler cancelled a second time
+    returns before its release does, so a coordinator shutting down must not stop its loop on it."""
+    if _RELEASES:
+        await asyncio.wait(set(_RELEASES), timeout=timeout)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 from collections.abc import Callable
 
@@ -17,16 +16,16 @@ from grpc_status import rpc_status
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
 from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
+from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, releases_done
 from coordinator.policy.admission import Admission
 from coordinator.text import TextStream
-from coordinator.validate import generation_spec
+from coordinator.validate import generation_spec, token_matches
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
 from specdec.serving import tls
 from specdec.errors import DeadlineExceeded, InvalidArgument, Overloaded, SpecdecError, Unavailable
-from specdec.serving.rpc import Server, error_status, rpc_method
+from specdec.serving.rpc import CLEANUP_S, Server, error_status, rpc_method
 from specdec.serving.logs import bind_request
 
 log = structlog.get_logger(__name__)
@@ -317,6 +316,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, 
     if ready is not None:
         ready.set_result(server)
     await server.wait()
+    await releases_done(CLEANUP_S)  # handlers cut twice leave their releases running on their own
 
 
 class HttpServer:
@@ -363,7 +363,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
         streaming = details.method.endswith("Stream")
         if not header.startswith("Bearer "):
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token in `authorization` metadata", streaming)
-        if not hmac.compare_digest(header.removeprefix("Bearer ").strip(), self.token):
+        if not token_matches(header, self.token):
             return _deny(grpc.StatusCode.PERMISSION_DENIED, "invalid bearer token", streaming)
         return await continuation(details)
 

@@ -10,6 +10,7 @@ run in field order, so the first bad field is the one named. Bounds come from sp
 
 from __future__ import annotations
 
+import hmac
 import random
 import uuid
 from collections.abc import Callable, Sequence
@@ -157,6 +158,13 @@ def stop_strings(stop: Sequence[str]) -> list[str]:
         if not s:
             raise InvalidArgument(f"stop[{i}]", "stop strings must not be empty")
     return list(stop)
+
+
+def token_matches(header: str, token: str) -> bool:
+    """Whether an `authorization` value carries the API token, compared in constant time. As bytes:
+    a header may hold any character (HTTP gives latin-1), which must be a refusal, never an error."""
+    given = header.removeprefix("Bearer ").strip()
+    return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
 
 
 def check_request_id(request_id: str) -> None:

@@ -130,6 +130,10 @@ def test_token_is_required_on_both_apis_but_not_for_health(env):
     bad = openai.OpenAI(base_url=f"{env['base']}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.PermissionDeniedError):
         bad.models.list()
+    with pytest.raises(urllib.error.HTTPError) as non_ascii:  # was a 500: str comparison of non-ASCII characters
+        urllib.request.urlopen(urllib.request.Request(f"{env['base']}/v1/models", headers={"Authorization": "Bearer t\u00f6ken"}),
+                               timeout=10)
+    assert non_ascii.value.code == 403
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(f"{env['base']}/v1/models", timeout=10)
     assert info.value.code == 401
