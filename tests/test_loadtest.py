@@ -48,35 +48,10 @@ def test_bad_flags_are_named(argv, capsys):
     assert argv[0] in capsys.readouterr().err
 
 
-def test_local_stack_gives_another_tokenizer_draft_the_targets(tmp_path, monkeypatch):
-    """The load tester's draft of another model maps to the target's tokenizer, as `specdec up` and the
-    benchmarks configure it (specdec_tools.stacks builds every tool's command lines)."""
-    commands = []
-
-    class Child:  # records the command line instead of starting a service
-        def __init__(self, argv, **_):
-            commands.append(argv)
-
-        def poll(self):
-            return None
-
-        def terminate(self):
-            pass
-
-        def wait(self, timeout=None):
-            return 0
-
-    monkeypatch.setattr("subprocess.Popen", Child)
-    loadtest.LocalStack("some-target", "another-draft", tmp_path, [], []).stop()
-    draft = next(argv for argv in commands if argv[argv.index("serve") + 1] == "draft")
-    assert draft[draft.index("--target-tokenizer") + 1] == "some-target"
-    assert draft[draft.index("--model") + 1] == "another-draft"
-
-
-def test_local_stack_coordinator_requires_the_token_from_its_environment(tmp_path, monkeypatch):
-    """--api-token with the local stack: its coordinator requires that token, passed in the child's
-    environment (not on a command line `ps` shows), and this process's environment is left as it was."""
-    started = []
+@pytest.fixture
+def children(monkeypatch) -> list[tuple[list[str], dict]]:
+    """The (command line, environment) of every service a stack starts, recorded instead of started."""
+    started: list[tuple[list[str], dict]] = []
 
     class Child:
         def __init__(self, argv, env=None, **_):
@@ -92,17 +67,32 @@ def test_local_stack_coordinator_requires_the_token_from_its_environment(tmp_pat
             return 0
 
     monkeypatch.setattr("subprocess.Popen", Child)
+    return started
+
+
+def test_local_stack_gives_another_tokenizer_draft_the_targets(tmp_path, children):
+    """The load tester's draft of another model maps to the target's tokenizer, as `specdec up` and the
+    benchmarks configure it (specdec_tools.stacks builds every tool's command lines)."""
+    loadtest.LocalStack("some-target", "another-draft", tmp_path, [], []).stop()
+    draft = next(argv for argv, _ in children if argv[argv.index("serve") + 1] == "draft")
+    assert draft[draft.index("--target-tokenizer") + 1] == "some-target"
+    assert draft[draft.index("--model") + 1] == "another-draft"
+
+
+def test_local_stack_coordinator_requires_the_token_from_its_environment(tmp_path, children, monkeypatch):
+    """--api-token with the local stack: its coordinator requires that token, passed in the child's
+    environment (not on a command line `ps` shows), and this process's environment is left as it was."""
     monkeypatch.setenv("SPECDEC_COORDINATOR_API_TOKEN", "from-the-shell")
     loadtest.LocalStack("some-target", "ngram", tmp_path, [], [], api_token="tok-123").stop()
-    roles = {argv[argv.index("serve") + 1]: (argv, env) for argv, env in started}
+    roles = {argv[argv.index("serve") + 1]: (argv, env) for argv, env in children}
     argv, env = roles["coordinator"]
     assert env["SPECDEC_COORDINATOR_API_TOKEN"] == "tok-123" and not any("tok-123" in arg for arg in argv)
     assert "tok-123" not in roles["target"][1].values()
     assert loadtest.os.environ["SPECDEC_COORDINATOR_API_TOKEN"] == "from-the-shell"
 
-    started.clear()  # no --api-token: an open coordinator, whatever the shell exported
+    children.clear()  # no --api-token: an open coordinator, whatever the shell exported
     loadtest.LocalStack("some-target", "ngram", tmp_path, [], []).stop()
-    assert {argv[argv.index("serve") + 1]: env for argv, env in started}["coordinator"]["SPECDEC_COORDINATOR_API_TOKEN"] == ""
+    assert {argv[argv.index("serve") + 1]: env for argv, env in children}["coordinator"]["SPECDEC_COORDINATOR_API_TOKEN"] == ""
 
 
 def test_tls_flags_need_an_address(tmp_path, capsys):
