@@ -291,10 +291,11 @@ def test_tree_draft(models, shape):
 def test_ngram_draft(models):
     """Prompt lookup: one-hot p, and the coordinator cuts each proposal by its calibrated confidence.
     The prompt repeats a pattern this target continues about half the time (1 after it ~93%, then
-    0 less often): the lookup drafts about half a token a request, half of them accepted, once its
-    calibration has seen the acceptance; the guard leaves room for that."""
+    0 less often), so about half the drafted tokens are accepted. How many are drafted follows the
+    learned costs, which follow the machine's load: 0.2 to 2 tokens a request were seen (the cut
+    weighs each token's confidence against a longer target forward), so the guard asks for 0.05."""
     check_case("n-gram", models, NgramDrafter(4, 1), prompt=[1, 0, 4, 1, 0, 4], loop_kwargs={"drafter": "ngram"},
-               min_drafted=0.15)
+               min_drafted=0.05)
 
 
 def test_overlap_on(models):
