@@ -25,6 +25,7 @@ from specdec.errors import DeadlineExceeded, SequenceNotFound
 from specdec.model.features import FeatureRows
 from specdec.serving.rpc import CHANNEL_OPTIONS
 from specdec.serving.logs import REQUEST_ID_METADATA
+from specdec.serving.wire import logprobs_from_proto
 from specdec.spec.sampling import SamplingConfig
 
 log = structlog.get_logger(__name__)
@@ -224,10 +225,10 @@ class TargetClient:
 
     async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
                      draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False,
-                     decode_ahead: int = 0) -> VerifyOutcome:
+                     decode_ahead: int = 0, logprobs: int | None = None, eos_banned_until: int = 0) -> VerifyOutcome:
         request = pb.VerifyRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append,
                                    draft_tokens=draft_tokens, sampling=_sampling_proto(sampling), return_features=return_features,
-                                   decode_ahead=decode_ahead)
+                                   decode_ahead=decode_ahead, logprobs=logprobs, eos_banned_until=eos_banned_until)
         if not sampling.greedy and any(d is not None for d in draft_dists):
             for dist in draft_dists:
                 ids, probs = dist if dist is not None else ([], [])
@@ -240,7 +241,8 @@ class TargetClient:
             f = response.features
             features = FeatureRows.from_wire(f.start, f.rows, f.dim, f.data, "VerifyResponse.features")
         return VerifyOutcome(response.accepted, response.next_token, response.compute_seconds, wall,
-                             request.ByteSize() + response.ByteSize(), features=features, decoded=tuple(response.decoded_tokens))
+                             request.ByteSize() + response.ByteSize(), features=features, decoded=tuple(response.decoded_tokens),
+                             logprobs=logprobs_from_proto(response.logprobs))
 
     async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
                           tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:

@@ -31,6 +31,11 @@ class CoordinatorConfig:
         "draft round trip); empty turns speculation off.",
     )
     tokenizer: str = option(DEFAULT_TARGET, "Tokenizer of the target model: alias, hub id, folder or .gguf file.")
+    served_model_name: str = option(
+        "",
+        "Model ids the HTTP API lists in /v1/models and accepts in `model`, comma-separated (a request naming "
+        "another gets 404); empty: the --tokenizer value.",
+    )
     draft_length: int = option(8, "Default upper bound on draft tokens per step (requests may ask for another, up to 32).")
     adaptive: bool = option(True, "Adapt the draft length per request unless the request says otherwise.")
     decode_ahead: int = option(
@@ -59,7 +64,8 @@ class CoordinatorConfig:
     )
     max_new_tokens: int = option(4096, "Largest max_new_tokens a request may ask for.")
     default_max_new_tokens: int = option(128, "max_new_tokens when a request leaves it unset.")
-    max_prompt_tokens: int = option(32768, "Longest prompt accepted, in target tokens.")
+    max_prompt_tokens: int = option(
+        32768, "Longest prompt accepted, in target tokens; the target's context (less one generated token) bounds it too.")
     max_streams_per_client: int = option(
         64,
         "Concurrent requests one client (bearer token, else peer address) may have; past it "

@@ -1,108 +1,97 @@
-"""An OpenAI-compatible HTTP API over the coordinator, plus /health and Prometheus /metrics.
+"""An OpenAI-compatible HTTP API over the coordinator, plus /health, /metrics, /version and /tokenize.
 
-Requests are translated into the same GenerateRequest the gRPC API takes, so validation (one
-validator, coordinator/validate.py: its errors name the GenerateRequest field), the speculative loop
-and the statistics are shared; speculation statistics ride along in each response under
-"speculation". This module checks only what the translation needs: JSON types (named by their JSON
-field) and what a GenerateRequest cannot express (n > 1, a negative seed).
-Extensions to OpenAI's request: `top_k`, `draft_length`, `adaptive`.
+Requests are pydantic models (coordinator/openai_schema.py), translated into the GenerateRequest the
+gRPC API takes, so one validator (coordinator/validate.py), one speculative loop and one set of
+statistics serve both; speculation statistics ride along in each response under "speculation".
+Errors use OpenAI's envelope, {"error": {"message", "type", "param", "code"}}, with `param` the
+request's own field name, for every status this app returns (404 and 405 included).
+
+The request id is the client's `X-Request-Id` header when it sends one (else a fresh one): it is
+the id in the logs, the response's `id` ("cmpl-<id>") and its `X-Request-Id` header, so one id
+follows a request from the client through the coordinator to both services' logs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 import uuid
+from importlib import metadata
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
-from coordinator.validate import token_matches
-from protos import specdec_pb2 as pb
+from coordinator import openai_schema as schema
+from coordinator.validate import check_request_id, token_matches
 from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-STATUS = {InvalidArgument: 400, Overloaded: 429, Unavailable: 503}
+# status, OpenAI's error type, and the code when the error has none of its own
+KINDS: dict[type, tuple[int, str, str]] = {
+    InvalidArgument: (400, "invalid_request_error", "invalid_value"),
+    Overloaded: (429, "rate_limit_error", "rate_limit_exceeded"),
+    Unavailable: (503, "service_unavailable_error", "service_unavailable"),
+}
+REQUEST_ID_HEADER = "x-request-id"
 
 
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+def version() -> str:
+    try:
+        return metadata.version("specdec")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "0+unknown"
 
 
-def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
-    value = body.get(name, default)
-    if value is not None and (not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds):
-        raise InvalidArgument(name, f"must be {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}")
-    return value
+def error(status: int, message: str, kind: str, code: str, param: str | None = None,
+          headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status,
+                        headers=headers)
 
 
-def _prompt(body: dict, request: pb.GenerateRequest) -> None:
-    """/v1/completions: one prompt, as a string or a list of token ids."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        request.text = prompt
-    elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        request.token_ids.ids.extend(prompt)
-    else:
-        raise InvalidArgument("prompt", "must be a string or a list of token ids (one prompt per request)")
+def failed(exc: SpecdecError, headers: dict[str, str] | None = None) -> JSONResponse:
+    status, kind, code = KINDS.get(type(exc), (500, "server_error", "internal_error"))
+    headers = dict(headers or {})
+    if isinstance(exc, (Overloaded, Unavailable)):  # when to come back, in whole seconds (RFC 9110)
+        headers["Retry-After"] = str(max(1, math.ceil(getattr(exc, "retry_after_s", 1.0))))
+    if isinstance(exc, InvalidArgument):
+        param = schema.JSON_NAMES.get(exc.field, exc.field.split("[")[0])
+        return error(status, f"{param}: {exc.description}", kind, exc.reason, param, headers)
+    return error(status, str(exc), kind, code, headers=headers)
 
 
-def _messages(body: dict, request: pb.GenerateRequest) -> None:
-    """/v1/chat/completions: the conversation (its roles are checked with the gRPC API's chat)."""
-    messages = _field(body, "messages", (list,))
-    if not messages:
-        raise InvalidArgument("messages", "must be a non-empty list")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
-            raise InvalidArgument(f"messages[{i}]", "must be an object with a string content")
-        request.chat.messages.add(role=str(message.get("role", "")), content=message["content"])
+def _location(loc: tuple) -> str:
+    """A pydantic error location as the request spells it: messages[0].content."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "list[str]", "list[int]", "list[list[int]]", "function-after") or "[" in str(part):
+            continue  # union branches and validators, not fields
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"
 
 
-def _max_tokens(body: dict, chat: bool) -> int | None:
-    """max_completion_tokens (chat) or max_tokens; completions default to OpenAI's 16, chat to the coordinator's."""
-    max_tokens = _field(body, "max_completion_tokens", (int,)) if chat else None
-    return max_tokens if max_tokens is not None else _field(body, "max_tokens", (int,), 16 if not chat else None)
+def invalid_body(exc: ValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return error(400, f"the body is not valid JSON: {first['msg']}", "invalid_request_error", "invalid_json", "body")
+    param = _location(first["loc"])
+    if first["type"] == "extra_forbidden":
+        return error(400, f"Unrecognized request argument supplied: {param}", "invalid_request_error", "unknown_parameter", param)
+    return error(400, f"{param}: {first['msg']}", "invalid_request_error", "invalid_value", param)
 
 
-def _sampling(body: dict, sampling: pb.SamplingParams) -> None:
-    sampling.temperature = float(_field(body, "temperature", (int, float), 1.0))  # OpenAI's default
-    if (top_p := _field(body, "top_p", (int, float))) is not None:
-        sampling.top_p = float(top_p)
-    if (top_k := _field(body, "top_k", (int,))) is not None and top_k >= 0:  # a negative top_k (vLLM's -1) means off
-        sampling.top_k = top_k
-    if (seed := _field(body, "seed", (int,))) is not None:
-        if seed < 0:
-            raise InvalidArgument("seed", "must be >= 0")
-        sampling.seed = seed
-
-
-def _speculation(body: dict, speculation: pb.SpeculationParams) -> None:
-    if (length := _field(body, "draft_length", (int,))) is not None:
-        speculation.draft_length = length
-    if (adaptive := _field(body, "adaptive", (bool,))) is not None:
-        speculation.adaptive = adaptive
-
-
-def to_request(body: dict, chat: bool) -> tuple[pb.GenerateRequest, bool]:
-    """OpenAI JSON -> GenerateRequest (and whether to stream). Type errors name the JSON field; the
-    values are checked with the gRPC API's, by coordinator/validate.py."""
-    if not isinstance(body, dict):
-        raise InvalidArgument("body", "must be a JSON object")
-    request = pb.GenerateRequest()
-    (_messages if chat else _prompt)(body, request)
-    if _field(body, "n", (int,), 1) != 1:
-        raise InvalidArgument("n", "only n = 1 is supported")
-    if (max_tokens := _max_tokens(body, chat)) is not None:
-        request.max_new_tokens = max_tokens
-    _sampling(body, request.sampling)
-    stop = body.get("stop")
-    request.stop.extend([stop] if isinstance(stop, str) else (stop or []))
-    _speculation(body, request.speculation)
-    return request, bool(_field(body, "stream", (bool,), False))
+def _draining(servicer) -> bool:
+    drain = getattr(servicer, "drain", None)  # the gRPC server's Drain, set by serve()
+    return bool(drain is not None and drain.draining)
 
 
 def speculation_json(s) -> dict:
@@ -124,27 +113,94 @@ def usage_json(stats) -> dict:
             "total_tokens": stats.prompt_tokens + stats.completion_tokens}
 
 
-def _draining(servicer) -> bool:
-    drain = getattr(servicer, "drain", None)  # the gRPC server's Drain, set by serve()
-    return bool(drain is not None and drain.draining)
+class Logprobs:
+    """Turns the target's TokenLogprobs into OpenAI's two shapes (completions and chat)."""
+
+    def __init__(self, tokenizer, chat: bool, offset: int = 0):
+        self.tokenizer, self.chat, self.offset = tokenizer, chat, offset
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def json(self, logprobs) -> dict | None:
+        if self.chat:
+            content = []
+            for lp in logprobs:
+                text = self._text(lp.token_id)
+                tops = [{"token": (t := self._text(i)), "logprob": v, "bytes": list(t.encode("utf-8"))} for i, v in lp.top]
+                content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": tops})
+            return {"content": content}
+        tokens, offsets = [], []
+        for lp in logprobs:
+            tokens.append(self._text(lp.token_id))
+            offsets.append(self.offset)
+            self.offset += len(tokens[-1])
+        tops = [{self._text(i): v for i, v in lp.top} for lp in logprobs]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops, "text_offset": offsets}
 
 
-def _failed(exc: SpecdecError) -> JSONResponse:
-    return _error(STATUS.get(type(exc), 500), str(exc), getattr(exc, "field", None))
+def _openapi(app: FastAPI) -> dict:
+    """The generated document, with the request models (the routes read raw bodies, to validate
+    them strictly in one place) and responses registered as components."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes, description=app.description)
+    components = doc.setdefault("components", {}).setdefault("schemas", {})
+    ref = "#/components/schemas/{model}"
+    for model in (schema.CompletionRequest, schema.ChatCompletionRequest, schema.CompletionResponse,
+                  schema.ChatCompletionResponse, schema.ErrorResponse):
+        body = model.model_json_schema(ref_template=ref)
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+    for path, request_model, response_model in (("/v1/completions", "CompletionRequest", "CompletionResponse"),
+                                                ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse")):
+        post = doc["paths"][path]["post"]
+        post["requestBody"] = {"required": True, "content": {"application/json": {"schema": {"$ref": ref.format(model=request_model)}}}}
+        post["responses"] = {
+            "200": {"description": "The completion (JSON), or server-sent events of chunks ending in `data: [DONE]` with stream: true",
+                    "content": {"application/json": {"schema": {"$ref": ref.format(model=response_model)}}}},
+            **{str(status): {"description": text, "content": {"application/json": {"schema": {"$ref": ref.format(model="ErrorResponse")}}}}
+               for status, text in ((400, "A field is invalid or unsupported (named in `param`)"), (401, "No bearer token"),
+                                    (403, "Wrong bearer token"), (404, "Unknown model"), (429, "At capacity (Retry-After)"),
+                                    (503, "Starting or shutting down (Retry-After)"))},
+        }
+    app.openapi_schema = doc
+    return doc
 
 
-def build_app(servicer, model_name: str, api_token: str = "") -> FastAPI:
-    """`servicer` is the CoordinatorServicer: its `_generate` runs requests, its readiness gates /health."""
-    app = FastAPI(title="specdec", version="0.1.0")
+def build_app(servicer, model_names: list[str], api_token: str = "") -> FastAPI:
+    """`servicer` is the CoordinatorServicer: its `_generate` runs requests, its readiness gates
+    /health. `model_names`: the ids /v1/models lists and requests may name (the first is shown)."""
+    app = FastAPI(title="specdec", version=version(),
+                  description="OpenAI-compatible completions over speculative decoding (specdec).")
+    app.openapi = lambda: _openapi(app)
+    started = int(time.time())
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error(exc.status_code, message, kind, code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        param = _location(tuple(p for p in first["loc"] if p != "body"))
+        return error(400, f"{param}: {first['msg']}", "invalid_request_error", "invalid_value", param)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        return error(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error")
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if api_token and request.url.path.startswith("/v1/"):
+        if api_token and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
             header = request.headers.get("authorization", "")
             if not header.startswith("Bearer "):
-                return _error(401, "missing bearer token", kind="authentication_error")
+                return error(401, "missing bearer token", "authentication_error", "missing_api_key")
             if not token_matches(header, api_token):
-                return _error(403, "invalid bearer token", kind="permission_error")
+                return error(403, "invalid bearer token", "permission_error", "invalid_api_key")
         return await call_next(request)
 
     @app.get("/health")
@@ -159,82 +215,166 @@ def build_app(servicer, model_name: str, api_token: str = "") -> FastAPI:
     async def prometheus():
         return PlainTextResponse(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version_route():
+        return {"version": version()}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "specdec"}]}
+        info = servicer.target_info
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": started, "owned_by": "specdec", "root": info.model or name,
+             "parent": None, "max_model_len": info.max_context or None} for name in model_names]}
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        return await _complete(servicer, raw, False, model_name)
+        return await _complete(servicer, raw, schema.CompletionRequest, model_names)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        return await _complete(servicer, raw, True, model_name)
+        return await _complete(servicer, raw, schema.ChatCompletionRequest, model_names)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request):
+        """The prompt's target token ids, as /v1/completions (`prompt`) or the chat (`messages`) would send them."""
+        try:
+            body = TokenizeRequest.model_validate_json(await raw.body())
+            request = schema.to_generate_request(body.as_request(), "tokenize")
+            ids = servicer.prompt_ids(request)
+        except ValidationError as exc:
+            return invalid_body(exc)
+        except SpecdecError as exc:
+            return failed(exc)
+        return {"tokens": ids, "count": len(ids), "max_model_len": servicer.target_info.max_context or None}
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request):
+        try:
+            body = DetokenizeRequest.model_validate_json(await raw.body())
+            if servicer.tokenizer is None:
+                raise Unavailable("the coordinator is still loading its tokenizer")
+        except ValidationError as exc:
+            return invalid_body(exc)
+        except SpecdecError as exc:
+            return failed(exc)
+        return {"prompt": servicer.tokenizer.decode(body.tokens)}
 
     return app
 
 
-async def _complete(servicer, raw: Request, chat: bool, model_name: str):
+class TokenizeRequest(schema.Strict):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[schema.ChatMessage] | None = None
+
+    def as_request(self) -> schema.Sampling:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidArgument("prompt", "send one of prompt or messages")
+        if self.messages is not None:
+            return schema.ChatCompletionRequest(messages=self.messages, max_tokens=1)
+        return schema.CompletionRequest(prompt=self.prompt, max_tokens=1)
+
+
+class DetokenizeRequest(schema.Strict):
+    model: str | None = None
+    tokens: list[schema.TokenId]
+
+
+async def _complete(servicer, raw: Request, model: type[BaseModel], model_names: list[str]):
     """One completion: validated and run by the servicer's `_generate`, as a gRPC request is."""
+    request_id = raw.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    headers = {"X-Request-Id": request_id}
     if _draining(servicer):  # as the gRPC Drain interceptor refuses new calls with UNAVAILABLE
-        return _error(503, "the coordinator is shutting down; retry on another replica", kind="service_unavailable")
+        return failed(Unavailable("the coordinator is shutting down; retry on another replica"), headers)
+    chat = model is schema.ChatCompletionRequest
     try:
-        body = json.loads(await raw.body() or b"null")
-    except json.JSONDecodeError as exc:
-        return _error(400, f"body is not valid JSON: {exc}", "body")
-    try:
-        request, stream = to_request(body, chat)
+        check_request_id(request_id)
+        body = model.model_validate_json(await raw.body())
+        if body.model is not None and body.model not in model_names:
+            return error(404, f"The model `{body.model}` does not exist (served: {', '.join(model_names)}).",
+                         "invalid_request_error", "model_not_found", "model", headers)
+        request = schema.to_generate_request(body, request_id)
         token = raw.headers.get("authorization", "")
         client = f"token:{hash(token)}" if token else f"peer:{raw.client.host if raw.client else '?'}"
         steps = servicer._generate(request, client)
         first = await steps.__anext__()  # validation errors surface here, before any bytes are sent
+    except ValidationError as exc:
+        return invalid_body(exc)
     except SpecdecError as exc:
-        return _failed(exc)
-    created, ident = int(time.time()), f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-    if stream:
-        return StreamingResponse(_sse(first, steps, chat, ident, created, model_name), media_type="text/event-stream")
-    pieces, finish, stats = [first[2]], first[3], first[4]
+        return failed(exc, headers)
+    echo = ""
+    if not chat and body.echo:
+        echo = request.text or servicer.tokenizer.decode(list(request.token_ids.ids))
+    logprobs = Logprobs(servicer.tokenizer, chat, len(echo)) if request.HasField("logprobs") else None
+    reply = Reply(f"{'chatcmpl' if chat else 'cmpl'}-{request_id}", int(time.time()), body.model or model_names[0], chat,
+                  logprobs, echo)
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(reply.events(first, steps, usage), media_type="text/event-stream", headers=headers)
+    chunks = [first]
     try:
-        async for _spec, _tokens, piece, finish, stats in steps:  # noqa: B007 - the last values are used below
-            pieces.append(piece)
+        async for chunk in steps:
+            chunks.append(chunk)
     except SpecdecError as exc:
-        return _failed(exc)
-    text = "".join(pieces)
-    choice = {"index": 0, "finish_reason": FINISH[finish], "logprobs": None}
-    choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-    return {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created, "model": model_name,
-            "choices": [choice], "usage": usage_json(stats), "speculation": speculation_json(stats)}
+        return failed(exc, headers)
+    return JSONResponse(reply.whole(chunks), headers=headers)
 
 
-async def _sse(first, steps, chat: bool, ident: str, created: int, model: str):
-    """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
-    kind = "chat.completion.chunk" if chat else "text_completion"
+class Reply:
+    """One response's ids and shapes: a whole completion, or its chunks as server-sent events."""
 
-    def chunk(piece: str | None, finish: str | None, role: bool = False, extra: dict | None = None) -> str:
-        if chat:
-            delta = {"role": "assistant"} if role else ({"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": FINISH.get(finish) if finish else None, "logprobs": None}
+    def __init__(self, ident: str, created: int, model: str, chat: bool, logprobs: Logprobs | None, echo: str):
+        self.ident, self.created, self.model, self.chat, self.logprobs, self.echo = ident, created, model, chat, logprobs, echo
+
+    def _envelope(self, kind: str, choices: list, **extra) -> dict:
+        return {"id": self.ident, "object": kind, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def whole(self, chunks) -> dict:
+        last = chunks[-1]
+        text = self.echo + "".join(c.text for c in chunks)
+        lps = self.logprobs.json([lp for c in chunks for lp in c.logprobs]) if self.logprobs else None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH[last.finish], "logprobs": lps}
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
+                              usage=usage_json(last.stats), speculation=speculation_json(last.stats))
+
+    def _chunk(self, text: str | None, finish: str | None, logprobs=(), role: bool = False, **extra) -> str:
+        lps = self.logprobs.json(logprobs) if self.logprobs and logprobs else None
+        reason = FINISH.get(finish) if finish else None
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": reason}
         else:
-            choice = {"index": 0, "text": piece or "", "finish_reason": FINISH.get(finish) if finish else None, "logprobs": None}
-        payload = {"id": ident, "object": kind, "created": created, "model": model, "choices": [choice], **(extra or {})}
-        return f"data: {json.dumps(payload)}\n\n"
+            choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": reason}
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return f"data: {json.dumps(self._envelope(kind, [choice], **extra))}\n\n"
 
-    if chat:
-        yield chunk(None, None, role=True)
-    item = first
-    while item is not None:
-        _spec, _tokens, piece, finish, stats = item
-        if piece:
-            yield chunk(piece, None)
-        if finish:
-            yield chunk(None, finish, extra={"usage": usage_json(stats), "speculation": speculation_json(stats)})
-            break
+    async def events(self, first, steps, include_usage: bool):
+        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. With
+        stream_options.include_usage, a last chunk with empty `choices` carries the usage."""
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        if self.chat:
+            yield self._chunk(None, None, role=True)
+        elif self.echo:
+            yield self._chunk(self.echo, None)
+        chunk = first
         try:
-            item = await steps.__anext__()
-        except StopAsyncIteration:
-            item = None
-        except SpecdecError as exc:
-            yield f"data: {json.dumps({'error': {'message': str(exc), 'type': type(exc).__name__}})}\n\n"
-            break
-    await steps.aclose()
-    yield "data: [DONE]\n\n"
+            while chunk is not None:
+                if chunk.text or chunk.logprobs:
+                    yield self._chunk(chunk.text, None, chunk.logprobs)
+                if chunk.finish:
+                    yield self._chunk(None, chunk.finish, speculation=speculation_json(chunk.stats))
+                    if include_usage:
+                        yield f"data: {json.dumps(self._envelope(kind, [], usage=usage_json(chunk.stats)))}\n\n"
+                    break
+                try:
+                    chunk = await steps.__anext__()
+                except StopAsyncIteration:
+                    chunk = None
+                except SpecdecError as exc:
+                    body = json.loads(failed(exc).body)
+                    yield f"data: {json.dumps(body)}\n\n"
+                    break
+        finally:
+            await steps.aclose()
+        yield "data: [DONE]\n\n"

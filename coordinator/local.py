@@ -22,12 +22,13 @@ class LocalVerifier:
 
     async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
                      draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False,
-                     decode_ahead: int = 0) -> VerifyOutcome:
+                     decode_ahead: int = 0, logprobs: int | None = None, eos_banned_until: int = 0) -> VerifyOutcome:
         start = time.perf_counter()
         dists = [d if d is not None else ([], []) for d in draft_dists] if any(d is not None for d in draft_dists) else []
-        result = self.engine.verify(sequence_id, known_len, append, draft_tokens, dists, sampling, return_features, decode_ahead)
+        result = self.engine.verify(sequence_id, known_len, append, draft_tokens, dists, sampling, return_features, decode_ahead,
+                                    logprobs, eos_banned_until)
         return VerifyOutcome(result.accepted, result.next_token, result.compute_seconds, time.perf_counter() - start,
-                             features=result.features, decoded=result.decoded)
+                             features=result.features, decoded=result.decoded, logprobs=result.logprobs)
 
     async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
                           tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:

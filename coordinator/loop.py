@@ -26,7 +26,7 @@ from coordinator.state import SequenceState
 from specdec.errors import SequenceNotFound
 from specdec.serving import metrics
 from specdec.model.features import FeatureLog, FeatureRows
-from specdec.spec.sampling import SamplingConfig, derive_seed
+from specdec.spec.sampling import SamplingConfig, TokenLogprob, derive_seed
 from specdec.spec.tree import tree_depth
 
 log = structlog.get_logger(__name__)
@@ -76,6 +76,7 @@ class VerifyOutcome:
     path: tuple[int, ...] = ()  # a tree's accepted nodes, root to leaf
     features: FeatureRows | None = None  # asked for with return_features: for a feature draft
     decoded: tuple[int, ...] = ()  # asked for with decode_ahead: the target's tokens after next_token
+    logprobs: tuple[TokenLogprob, ...] = ()  # asked for: one per token made canonical (accepted, next, decoded)
 
 
 @dataclasses.dataclass
@@ -109,7 +110,7 @@ class Proposer(Protocol):
 class Verifier(Protocol):
     async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
                      draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False,
-                     decode_ahead: int = 0) -> VerifyOutcome: ...
+                     decode_ahead: int = 0, logprobs: int | None = None, eos_banned_until: int = 0) -> VerifyOutcome: ...
 
     async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
                           tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome: ...
@@ -131,6 +132,8 @@ class GenerationSpec:
     seeded: bool = False  # the client chose the seed: keep the run reproducible (see adapt.py)
     max_context: int = 0  # 0: unbounded
     tree: TreeSpec | None = None  # draft trees instead of chains (the draft length caps their depth)
+    logprobs: int | None = None  # report the target's log-probabilities, with this many alternatives (chains only)
+    min_tokens: int = 0  # no end-of-sequence token among the first min_tokens (the target bans them: chains only)
 
 
 @dataclasses.dataclass
@@ -170,6 +173,7 @@ class Step:
 
     tokens: list[int]
     finish_reason: str | None
+    logprobs: tuple[TokenLogprob, ...] = ()  # with GenerationSpec.logprobs: one per token
 
 
 @dataclasses.dataclass
@@ -222,8 +226,9 @@ class SpeculativeLoop:
         on in a Turn. Both services' sequences are released however the generator ends (finished,
         error, cancelled, or closed early by a stop string).
         """
-        if self.features and spec.tree is not None:
-            spec = dataclasses.replace(spec, tree=None)  # feature drafts draft chains (Verify returns no features for trees)
+        if spec.tree is not None and (self.features or spec.logprobs is not None or spec.min_tokens):
+            # Verify returns features and log-probabilities, and bans tokens, for chains only
+            spec = dataclasses.replace(spec, tree=None)
         state = self._begin(spec, stats)
         try:
             while True:
@@ -233,7 +238,7 @@ class SpeculativeLoop:
                 verdict = await self._verify_draft(spec, state, turn)
                 new, finish = self._commit(spec, state, stats, turn, verdict)
                 await self._settle(state, stats, turn, verdict, finish)
-                yield self._advance(state, stats, new, finish)
+                yield self._advance(state, stats, new, finish, verdict.logprobs[:len(new)])
                 if finish:
                     return
         finally:
@@ -321,8 +326,7 @@ class SpeculativeLoop:
 
     async def _verify_draft(self, spec: GenerationSpec, state: SequenceState, turn: Turn) -> VerifyOutcome:
         try:
-            verdict = await self._verify(state.sequence_id, state.tokens, state.target_known, turn.draft, spec.sampling,
-                                         turn.decode_ahead)
+            verdict = await self._verify(state.sequence_id, state.tokens, state.target_known, turn.draft, spec, turn.decode_ahead)
         except BaseException:
             if turn.runahead is not None:
                 await turn.runahead.cancel()
@@ -371,7 +375,8 @@ class SpeculativeLoop:
         state.ahead.observe(len(draft.tokens), verdict.accepted, runahead is not None, state.ready is not None,
                             verdict.wall_seconds, turn.draft_wall, miss_wait)
 
-    def _advance(self, state: SequenceState, stats: Stats, new: list[int], finish: str | None) -> Step:
+    def _advance(self, state: SequenceState, stats: Stats, new: list[int], finish: str | None,
+                 logprobs: tuple[TokenLogprob, ...] = ()) -> Step:
         state.tokens.extend(new)
         if state.ready is not None:
             state.draft_known = len(state.tokens)  # the draft holds the canonical tokens, then `ready`
@@ -380,7 +385,7 @@ class SpeculativeLoop:
             stats.first_step_tokens = len(new)
         stats.completion_tokens += len(new)
         stats.total_seconds = time.perf_counter() - state.started
-        return Step(new, finish)
+        return Step(new, finish, logprobs)
 
     def _ahead_budget(self, state: SequenceState, steps: int, remaining: int, max_context: int) -> int:
         """Tokens the target may decode after this step, which drafted nothing: the steps after it
@@ -446,19 +451,26 @@ class SpeculativeLoop:
             _refilled("draft", sequence_id)
             return await self.proposer.propose_tree(sequence_id, 0, list(tokens), tree, max_depth, sampling.temperature, seed)
 
-    async def _verify(self, sequence_id, tokens, known, draft: DraftOutcome, sampling, decode_ahead: int = 0) -> VerifyOutcome:
+    async def _verify(self, sequence_id, tokens, known, draft: DraftOutcome, spec: GenerationSpec,
+                      decode_ahead: int = 0) -> VerifyOutcome:
         try:
-            return await self._verify_call(sequence_id, known, tokens[known:], draft, sampling, decode_ahead)
+            return await self._verify_call(sequence_id, known, tokens[known:], draft, spec, decode_ahead)
         except SequenceNotFound:
             _refilled("target", sequence_id)
-            return await self._verify_call(sequence_id, 0, list(tokens), draft, sampling, decode_ahead)
+            return await self._verify_call(sequence_id, 0, list(tokens), draft, spec, decode_ahead)
 
-    async def _verify_call(self, sequence_id, known, append, draft: DraftOutcome, sampling, decode_ahead: int = 0) -> VerifyOutcome:
+    async def _verify_call(self, sequence_id, known, append, draft: DraftOutcome, spec: GenerationSpec,
+                           decode_ahead: int = 0) -> VerifyOutcome:
+        sampling = spec.sampling
         if draft.parents is not None and draft.tokens:
             return await self.verifier.verify_tree(sequence_id, known, append, draft.parents, draft.tokens, draft.dists, sampling)
-        extra = {"return_features": True} if self.features else {}
+        extra: dict = {"return_features": True} if self.features else {}
         if decode_ahead:
             extra["decode_ahead"] = decode_ahead
+        if spec.logprobs is not None:
+            extra["logprobs"] = spec.logprobs
+        if spec.min_tokens:
+            extra["eos_banned_until"] = len(spec.prompt_ids) + spec.min_tokens
         return await self.verifier.verify(sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [],
                                           sampling, **extra)
 

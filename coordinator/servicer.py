@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import grpc
 import structlog
@@ -27,6 +28,8 @@ from specdec.serving import tls
 from specdec.errors import DeadlineExceeded, InvalidArgument, Overloaded, SpecdecError, Unavailable
 from specdec.serving.rpc import CLEANUP_S, Server, error_status, rpc_method
 from specdec.serving.logs import bind_request
+from specdec.serving.wire import logprobs_to_proto
+from specdec.spec.sampling import TokenLogprob
 
 log = structlog.get_logger(__name__)
 
@@ -35,6 +38,18 @@ FINISH_REASONS = {
     "eos": pb.FINISH_REASON_EOS,
     "stop": pb.FINISH_REASON_STOP_STRING,
 }
+
+
+class Chunk(NamedTuple):
+    """What one step gives the client: its tokens (after any stop string), the text they settle, and
+    on the last step why generation ended. `stats` is the request's, updated in place."""
+
+    spec: GenerationSpec
+    tokens: list[int]
+    text: str
+    finish: str | None
+    stats: Stats
+    logprobs: tuple[TokenLogprob, ...] = ()  # with spec.logprobs: one per token
 
 
 def stats_proto(stats: Stats) -> pb.GenerationStats:
@@ -126,6 +141,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             raise Unavailable("the coordinator is still connecting to the draft and target services")
         return generation_spec(request, self.config, self.tokenizer, self.target_info)
 
+    def prompt_ids(self, request) -> list[int]:
+        """The prompt of `request` in target token ids, checked as a generation would check it."""
+        spec, _ = self._spec(request)
+        return spec.prompt_ids
+
     @contextlib.contextmanager
     def _admit(self, client: str):
         """Caps one client's concurrent requests, so no single client can take every slot."""
@@ -141,7 +161,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                 del self.active[client]
 
     async def _generate(self, request, client: str = "http", deadline: float | None = None):
-        """Yields (spec, token_ids, text piece, finish reason or None, stats) per step.
+        """Yields a Chunk per step.
 
         Shared by the gRPC methods and the HTTP API; records the request's metrics.
         `deadline` (time.monotonic()) bounds every internal call made for the request.
@@ -163,7 +183,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         log.info("request started", prompt_tokens=len(spec.prompt_ids), max_new_tokens=spec.max_new_tokens,
                  temperature=spec.sampling.temperature, draft_length=spec.draft_length, adaptive=spec.adaptive)
         stats = Stats()
-        text = TextStream(self.tokenizer, stop)
+        text = TextStream(self.tokenizer, stop, spec.min_tokens)
         m.running.inc()
         last_emit = time.perf_counter()
         try:
@@ -179,9 +199,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                         for _ in range(keep):
                             m.itl.observe((now - last_emit) / keep)
                     last_emit = now
-                    yield spec, step.tokens[:keep], piece, finish, stats
                     if finish:
+                        # Counted before the last chunk goes out: a streaming client that has what it
+                        # wants closes this generator at that yield, and nothing after it runs.
                         m.requests.labels(finish).inc()
+                        log.info("request finished", finish_reason=finish, completion_tokens=stats.completion_tokens,
+                                 steps=stats.steps, acceptance_rate=round(stats.acceptance_rate, 3),
+                                 seconds=round(stats.total_seconds, 3))
+                    yield Chunk(spec, step.tokens[:keep], piece, finish, stats, step.logprobs[:keep])
+                    if finish:
                         break
         except grpc.aio.AioRpcError as exc:
             # A backend failed past its retries: the client learns which, with the backend's code.
@@ -198,31 +224,34 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         finally:
             m.running.dec()
             record_request(m, stats)
-        log.info("request finished", completion_tokens=stats.completion_tokens, steps=stats.steps,
-                 acceptance_rate=round(stats.acceptance_rate, 3), seconds=round(stats.total_seconds, 3))
 
     @rpc_method
     async def Generate(self, request: pb.GenerateRequest, context):
         token_ids: list[int] = []
         pieces: list[str] = []
+        logprobs: list = []
         try:
-            async for spec, tokens, piece, finish, stats in self._generate(request, *client_of(context)):  # noqa: B007 - the last step's values are used below
-                token_ids.extend(tokens)
-                pieces.append(piece)
+            async for chunk in self._generate(request, *client_of(context)):
+                token_ids.extend(chunk.tokens)
+                pieces.append(chunk.text)
+                logprobs.extend(chunk.logprobs)
         except Overloaded as exc:
             await abort_overloaded(context, exc)
-        return pb.GenerateResponse(request_id=spec.request_id, text="".join(pieces), token_ids=token_ids,
-                                   finish_reason=FINISH_REASONS[finish], stats=stats_proto(stats))
+        return pb.GenerateResponse(request_id=chunk.spec.request_id, text="".join(pieces), token_ids=token_ids,
+                                   finish_reason=FINISH_REASONS[chunk.finish], stats=stats_proto(chunk.stats),
+                                   logprobs=logprobs_to_proto(logprobs))
 
     @rpc_method
     async def GenerateStream(self, request: pb.GenerateStreamRequest, context):
         try:
-            async for spec, tokens, piece, finish, stats in self._generate(request, *client_of(context)):
-                if tokens or piece:
-                    yield pb.GenerateStreamResponse(request_id=spec.request_id, token_ids=tokens, text=piece)
-                if finish:
-                    yield pb.GenerateStreamResponse(request_id=spec.request_id, finish_reason=FINISH_REASONS[finish],
-                                                    stats=stats_proto(stats))
+            async for chunk in self._generate(request, *client_of(context)):
+                request_id = chunk.spec.request_id
+                if chunk.tokens or chunk.text:
+                    yield pb.GenerateStreamResponse(request_id=request_id, token_ids=chunk.tokens, text=chunk.text,
+                                                    logprobs=logprobs_to_proto(chunk.logprobs))
+                if chunk.finish:
+                    yield pb.GenerateStreamResponse(request_id=request_id, finish_reason=FINISH_REASONS[chunk.finish],
+                                                    stats=stats_proto(chunk.stats))
         except Overloaded as exc:
             await abort_overloaded(context, exc)
 
@@ -339,7 +368,8 @@ async def start_http(servicer: CoordinatorServicer, config: CoordinatorConfig) -
 
     from coordinator.http import build_app
 
-    app = build_app(servicer, model_name=config.tokenizer, api_token=config.api_token)
+    names = [n.strip() for n in config.served_model_name.split(",") if n.strip()] or [config.tokenizer]
+    app = build_app(servicer, model_names=names, api_token=config.api_token)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off"))
     server.install_signal_handlers = lambda: None  # the gRPC server owns SIGTERM
     task = asyncio.create_task(server.serve())

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
+        self.min_tokens = min_tokens  # no stop string ends the text before this many tokens (as vLLM)
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.tokens: list[int] = []
@@ -35,7 +36,7 @@ class TextStream:
             self.tokens.append(token)
             if self.stop:
                 self._decode(final=final and i == len(tokens) - 1)
-                match = self._find_stop()
+                match = self._find_stop() if len(self.tokens) >= self.min_tokens else None
                 if match is not None:
                     self.stopped_at, keep = match, i + 1
                     break

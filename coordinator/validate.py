@@ -20,7 +20,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.loop import GenerationSpec, TreeSpec
 from protos import specdec_pb2 as pb
 from specdec.errors import InvalidArgument
-from specdec.limits import MAX_DRAFT_TOKENS, MAX_REQUEST_ID
+from specdec.limits import MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_REQUEST_ID
 from specdec.spec.tree import check_tree_bounds
 from specdec.spec.sampling import SamplingConfig
 
@@ -33,12 +33,15 @@ Request = pb.GenerateRequest | pb.GenerateStreamRequest
 def generation_spec(request: Request, config: CoordinatorConfig, tokenizer, target: pb.ModelInfo) -> tuple[GenerationSpec, list[str]]:
     """(the validated spec, the stop strings) for `request` against `config` and the target it runs on;
     raises InvalidArgument naming the first bad field."""
-    prompt_ids = prompt_tokens(request, tokenizer, target.vocab_size, config.max_prompt_tokens)
+    # A prompt must leave room for one generated token in the target's context.
+    limit = min(config.max_prompt_tokens, target.max_context - 1) if target.max_context else config.max_prompt_tokens
+    prompt_ids = prompt_tokens(request, tokenizer, target.vocab_size, limit)
     max_new = max_new_tokens(request, config, len(prompt_ids), target.max_context)
     sampling, seeded = sampling_config(request.sampling)
     draft_length, adaptive, tree = speculation(request.speculation, config)
     stop = stop_strings(request.stop)
     check_request_id(request.request_id)
+    logprobs, min_tokens = output_options(request, max_new)
     spec = GenerationSpec(
         request_id=request.request_id or uuid.uuid4().hex[:16],
         prompt_ids=prompt_ids,
@@ -46,10 +49,12 @@ def generation_spec(request: Request, config: CoordinatorConfig, tokenizer, targ
         sampling=sampling,
         draft_length=draft_length,
         adaptive=adaptive,
-        eos_token_ids=frozenset(target.eos_token_ids),
+        eos_token_ids=frozenset() if request.ignore_eos else frozenset(target.eos_token_ids),
         seeded=seeded,
         max_context=target.max_context,
-        tree=tree,
+        tree=tree if logprobs is None and not min_tokens else None,  # the target reports and bans on chains only
+        logprobs=logprobs,
+        min_tokens=min_tokens,
     )
     return spec, stop
 
@@ -98,7 +103,7 @@ def prompt_tokens(request: Request, tokenizer, vocab: int, limit: int) -> list[i
     if not ids:
         raise InvalidArgument(which, "the prompt has no tokens")
     if len(ids) > limit:
-        raise InvalidArgument(which, f"the prompt has {len(ids)} tokens, more than the limit of {limit}")
+        raise InvalidArgument(which, f"the prompt has {len(ids)} tokens, more than the limit of {limit}", "context_length_exceeded")
     return ids
 
 
@@ -107,12 +112,17 @@ def prompt_tokens(request: Request, tokenizer, vocab: int, limit: int) -> list[i
 
 def max_new_tokens(request: Request, config: CoordinatorConfig, prompt_len: int, context: int) -> int:
     """max_new_tokens (or the default), inside the coordinator's limit and the target's context (0: unbounded)."""
-    max_new = request.max_new_tokens if request.HasField("max_new_tokens") else config.default_max_new_tokens
+    if request.HasField("max_new_tokens"):
+        max_new = request.max_new_tokens
+    else:  # the default, within the context the prompt leaves
+        max_new = config.default_max_new_tokens
+        if context:
+            max_new = max(1, min(max_new, context - prompt_len))
     if not 1 <= max_new <= config.max_new_tokens:
         raise InvalidArgument("max_new_tokens", f"must be in [1, {config.max_new_tokens}], got {max_new}")
     if context and prompt_len + max_new > context:
         raise InvalidArgument("max_new_tokens", f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new}) "
-                                                f"exceeds the target's context of {context}")
+                                                f"exceeds the target's context of {context}", "context_length_exceeded")
     return max_new
 
 
@@ -150,7 +160,17 @@ def tree_spec(sp: pb.SpeculationParams, config: CoordinatorConfig, draft_length:
     return TreeSpec(budget, top_k, shape) if budget and draft_length else None
 
 
-# --- what ends generation, and what names the request ---
+# --- what ends generation, what the response reports, and what names the request ---
+
+
+def output_options(request: Request, max_new: int) -> tuple[int | None, int]:
+    """(logprobs: None or the alternatives per token, min_tokens)."""
+    logprobs = request.logprobs if request.HasField("logprobs") else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise InvalidArgument("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    if not 0 <= request.min_tokens <= max_new:
+        raise InvalidArgument("min_tokens", f"must be in [0, max_new_tokens = {max_new}], got {request.min_tokens}")
+    return logprobs, request.min_tokens
 
 
 def stop_strings(stop: Sequence[str]) -> list[str]:

@@ -109,7 +109,7 @@ class GenerationStats(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., wire_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., draft_steps: _Optional[int] = ..., runahead_steps: _Optional[int] = ..., runahead_hits: _Optional[int] = ..., runahead_tokens: _Optional[int] = ..., runahead_used_tokens: _Optional[int] = ..., first_step_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "speculation", "stop", "request_id")
+    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "speculation", "stop", "request_id", "logprobs", "ignore_eos", "min_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,9 @@ class GenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: ChatMessages
@@ -126,24 +129,41 @@ class GenerateRequest(_message.Message):
     speculation: SpeculationParams
     stop: _containers.RepeatedScalarFieldContainer[str]
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    logprobs: int
+    ignore_eos: bool
+    min_tokens: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stats")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stats", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     stats: GenerationStats
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateStreamRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "speculation", "stop", "request_id")
+    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "speculation", "stop", "request_id", "logprobs", "ignore_eos", "min_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +172,9 @@ class GenerateStreamRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: ChatMessages
@@ -160,21 +183,26 @@ class GenerateStreamRequest(_message.Message):
     speculation: SpeculationParams
     stop: _containers.RepeatedScalarFieldContainer[str]
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    logprobs: int
+    ignore_eos: bool
+    min_tokens: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., speculation: _Optional[_Union[SpeculationParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateStreamResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stats")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "stats", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
     stats: GenerationStats
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DraftServiceGetInfoRequest(_message.Message):
     __slots__ = ()
@@ -295,7 +323,7 @@ class VerifySessionResponse(_message.Message):
     def __init__(self, verify: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("sequence_id", "known_len", "append_tokens", "draft_tokens", "draft_dists", "sampling", "draft_tree", "return_features", "decode_ahead")
+    __slots__ = ("sequence_id", "known_len", "append_tokens", "draft_tokens", "draft_dists", "sampling", "draft_tree", "return_features", "decode_ahead", "logprobs", "eos_banned_until")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +333,8 @@ class VerifyRequest(_message.Message):
     DRAFT_TREE_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     DECODE_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    EOS_BANNED_UNTIL_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     known_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -314,7 +344,9 @@ class VerifyRequest(_message.Message):
     draft_tree: DraftTree
     return_features: bool
     decode_ahead: int
-    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_tree: _Optional[_Union[DraftTree, _Mapping]] = ..., return_features: _Optional[bool] = ..., decode_ahead: _Optional[int] = ...) -> None: ...
+    logprobs: int
+    eos_banned_until: int
+    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_tree: _Optional[_Union[DraftTree, _Mapping]] = ..., return_features: _Optional[bool] = ..., decode_ahead: _Optional[int] = ..., logprobs: _Optional[int] = ..., eos_banned_until: _Optional[int] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("parents", "tokens", "child_dists")
@@ -363,7 +395,7 @@ class ProposeTreeResponse(_message.Message):
     def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len", "accepted_path", "features", "decoded_tokens")
+    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len", "accepted_path", "features", "decoded_tokens", "logprobs")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -371,6 +403,7 @@ class VerifyResponse(_message.Message):
     ACCEPTED_PATH_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     DECODED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     compute_seconds: float
@@ -378,7 +411,8 @@ class VerifyResponse(_message.Message):
     accepted_path: _containers.RepeatedScalarFieldContainer[int]
     features: Features
     decoded_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., decoded_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., decoded_tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DraftServiceReleaseRequest(_message.Message):
     __slots__ = ("sequence_id",)

@@ -16,10 +16,11 @@ class InvalidArgument(SpecdecError):
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
-    def __init__(self, field: str, description: str):
+    def __init__(self, field: str, description: str, reason: str = "invalid_value"):
         super().__init__(f"{field}: {description}")
         self.field = field
         self.description = description
+        self.reason = reason  # a machine-readable kind, the HTTP API's error `code` (OpenAI's names)
 
 
 class SequenceNotFound(SpecdecError):

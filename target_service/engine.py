@@ -15,12 +15,13 @@ import time
 import structlog
 import torch
 
-from specdec.limits import MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_TREE_NODES
+from specdec.limits import MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_TREE_NODES
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, SequenceStore
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig, generator_for, target_probs
+from specdec.spec.sampling import (SamplingConfig, TokenLogprob, ban_tokens, chosen_logprobs, generator_for, target_probs,
+                                   token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch
 from specdec.spec.tree import check_parents, tree_depth
@@ -41,6 +42,7 @@ class StepResult:
     path: tuple[int, ...] = ()  # tree drafts: the accepted nodes, root to leaf (accepted == len(path))
     features: FeatureRows | None = None  # return_features: hidden states of the positions made canonical
     decoded: tuple[int, ...] = ()  # decode_ahead: tokens decoded after next_token (the last one is pending)
+    logprobs: tuple[TokenLogprob, ...] = ()  # asked for: one per token made canonical (accepted, next, decoded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +72,8 @@ class VerifyCall:
     tree: DraftTree | None = None  # a tree proposal instead of draft_tokens
     return_features: bool = False  # for a feature draft (specdec/model/feature_draft.py)
     decode_ahead: int = 0  # after the verdict, decode up to this many more tokens alone (_decode_ahead)
+    logprobs: int | None = None  # report the log-probabilities of the tokens made canonical, with this many alternatives
+    eos_banned_until: int = 0  # positions below this never get an end-of-sequence token (a request's min_tokens)
 
     @property
     def new_positions(self) -> int:
@@ -96,10 +100,12 @@ class TargetEngine:
         sampling: SamplingConfig,
         return_features: bool = False,
         decode_ahead: int = 0,
+        logprobs: int | None = None,
+        eos_banned_until: int = 0,
     ) -> StepResult:
         """One sequence's chain: verify_batch's one-row path, with its error raised."""
         call = VerifyCall(sequence_id, known_len, append, draft_tokens, draft_dists, sampling, return_features=return_features,
-                          decode_ahead=decode_ahead)
+                          decode_ahead=decode_ahead, logprobs=logprobs, eos_banned_until=eos_banned_until)
         result = self.verify_batch([call])[0]
         if isinstance(result, SpecdecError):
             raise result
@@ -123,7 +129,7 @@ class TargetEngine:
         if not call.decode_ahead:
             return result
         plain = dataclasses.replace(call, append=[], draft_tokens=[], draft_dists=[])
-        pending, decoded, rows = result.next_token, [], []
+        pending, decoded, rows, logprobs = result.next_token, [], [], list(result.logprobs)
         while (len(decoded) < call.decode_ahead and pending not in self.lm.eos_token_ids
                and not (self.lm.max_context and len(seq.tokens) + 2 > self.lm.max_context)):
             seq.tokens.append(pending)  # canonical now; it is the forward's one new position
@@ -131,13 +137,14 @@ class TargetEngine:
                 logits = self.lm.forward(seq, [], keep=1)  # [1, V]
             if hidden:
                 rows.append(hidden[0][0].float().cpu())  # [1, H]: the position just fed
-            _, pending = self._verdict(plain, logits, len(seq.tokens))
+            _, pending, chosen = self._verdict(plain, logits, len(seq.tokens))
             decoded.append(pending)
+            logprobs += chosen
         features = result.features
         if rows and features is not None:
             features = FeatureRows(features.start, torch.cat([features.values, *rows]))
         return dataclasses.replace(result, cached_len=len(seq.tokens), compute_seconds=time.perf_counter() - start,
-                                   decoded=tuple(decoded), features=features)
+                                   decoded=tuple(decoded), features=features, logprobs=tuple(logprobs))
 
     def _capturing(self, wanted: bool):
         """The final hidden states of the forwards inside, when a call asked for them."""
@@ -246,6 +253,10 @@ class TargetEngine:
             raise InvalidArgument("decode_ahead", f"must be in [0, {MAX_DECODE_AHEAD}], got {call.decode_ahead}")
         if call.decode_ahead and call.tree is not None:
             raise InvalidArgument("decode_ahead", "is for chains: a draft_tree cannot decode ahead")
+        if call.logprobs is not None and not 0 <= call.logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {call.logprobs}")
+        if call.tree is not None and (call.logprobs is not None or call.eos_banned_until):
+            raise InvalidArgument("draft_tree", "logprobs and eos_banned_until are for chains")
         seq = self.store.sync(call.sequence_id, call.known_len, call.append)
         total = len(seq.tokens) + (tree_depth(call.tree.parents) if call.tree is not None else len(call.draft_tokens))
         if self.lm.max_context and total > self.lm.max_context:
@@ -255,13 +266,16 @@ class TargetEngine:
     def _finish(self, call: VerifyCall, seq: Sequence, logits: torch.Tensor, start: float, batch_size: int,
                 hidden: torch.Tensor | None = None, before: int = 0) -> StepResult:
         """The verdict; appends the accepted tokens. hidden [T, H]: the row's final hidden states."""
-        accepted, next_token = self._verdict(call, logits, len(seq.tokens))
+        accepted, next_token, logprobs = self._verdict(call, logits, len(seq.tokens))
         seq.tokens.extend(call.draft_tokens[:accepted])
         features = self._features(seq, before, hidden) if call.return_features and hidden is not None else None
-        return StepResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start, batch_size, features=features)
+        return StepResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start, batch_size, features=features,
+                          logprobs=tuple(logprobs))
 
-    def _verdict(self, call: VerifyCall, logits: torch.Tensor, position: int) -> tuple[int, int]:
-        """(accepted, next token) of one row; logits [G+1, V]; `position` is the first draft token's index."""
+    def _verdict(self, call: VerifyCall, logits: torch.Tensor, position: int) -> tuple[int, int, list[TokenLogprob]]:
+        """(accepted, next token, their log-probabilities if asked) of one row; logits [G+1, V];
+        `position` is the first draft token's index (row i scores position + i)."""
+        logits = ban_tokens(logits, position, call.eos_banned_until, self.lm.eos_token_ids)
         gamma = len(call.draft_tokens)
         drafts = torch.tensor([call.draft_tokens], dtype=torch.long)  # [1, G]
         lens = torch.tensor([gamma])
@@ -274,7 +288,11 @@ class TargetEngine:
             gen = generator_for(call.sampling.seed, position, "target")
             accept_u, sample_u = torch.rand(1, gamma, generator=gen), torch.rand(1, generator=gen)
             verdict = verify_rejection(q[None], drafts, p[None], lens, accept_u, sample_u)
-        return int(verdict.accepted[0]), int(verdict.next_tokens[0])
+        accepted, next_token = int(verdict.accepted[0]), int(verdict.next_tokens[0])
+        if call.logprobs is None:
+            return accepted, next_token, []
+        chosen = call.draft_tokens[:accepted] + [next_token]
+        return accepted, next_token, token_logprobs(chosen_logprobs(logits[: len(chosen)], call.sampling), chosen, call.logprobs)
 
     def release(self, sequence_id: str) -> bool:
         return self.store.release(sequence_id)

@@ -11,6 +11,7 @@ from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
 from specdec.serving import tls
 from specdec.serving.rpc import EngineHost, Server, rpc_method
+from specdec.serving.wire import logprobs_to_proto
 from specdec.spec.sampling import SamplingConfig
 from target_service.config import TargetConfig
 from target_service.batcher import VerifyBatcher
@@ -73,6 +74,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             tree,
             request.return_features,
             request.decode_ahead,
+            request.logprobs if request.HasField("logprobs") else None,
+            request.eos_banned_until,
         ))
         m = metrics.target()
         m.verify_seconds.observe(result.compute_seconds)
@@ -87,6 +90,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             cached_len=result.cached_len,
             accepted_path=result.path,
             decoded_tokens=result.decoded,
+            logprobs=logprobs_to_proto(result.logprobs),
         )
         if result.features is not None:
             f = result.features

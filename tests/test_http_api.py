@@ -28,7 +28,8 @@ def env(tmp_path_factory):
     stack = Stack()
     target_addr = stack.target(tiny.save(target, folder / "target"))
     draft_addr = stack.draft(drafter="model", model=tiny.save(draft, folder / "draft"))
-    grpc_addr = stack.coordinator(target_addr, draft_addr, tiny.byte_tokenizer(), http_port=0, api_token=TOKEN)
+    grpc_addr = stack.coordinator(target_addr, draft_addr, tiny.byte_tokenizer(), http_port=0, api_token=TOKEN,
+                                 served_model_name="tiny")
     http_port = stack.servers[-1].http.port
     base = f"http://127.0.0.1:{http_port}"
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=60)
@@ -109,9 +110,10 @@ def test_health_and_new_requests_answer_503_while_draining(env):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "max_tokens": -1}, "max_new_tokens"),
-    ({"prompt": "x", "temperature": -1}, "sampling.temperature"),
-    ({"prompt": "x", "top_p": 0}, "sampling.top_p"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": 12}, "prompt"),
     ({"prompt": "x", "n": 2}, "n"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),

@@ -95,3 +95,48 @@ def generator_for(seed: int, position: int, stream: str) -> torch.Generator:
     generator = torch.Generator(device="cpu")
     generator.manual_seed(derive_seed(seed, position, stream))
     return generator
+
+
+def ban_tokens(logits: torch.Tensor, first_position: int, banned_until: int, token_ids) -> torch.Tensor:
+    """`logits` [N, V] with `token_ids` at -inf in the rows that score positions below `banned_until`
+    (row i scores position first_position + i). A request's min_tokens bans its end-of-sequence
+    tokens this way: the target's distribution itself changes there, so verification stays exact
+    (a draft that proposes a banned token is simply never accepted)."""
+    rows = min(logits.shape[0], banned_until - first_position)
+    if rows <= 0 or not token_ids:
+        return logits
+    logits = logits.clone()
+    logits[:rows, list(token_ids)] = float("-inf")
+    return logits
+
+
+def chosen_logprobs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """Log-probabilities [N, V] of the distribution a token is chosen from: after temperature,
+    top-k and top-p when sampling (what vLLM calls processed log-probabilities; truncated tokens
+    get -inf), the plain log-softmax when greedy (the argmax has no distribution of its own)."""
+    if config.greedy:
+        return torch.log_softmax(logits.float(), dim=-1)
+    return torch.log_softmax(warp_logits(logits, config.temperature, config.top_k, config.top_p), dim=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability and the `top` most likely (token, log-probability) pairs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], top_n: int) -> list[TokenLogprob]:
+    """One TokenLogprob per token: tokens[i] read from row i of `logprobs` [>= len(tokens), V]."""
+    if not tokens:
+        return []
+    rows = logprobs[: len(tokens)]
+    own = rows.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None]).squeeze(1).tolist()
+    if top_n:
+        values, ids = torch.topk(rows, min(top_n, rows.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(tokens, own, tops)]
