@@ -175,23 +175,8 @@ def build_app(servicer, model_names: list[str], api_token: str = "") -> FastAPI:
                   description="OpenAI-compatible completions over speculative decoding (specdec).")
     app.openapi = lambda: _openapi(app)
     started = int(time.time())
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return error(exc.status_code, message, kind, code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0]
-        param = _location(tuple(p for p in first["loc"] if p != "body"))
-        return error(400, f"{param}: {first['msg']}", "invalid_request_error", "invalid_value", param)
-
-    @app.exception_handler(Exception)
-    async def server_error(request: Request, exc: Exception):
-        return error(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error")
+    _error_handlers(app)
+    _token_routes(app, servicer)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -234,6 +219,33 @@ def build_app(servicer, model_names: list[str], api_token: str = "") -> FastAPI:
     async def chat_completions(raw: Request):
         return await _complete(servicer, raw, schema.ChatCompletionRequest, model_names)
 
+    return app
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's envelope, FastAPI's own (404, 405) and unexpected ones included."""
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error(exc.status_code, message, kind, code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        param = _location(tuple(p for p in first["loc"] if p != "body"))
+        return error(400, f"{param}: {first['msg']}", "invalid_request_error", "invalid_value", param)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, exc: Exception):
+        return error(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error")
+
+
+def _token_routes(app: FastAPI, servicer) -> None:
+    """vLLM's /tokenize and /detokenize: what a prompt costs in target tokens, before sending it."""
+
     @app.post("/tokenize")
     async def tokenize(raw: Request):
         """The prompt's target token ids, as /v1/completions (`prompt`) or the chat (`messages`) would send them."""
@@ -258,8 +270,6 @@ def build_app(servicer, model_names: list[str], api_token: str = "") -> FastAPI:
         except SpecdecError as exc:
             return failed(exc)
         return {"prompt": servicer.tokenizer.decode(body.tokens)}
-
-    return app
 
 
 class TokenizeRequest(schema.Strict):

@@ -62,7 +62,8 @@ class Sampling(Strict):
     frequency_penalty: Finite = Field(0.0, description="Only 0.")
     logit_bias: dict[str, Finite] | None = Field(None, description="Only empty.")
     user: str | None = Field(None, description="Accepted and ignored, as an end-user label.")
-    top_k: Annotated[int, Field(ge=-1, le=INT32)] | None = Field(None, description="Extension: keep the k most likely tokens; 0 or -1: off.")
+    top_k: Annotated[int, Field(ge=-1, le=INT32)] | None = Field(
+        None, description="Extension: keep the k most likely tokens; 0 or -1: off.")
     min_tokens: Count = Field(0, description="Extension: no end-of-sequence token or stop string before this many tokens.")
     ignore_eos: bool = Field(False, description="Extension: generate max_tokens tokens, past end-of-sequence tokens.")
     draft_length: Count | None = Field(None, description="Extension: most draft tokens per step (0: speculation off).")
@@ -151,7 +152,9 @@ def to_generate_request(body: CompletionRequest | ChatCompletionRequest, request
         if body.logprobs:
             request.logprobs = body.top_logprobs or 0
     else:
-        prompt = body.prompt[0] if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list)) else body.prompt
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch of one
+            prompt = prompt[0]
         if isinstance(prompt, str):
             request.text = prompt
         else:
