@@ -21,11 +21,17 @@ from specdec.version import package_version
 ENV_PREFIX = "SPECDEC_"
 
 
-def finish(parser: argparse.ArgumentParser, skip: Sequence[str] = ()) -> None:
-    """Adds --version and gives the flags (but those in `skip`, by dest) their SPECDEC_<FLAG> defaults.
-    Call it after the last add_argument: flags added later read no environment."""
+# Never from the environment: a results folder belongs to one run, and `bench`, `loadtest` and
+# `distill` would all write into the one a shared SPECDEC_OUT named.
+NOT_FROM_ENV = ("out",)
+
+
+def finish(parser: argparse.ArgumentParser, skip: Sequence[str] = (), env: bool = True) -> None:
+    """Adds --version and (`env`) gives the flags but NOT_FROM_ENV and `skip` (dests) their
+    SPECDEC_<FLAG> defaults. Call it after the last add_argument: flags added later read no environment."""
     parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    env_defaults(parser, ENV_PREFIX, skip=skip)
+    if env:
+        env_defaults(parser, ENV_PREFIX, skip=(*NOT_FROM_ENV, *skip))
 
 
 class _Renamed(argparse.Action):

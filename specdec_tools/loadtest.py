@@ -198,7 +198,11 @@ class HttpClient:
         limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
         self.client = httpx2.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout, limits=limits,
                                          verify=self.verify)
-        self.model = await self.served_model()
+        try:
+            self.model = await self.served_model()
+        except BaseException:
+            await self.client.aclose()  # __aexit__ does not run when __aenter__ fails
+            raise
         return self
 
     async def __aexit__(self, *exc) -> None:

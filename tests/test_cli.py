@@ -32,7 +32,7 @@ def test_version_from_the_package_metadata_or_pyproject():
     assert done.returncode == 0 and done.stdout.strip() == f"specdec serve draft {in_pyproject}"
 
 
-@pytest.mark.parametrize("command", ["up", "generate", "bench", "loadtest", "plan"])
+@pytest.mark.parametrize("command", ["up", "generate", "bench", "loadtest", "plan", "distill"])
 def test_every_tool_has_version(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main([command, "--version"])
@@ -95,10 +95,20 @@ def test_help_never_prints_a_token_from_the_environment(capsys, monkeypatch):
     assert "s3cret-token" not in capsys.readouterr().out
 
 
-def test_bench_target_is_now_target_model_and_the_old_name_warns_once(capsys):
+def test_target_model_flags_and_the_old_name_warns_once(capsys):
+    """--target is an address in `specdec serve coordinator`; the tools that take a model call it --target-model."""
+    from specdec_tools import distill
+
     assert bench.parse(["--target-model", "a"]).target == "a"
     assert bench.parse(["--target", "b", "--target", "c"]).target == "c"
     assert capsys.readouterr().err.count("--target is deprecated, use --target-model") == 1
+    assert distill.parse_args(["--target", "d", "--out", "o"]).target == "d"
+    assert "specdec distill: warning: --target is deprecated" in capsys.readouterr().err
+
+
+def test_results_folders_are_not_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("SPECDEC_OUT", "shared")
+    assert loadtest.parse([]).out != "shared" and str(bench.parse([]).out) != "shared"
 
 
 def test_default_outputs_are_fresh_folders_never_the_committed_results(monkeypatch, tmp_path):

@@ -39,6 +39,7 @@ def test_quick_loadtest(tmp_path, capsys):
     assert overload["completed"] >= capacity and overload["identical"] == overload["completed"]
     assert overload["max_refusal_latency_ms"] < 2000 and overload["retry_after_ms"]  # prompt, with a hint
     assert "overload:" in capsys.readouterr().out
+    assert not (tmp_path / loadtest.PARTIAL).exists()  # written while it ran, gone once loadtest.json holds it all
 
 
 @pytest.mark.parametrize("argv", [["--concurrency", "0"], ["--concurrency", "a,b"], ["--max-new-tokens", "0"], ["--request-rate", "-1"]])
