@@ -6,7 +6,7 @@ import dataclasses
 
 from specdec.limits import MAX_DECODE_AHEAD, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 from coordinator.loop import DEFAULT_DECODE_AHEAD
-from specdec.serving.config import event_loop_option, option
+from specdec.serving.config import event_loop_option, log_format_option, log_level_option, option
 from specdec.model.loading import DEFAULT_TARGET
 
 ENV_PREFIX = "SPECDEC_COORDINATOR_"
@@ -98,8 +98,8 @@ class CoordinatorConfig:
     backend_tls_key: str = option("", "PEM private key of --backend-tls-cert.")
     grace_s: float = option(10.0, "Seconds in-flight requests get to finish after SIGTERM.")
     event_loop: str = event_loop_option()
-    log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
-    log_level: str = option("info", "debug, info, warning or error.")
+    log_format: str = log_format_option()
+    log_level: str = log_level_option()
 
     def __post_init__(self):
         if not 0 <= self.decode_ahead <= MAX_DECODE_AHEAD:

@@ -40,6 +40,7 @@ import uuid
 import torch
 
 from specdec.model import gemm
+from specdec_tools import flags
 from specdec_tools import plan as planlib
 from specdec_tools.stacks import Stack, draft_config
 from specdec_tools.workload import PROMPT_SETS, PROMPTS_DIR, greedy_generate, load_prompts, prompt_path
@@ -459,7 +460,8 @@ def parse(argv: list[str]) -> Options:
 
     parser = argparse.ArgumentParser(prog="specdec bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="Target model: alias, folder, .gguf or hub id.")
+    parser.add_argument("--target-model", default=DEFAULT_TARGET, help="Target model: alias, folder, .gguf or hub id.")
+    flags.deprecated_alias(parser, "--target", "target_model", "--target-model")  # `--target` is an address in `specdec serve coordinator`
     parser.add_argument("--drafter", action="append", default=None,
                         help="'ngram' or a draft model (alias/folder/hub id); repeat for several. Default: ngram.")
     parser.add_argument("--prompts", default=",".join(PROMPT_SETS), help=f"Comma-separated prompt sets from {PROMPTS_DIR}.")
@@ -474,9 +476,12 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--tree-budgets", default="16,32", help="Node budgets of the dynamic-tree configurations of each model draft ('' for none).")
     parser.add_argument("--tree-top-k", type=int, default=8, help="Children per expanded node of those trees (8 beat 4 on tokens per pass with the 75-step distilled SmolLM2 draft).")
     parser.add_argument("--no-staged", action="store_true", help="Skip the staged-drafting configurations.")
-    parser.add_argument("--out", default="benchmarks/results", help="Folder for results.json and the PNG plots.")
+    parser.add_argument("--out", default=None,
+                        help=f"Folder for results.json and the PNG plots; default: a new {flags.RESULTS_ROOT}/bench-TIMESTAMP/ "
+                             "(the committed runs are under benchmarks/results/).")
     parser.add_argument("--quick", action="store_true",
                         help="Tiny random models, 2 prompts per set, 16 tokens, 1 repetition: checks the pipeline in about a minute.")
+    flags.finish(parser)
     args = parser.parse_args(argv)
     try:
         lengths = tuple(int(x) for x in args.draft_lengths.split(",") if x.strip())
@@ -496,9 +501,9 @@ def parse(argv: list[str]) -> Options:
         parser.error("draft lengths must be in 1..32")
     if args.repeats < 1 or args.max_new_tokens < 1 or args.limit < 0:
         parser.error("--repeats and --max-new-tokens must be >= 1, --limit >= 0")
-    opts = Options(target=args.target, drafters=tuple(args.drafter or ["ngram"]), prompt_sets=sets, limit=args.limit,
+    opts = Options(target=args.target_model, drafters=tuple(args.drafter or ["ngram"]), prompt_sets=sets, limit=args.limit,
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats, max_draft=args.max_draft, draft_lengths=lengths,
-                   grpc=not args.no_grpc, hf=not args.no_hf, out=pathlib.Path(args.out), quick=args.quick,
+                   grpc=not args.no_grpc, hf=not args.no_hf, out=pathlib.Path(args.out or flags.fresh_out("bench")), quick=args.quick,
                    prompt_lookup=args.prompt_lookup, tree_budgets=budgets, tree_top_k=args.tree_top_k, staged=not args.no_staged)
     if opts.quick:
         opts = dataclasses.replace(opts, limit=opts.limit or 2, max_new_tokens=min(opts.max_new_tokens, 16), repeats=1,

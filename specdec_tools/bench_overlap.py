@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 
+from specdec_tools import flags
 from specdec_tools import plan as planlib
 from specdec_tools.bench import grpc_runner, machine, quick_models
 from specdec_tools.stacks import Stack
@@ -93,7 +94,7 @@ def run(args) -> dict:
     if len(available) >= 2 and not args.no_pin:
         cores = (available[0], available[1])
     with tempfile.TemporaryDirectory() as tmp:
-        target, drafter = args.target, args.drafter
+        target, drafter = args.target_model, args.drafter
         if args.quick:
             target, drafter = quick_models(pathlib.Path(tmp), noise=0.02)
         tokenizer = load_tokenizer(target)
@@ -132,7 +133,7 @@ def run(args) -> dict:
                          "overlapped_vs_sequential": measured, "predicted_overlapped_vs_sequential": prediction.speedup,
                          "predicted_hit_rate": prediction.hit_rate, "efficiency": measured / prediction.speedup})
     return {"machine": machine(), "pinned_cores": {"target": cores[0], "draft_and_coordinators": cores[1]} if cores else None,
-            "target": "tiny (quick)" if args.quick else args.target, "drafter": "tiny (quick)" if args.quick else args.drafter,
+            "target": "tiny (quick)" if args.quick else args.target_model, "drafter": "tiny (quick)" if args.quick else args.drafter,
             "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "command": "specdec bench " + " ".join(args.argv),
             "rows": rows}
 
@@ -166,7 +167,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specdec bench --overlap", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--overlap", action="store_true", help="This comparison (the flag that selects it).")
-    parser.add_argument("--target", default=DEFAULT_TARGET, help="Target model: alias, folder, .gguf or hub id.")
+    parser.add_argument("--target-model", default=DEFAULT_TARGET, help="Target model: alias, folder, .gguf or hub id.")
+    flags.deprecated_alias(parser, "--target", "target_model", "--target-model")
     parser.add_argument("--drafter", default="ngram", help="'ngram' or a draft model (alias / folder / hub id).")
     parser.add_argument("--prompts", default="chat", help=f"Comma-separated prompt sets from {PROMPTS_DIR}.")
     parser.add_argument("--limit", type=int, default=4, help="Use only the first N prompts of each set (0: all).")
@@ -174,8 +176,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="Interleaved repetitions.")
     parser.add_argument("--draft-lengths", default="1,2,4", help="Fixed draft lengths, each run in both schedules.")
     parser.add_argument("--no-pin", action="store_true", help="Do not pin the services to separate cores.")
-    parser.add_argument("--out", default="benchmarks/results/overlap", help="Folder for overlap.json and the services' logs.")
+    parser.add_argument("--out", default=None,
+                        help=f"Folder for overlap.json and the services' logs; default: a new {flags.RESULTS_ROOT}/overlap-TIMESTAMP/.")
     parser.add_argument("--quick", action="store_true", help="Tiny random models, 2 prompts, 16 tokens, 1 repetition.")
+    flags.finish(parser)
     args = parser.parse_args(argv)
     try:
         args.draft_lengths = tuple(int(x) for x in args.draft_lengths.split(",") if x.strip())
@@ -191,7 +195,7 @@ def main(argv: list[str]) -> int:
         parser.error("--repeats and --max-new-tokens must be >= 1, --limit >= 0")
     if args.quick:
         args.limit, args.max_new_tokens, args.repeats = min(args.limit or 2, 2), min(args.max_new_tokens, 16), 1
-    args.out = pathlib.Path(args.out)
+    args.out = pathlib.Path(args.out or flags.fresh_out("overlap"))
     args.argv = argv
     document = run(args)
     print_table(document)

@@ -8,17 +8,20 @@
     specdec loadtest [--quick] [--concurrency 1,2,4,8]  concurrent streams: throughput, TTFT/TPOT/ITL, overload
     specdec distill --out FOLDER [...]               train a pruned-vocabulary draft for a target (CPU)
     specdec config-table                             the configuration tables of docs/configuration.md
+    specdec --version                                the package's version (also after any command)
+
+The tools' flags (up, generate, bench, loadtest) take their defaults from SPECDEC_<FLAG> environment
+variables (SPECDEC_ADDRESS for --address), as the services' from SPECDEC_<SERVICE>_<FLAG>; flags win.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
 
-from specdec_tools import connect
+from specdec_tools import connect, flags
 
 SERVICES = ("target", "draft", "coordinator")
 
@@ -49,7 +52,9 @@ def cmd_serve(argv: list[str]) -> int:
     from specdec.serving.logs import configure
 
     cls, prefix, serve = _service(argv[0])
-    config = cfg.from_argv(cls, argv[1:], prefix, prog=f"specdec serve {argv[0]}")
+    from specdec.version import package_version
+
+    config = cfg.from_argv(cls, argv[1:], prefix, prog=f"specdec serve {argv[0]}", version=package_version())
     configure(config.log_format, config.log_level)
     if argv[0] != "coordinator":  # the model services: torch's threads for the engine's worker only
         from specdec.serving.threads import confine
@@ -89,8 +94,10 @@ def cmd_up(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specdec up", description="Start draft, target and coordinator on loopback, wait until all are healthy, and keep them running until Ctrl-C.")
     parser.add_argument("--target-model", default=None, help="Target model (default: the embedded SmolLM2-135M-Instruct).")
     parser.add_argument("--drafter", default="auto", choices=("auto", "ngram", "model"),
-                        help="auto: n-gram, or a pruned distilled draft committed for the default target (specdec/drafts/smollm2-135m-draft). The feature draft: --drafter model --draft-model smollm2-135m-feature.")
-    parser.add_argument("--draft-model", default="", help="Draft model for --drafter model (default with auto: smollm2-135m-draft).")
+                        help="auto: the n-gram drafter, or for the default target a pruned draft distilled into "
+                             "specdec/drafts/smollm2-135m-draft (`specdec distill`, docs/distill.md; none is committed). "
+                             "The committed feature draft (specdec/drafts/smollm2-135m-feature): --drafter model --draft-model smollm2-135m-feature.")
+    parser.add_argument("--draft-model", default="", help="Draft model for --drafter model: alias (smollm2-135m-feature), folder or hub id.")
     parser.add_argument("--port", type=int, default=50051,
                         help="Coordinator port; the target takes port+1, the draft port+2 (replicas past the first take free ports).")
     parser.add_argument("--target-replicas", type=int, default=1,
@@ -98,6 +105,7 @@ def cmd_up(argv: list[str]) -> int:
     parser.add_argument("--draft-replicas", type=int, default=1, help="Draft services, each its own process (as --target-replicas).")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds to wait for all three to be healthy.")
+    flags.finish(parser)
     args = parser.parse_args(argv)
     if args.target_replicas < 1 or args.draft_replicas < 1:
         parser.error("--target-replicas and --draft-replicas must be >= 1")
@@ -131,7 +139,7 @@ def cmd_up(argv: list[str]) -> int:
 def cmd_generate(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specdec generate", description="Stream a completion from a running coordinator and print its statistics.")
     parser.add_argument("prompt")
-    parser.add_argument("--address", default=os.environ.get("SPECDEC_ADDRESS", "127.0.0.1:50051"))
+    parser.add_argument("--address", default="127.0.0.1:50051", help="The coordinator's gRPC address.")
     parser.add_argument("--raw", action="store_true", help="Send the prompt as plain text instead of a chat message.")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -147,6 +155,7 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--compare", action="store_true", help="Also generate twice with speculation off and once more with it (A B B A), report whether every run's tokens are identical and the speed-up over the two runs of each.")
     parser.add_argument("--wait", type=float, default=60.0, help="Seconds to wait for the coordinator to come up.")
     connect.add_arguments(parser)
+    flags.finish(parser)
     args = parser.parse_args(argv)
     try:
         conn = connect.Connection.from_args(args)
@@ -257,11 +266,12 @@ def cmd_plan(argv: list[str]) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--acceptance", type=float, required=True, help="Per-token acceptance a in [0, 1].")
     parser.add_argument("--draft-cost", type=float, default=0.1, help="Draft cost per token c, relative to one target decoding step V(1).")
-    parser.add_argument("--cost-curve", default="", help="Target V(n) in ms as n:ms pairs, e.g. 1:44,2:70,4:67,8:70,16:85 (DESIGN.md).")
+    parser.add_argument("--cost-curve", default="", help="Target V(n) in ms as n:ms pairs, e.g. 1:44,2:70,4:67,8:70,16:85 (the analytic model and how to measure V(n): docs/benchmarks.md).")
     parser.add_argument("--measure", default="", help="Measure V(n) on this machine with this target model instead (alias/folder/hub id).")
     parser.add_argument("--rtt-ms", type=float, default=0.0, help="Network round trip per hop, ms.")
     parser.add_argument("--hops", type=int, default=2, help="Round trips per step (2: draft and target over gRPC; 0: one process).")
     parser.add_argument("--max-draft", type=int, default=16)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     args = parser.parse_args(argv)
     from specdec_tools import plan
 
@@ -305,8 +315,17 @@ COMMANDS = {"distill": cmd_distill, "serve": cmd_serve, "up": cmd_up, "generate"
             "bench": cmd_bench, "plan": cmd_plan, "loadtest": cmd_loadtest}
 
 
+def _version() -> str:
+    from specdec.version import package_version
+
+    return package_version()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("--version", "-V"):
+        print(f"specdec {_version()}")
+        return 0
     if not argv or argv[0] not in COMMANDS:
         print(__doc__, file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

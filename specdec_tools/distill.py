@@ -26,6 +26,7 @@ import time
 import torch
 
 from specdec.model.hfcache import cache_kwargs
+from specdec_tools import flags
 from specdec.model.pruned import PrunedDraft, save_draft
 
 FORTUNES = pathlib.Path("/usr/share/games/fortunes")
@@ -423,7 +424,9 @@ def measure_cost(target, draft: PrunedDraft, context: int = 128, reps: int = 40)
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="specdec distill", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default="smollm2-135m-instruct", help="Target model: alias, folder, .gguf or hub id (Llama-shaped).")
+    p.add_argument("--target-model", dest="target", default="smollm2-135m-instruct",
+                   help="Target model: alias, folder, .gguf or hub id (Llama-shaped).")
+    flags.deprecated_alias(p, "--target", "target", "--target-model")  # as in `specdec bench`
     p.add_argument("--corpus", action="append", default=[], help="Text file or folder (repeatable); default: the Debian fortunes.")
     p.add_argument("--out", required=True, help="Folder to write the draft to.")
     p.add_argument("--work-dir", default="", help="Cached data and checkpoints (default: <out>.work).")
@@ -453,6 +456,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="Stored weight dtype.")
     p.add_argument("--evaluate", action="store_true",
                    help="Train nothing: measure the draft already in --out (held-out acceptance, cost per token) and print it.")
+    flags.finish(p, env=False)  # a training run's flags belong on its command line, which the model card records
     return p.parse_args(argv)
 
 

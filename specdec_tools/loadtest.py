@@ -11,13 +11,19 @@ definitions, so numbers compare directly:
 
 It starts its own local stack (target, draft, coordinator as `specdec serve` child processes), or
 drives `--address` (with --api-token and the --tls-* flags of specdec_tools/connect.py, as
-`specdec generate`). `--quick` runs tiny random models in well under a minute (CI).
+`specdec generate`), or with `--http URL` a coordinator's OpenAI-compatible API: the same prompts
+(token ids) to POST /v1/completions with `stream: true`, read as server-sent events up to
+`data: [DONE]`, as vLLM's benchmark_serving drives an OpenAI server. `--ignore-eos` asks for exactly
+--max-new-tokens tokens per request (vLLM's `ignore_eos`) and the report shows the lengths received,
+counted from the `usage` the server sends last when asked with `stream_options.include_usage`.
+`--quick` runs tiny random models in well under a minute (CI).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -29,11 +35,11 @@ import sys
 import tempfile
 import time
 
-from specdec_tools import connect
+from specdec_tools import connect, flags
 from specdec_tools.stacks import Stack
 from specdec_tools.workload import load_prompt_ids, reference_outputs
 
-DEFAULT_OUT = pathlib.Path("benchmarks/results/loadtest")
+PARTIAL = "loadtest.partial.json"  # in --out while a run goes on; removed once loadtest.json is written
 
 
 @dataclasses.dataclass
@@ -42,7 +48,10 @@ class RequestResult:
     ok: bool
     code: str = "OK"
     details: str = ""
-    tokens: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] = dataclasses.field(default_factory=list)  # gRPC: the token ids; HTTP: none (text only)
+    text: str = ""  # HTTP: the completion's text
+    output_tokens: int = 0  # gRPC: len(tokens); HTTP: the server's usage.completion_tokens, else content chunks
+    exact_count: bool = False  # output_tokens counted exactly (token ids, or the server's usage), not as content chunks
     ttft: float = 0.0
     e2el: float = 0.0
     itl: list[float] = dataclasses.field(default_factory=list)
@@ -50,6 +59,7 @@ class RequestResult:
     accepted_tokens: int = 0
     steps: int = 0
     retry_after_ms: int | None = None
+    request_index: int = 0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -70,10 +80,10 @@ def summarise(results: list[RequestResult], duration: float) -> dict:
     for r in results:
         if not r.ok:
             failures[r.code] = failures.get(r.code, 0) + 1
-    out_tokens = sum(len(r.tokens) for r in done)
+    out_tokens = sum(r.output_tokens for r in done)
     series = {
         "ttft": [r.ttft * 1e3 for r in done],
-        "tpot": [(r.e2el - r.ttft) * 1e3 / (len(r.tokens) - 1) for r in done if len(r.tokens) > 1],
+        "tpot": [(r.e2el - r.ttft) * 1e3 / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
         "itl": [gap * 1e3 for r in done for gap in r.itl],
         "e2el": [r.e2el * 1e3 for r in done],
     }
@@ -91,6 +101,8 @@ def summarise(results: list[RequestResult], duration: float) -> dict:
         "mean_tokens_per_step": out_tokens / max(1, sum(r.steps for r in done)),
         "max_refusal_latency_ms": max((r.e2el * 1e3 for r in refused), default=0.0),
         "retry_after_ms": sorted({r.retry_after_ms for r in refused if r.retry_after_ms is not None}),
+        "output_lengths": [r.output_tokens for r in sorted(done, key=lambda r: r.request_index)],  # in sending order
+        "exact_lengths": sum(r.exact_count for r in done),  # the rest: content chunks counted (no usage came)
     }
     for name, values in series.items():
         summary[f"mean_{name}_ms"] = statistics.fmean(values) if values else 0.0
@@ -100,57 +112,187 @@ def summarise(results: list[RequestResult], duration: float) -> dict:
     return summary
 
 
-# --- the client -----------------------------------------------------------------------------------
+# --- the clients ----------------------------------------------------------------------------------
 
-async def one_request(stub, index: int, prompt: list[int], max_new: int, speculation: bool, timeout: float,
-                      metadata: tuple = ()) -> RequestResult:
-    import grpc
+class GrpcClient:
+    """CoordinatorService.GenerateStream over one channel (its token and TLS from connect.Connection)."""
 
-    from protos import specdec_pb2 as pb
+    def __init__(self, conn: connect.Connection, timeout: float):
+        self.conn, self.timeout = conn, timeout
 
-    spec = pb.SpeculationParams() if speculation else pb.SpeculationParams(draft_length=0)
-    request = pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new, speculation=spec)
-    result = RequestResult(index, ok=False)
-    start = last = time.perf_counter()
-    call = stub.GenerateStream(request, timeout=timeout, metadata=metadata)
+    async def __aenter__(self) -> GrpcClient:
+        from protos import specdec_pb2_grpc as pb_grpc
+        from specdec.serving.rpc import CHANNEL_OPTIONS
+
+        self.channel = self.conn.aio_channel(options=CHANNEL_OPTIONS)
+        self.stub = pb_grpc.CoordinatorServiceStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+
+    async def request(self, index: int, prompt: list[int], max_new: int, speculation: bool) -> RequestResult:
+        import grpc
+
+        from protos import specdec_pb2 as pb
+
+        spec = pb.SpeculationParams() if speculation else pb.SpeculationParams(draft_length=0)
+        request = pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new, speculation=spec)
+        result = RequestResult(index, ok=False, exact_count=True)
+        start = last = time.perf_counter()
+        call = self.stub.GenerateStream(request, timeout=self.timeout, metadata=self.conn.metadata)
+        try:
+            async for message in call:
+                now = time.perf_counter()
+                if message.token_ids:
+                    if not result.tokens:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    result.tokens.extend(message.token_ids)
+                if message.HasField("stats"):
+                    s = message.stats
+                    result.draft_tokens, result.accepted_tokens, result.steps = s.draft_tokens, s.accepted_tokens, s.steps
+            result.ok = True
+        except grpc.aio.AioRpcError as exc:
+            result.code, result.details = exc.code().name, exc.details() or ""
+            for key, value in exc.trailing_metadata() or ():
+                if key == "retry-after-ms":
+                    result.retry_after_ms = int(value)
+        result.e2el = time.perf_counter() - start
+        result.output_tokens = len(result.tokens)
+        return result
+
+
+# HTTP statuses under the gRPC code names the report and refused_access use for the same refusals.
+HTTP_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
+              503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def _http_error(status: int, body: bytes) -> tuple[str, str]:
+    """(code, message) of a refused request: OpenAI's {"error": {"message": ...}} when the body has it."""
     try:
-        async for message in call:
-            now = time.perf_counter()
-            if message.token_ids:
-                if not result.tokens:
-                    result.ttft = now - start
+        message = json.loads(body)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = body.decode(errors="replace")[:200]
+    return HTTP_CODES.get(status, f"HTTP_{status}"), f"HTTP {status}: {message}"
+
+
+class HttpClient:
+    """POST /v1/completions with `stream: true` on the coordinator's OpenAI-compatible API, read as
+    server-sent events. The prompt goes as token ids, so both APIs get the same tokens; the token
+    goes as `Authorization: Bearer`. Usage is asked for (`stream_options.include_usage`): OpenAI
+    sends it in a last chunk of its own (empty `choices`); a server that sends none leaves the count
+    of content chunks, a lower bound when a chunk carries several tokens."""
+
+    def __init__(self, base_url: str, token: str, timeout: float, ignore_eos: bool, verify: object = True):
+        self.base_url, self.timeout, self.ignore_eos, self.verify = base_url.rstrip("/"), timeout, ignore_eos, verify
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.model = ""
+
+    async def __aenter__(self) -> HttpClient:
+        import httpx2
+
+        # No cap on connections: the load test's own concurrency is the only limit.
+        limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
+        self.client = httpx2.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout, limits=limits,
+                                         verify=self.verify)
+        try:
+            self.model = await self.served_model()
+        except BaseException:
+            await self.client.aclose()  # __aexit__ does not run when __aenter__ fails
+            raise
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.aclose()
+
+    async def served_model(self) -> str:
+        """The model the server names in GET /v1/models (it checks the token as completions do):
+        ConnectError, in one line, when nothing answers there or the token is refused."""
+        import httpx2
+
+        try:
+            response = await self.client.get("/v1/models")
+        except httpx2.HTTPError as exc:
+            raise connect.ConnectError(f"cannot reach the HTTP API at {self.base_url}: {exc or type(exc).__name__}") from None
+        if response.status_code != 200:
+            code, message = _http_error(response.status_code, response.content)
+            advice = connect.hint(code, message, connect.Connection(self.base_url))
+            raise connect.ConnectError(f"{self.base_url}/v1/models: {message}" + (f" ({advice})" if advice else ""))
+        models = response.json().get("data") or [{}]
+        return models[0].get("id", "")
+
+    def body(self, prompt: list[int], max_new: int, speculation: bool) -> dict:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_new, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if not speculation:
+            body["draft_length"] = 0  # specdec's extension: speculation off for this request
+        return body
+
+    async def request(self, index: int, prompt: list[int], max_new: int, speculation: bool) -> RequestResult:
+        import httpx2
+
+        result = RequestResult(index, ok=False)
+        chunks, done = 0, False
+        start = last = time.perf_counter()
+        try:
+            async with self.client.stream("POST", "/v1/completions", json=self.body(prompt, max_new, speculation)) as response:
+                if response.status_code != 200:
+                    result.code, result.details = _http_error(response.status_code, await response.aread())
+                    if "retry-after-ms" in response.headers:
+                        result.retry_after_ms = int(response.headers["retry-after-ms"])
                 else:
-                    result.itl.append(now - last)
-                last = now
-                result.tokens.extend(message.token_ids)
-            if message.HasField("stats"):
-                s = message.stats
-                result.draft_tokens, result.accepted_tokens, result.steps = s.draft_tokens, s.accepted_tokens, s.steps
-        result.ok = True
-    except grpc.aio.AioRpcError as exc:
-        result.code, result.details = exc.code().name, exc.details() or ""
-        for key, value in exc.trailing_metadata() or ():
-            if key == "retry-after-ms":
-                result.retry_after_ms = int(value)
-    result.e2el = time.perf_counter() - start
-    return result
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue  # blank separators, comments, other SSE fields
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            done = True
+                            break
+                        chunk = json.loads(data)
+                        if "error" in chunk:
+                            result.code, result.details = "STREAM_ERROR", str(chunk["error"].get("message", chunk["error"]))
+                            break
+                        now = time.perf_counter()
+                        piece = "".join(choice.get("text") or "" for choice in chunk.get("choices") or ())
+                        if piece:
+                            if not chunks:
+                                result.ttft = now - start
+                            else:
+                                result.itl.append(now - last)
+                            last, chunks = now, chunks + 1
+                            result.text += piece
+                        if chunk.get("usage"):
+                            result.output_tokens, result.exact_count = chunk["usage"]["completion_tokens"], True
+                        if chunk.get("speculation"):
+                            s = chunk["speculation"]
+                            result.draft_tokens, result.accepted_tokens, result.steps = s["draft_tokens"], s["accepted_tokens"], s["steps"]
+        except httpx2.HTTPError as exc:
+            result.code, result.details = "CONNECTION_ERROR", f"{type(exc).__name__}: {exc}"
+        else:
+            if response.status_code == 200 and not done and result.code == "OK":
+                result.code, result.details = "STREAM_ERROR", "the event stream ended without data: [DONE]"
+            result.ok = done
+        if not result.exact_count:
+            result.output_tokens = chunks
+        result.e2el = time.perf_counter() - start
+        return result
 
 
-async def run_level(coordinator: connect.Connection | str, prompts: list[list[int]], num_requests: int, max_new: int, speculation: bool,
-                    concurrency: int | None, rate: float | None, seed: int, progress=None, timeout: float = 600.0) -> tuple[list[RequestResult], float]:
-    """`num_requests` requests, prompts cycled; at most `concurrency` in flight, or Poisson arrivals at `rate`/s.
-    `coordinator`: its connection (token, TLS), or a plaintext address."""
-    from protos import specdec_pb2_grpc as pb_grpc
-    from specdec.serving.rpc import CHANNEL_OPTIONS
-
-    conn = connect.Connection(coordinator) if isinstance(coordinator, str) else coordinator
-    async with conn.aio_channel(options=CHANNEL_OPTIONS) as channel:
-        stub = pb_grpc.CoordinatorServiceStub(channel)
+async def run_level(client: GrpcClient | HttpClient, prompts: list[list[int]], num_requests: int, max_new: int, speculation: bool,
+                    concurrency: int | None, rate: float | None, seed: int, progress=None) -> tuple[list[RequestResult], float]:
+    """`num_requests` requests, prompts cycled; at most `concurrency` in flight, or Poisson arrivals at `rate`/s."""
+    async with client:
         results: list[RequestResult] = []
         task_id = progress.add_task(f"{'spec' if speculation else 'no-spec'} " + (f"c={concurrency}" if rate is None else f"rate={rate}/s"), total=num_requests) if progress else None
 
         async def fire(i: int) -> None:
-            result = await one_request(stub, i % len(prompts), prompts[i % len(prompts)], max_new, speculation, timeout, conn.metadata)
+            result = await client.request(i % len(prompts), prompts[i % len(prompts)], max_new, speculation)
+            result.request_index = i
             results.append(result)
             if progress:
                 progress.advance(task_id)
@@ -224,7 +366,13 @@ def prompt_ids(tokenizer, prompts: str, limit: int) -> list[list[int]]:
 
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="specdec loadtest", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--address", default="", help="A running coordinator; empty: start a local stack.")
+    parser.add_argument("--address", default="", help="A running coordinator's gRPC address; empty: start a local stack.")
+    parser.add_argument("--http", default="", metavar="URL",
+                        help="Drive a running coordinator's OpenAI-compatible API instead, e.g. http://127.0.0.1:8000 "
+                             "(streamed /v1/completions; --target-model names its tokenizer, for the prompts and --check).")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                        help="With --http: ask for exactly --max-new-tokens tokens per request (vLLM's ignore_eos), for lengths "
+                             "that do not depend on where the model stops; --check then compares the text up to the target's end.")
     parser.add_argument("--target-model", default="", help="Target (and tokenizer) of the local stack / reference (default: SmolLM2-135M-Instruct).")
     parser.add_argument("--drafter", default="ngram", help="ngram, or a draft model for the local stack.")
     parser.add_argument("--concurrency", default="1,2,4,8", help="Comma-separated concurrency levels, one run each.")
@@ -242,17 +390,31 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-concurrent-requests", type=int, default=32, help="Local coordinator's cap (see `specdec serve coordinator`).")
     parser.add_argument("--max-queue", type=int, default=64, help="Local coordinator's queue bound.")
     parser.add_argument("--target-flags", default="", help="Extra flags for the local target, e.g. '--max-batch-size 1'.")
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="Folder for loadtest.json and the PNG plots.")
+    parser.add_argument("--out", default=None,
+                        help=f"Folder for loadtest.json and the PNG plots ({PARTIAL} while it runs); default: a new "
+                             f"{flags.RESULTS_ROOT}/loadtest-TIMESTAMP/ (the committed runs are under benchmarks/results/).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="Tiny random models, short runs, overload included: CI, < 60 s.")
     connect.add_arguments(parser)  # --api-token also makes the local stack's coordinator require it
+    flags.finish(parser)
     args = parser.parse_args(argv)
+    args.out = args.out or flags.fresh_out("loadtest")
     try:
         connect.Connection.from_args(args)  # the flags' combinations and files, before any stack starts
     except ValueError as exc:
         parser.error(str(exc))
-    if not args.address and (args.tls or args.tls_ca or args.tls_cert or args.tls_server_name):
-        parser.error("--tls and the --tls-* flags need --address: the local stack serves plaintext")
+    if args.address and args.http:
+        parser.error("--address (gRPC) and --http (the OpenAI-compatible API) are two ways to one coordinator: give one")
+    if args.http and not args.http.startswith(("http://", "https://")):
+        parser.error(f"--http: a URL such as http://127.0.0.1:8000, got {args.http!r}")
+    if args.ignore_eos and not args.http:
+        parser.error("--ignore-eos needs --http (the gRPC API has no such field)")
+    if args.http.startswith("http://") and (args.tls or args.tls_ca or args.tls_cert):
+        parser.error("--tls and the --tls-* flags need an https:// URL with --http")
+    if args.http and args.tls_server_name:
+        parser.error("--tls-server-name is for gRPC (--address); with --http the URL's host is the name checked")
+    if not (args.address or args.http) and (args.tls or args.tls_ca or args.tls_cert or args.tls_server_name):
+        parser.error("--tls and the --tls-* flags need --address or --http: the local stack serves plaintext")
     try:
         args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
@@ -264,8 +426,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')}: out of range: {getattr(args, flag)}")
     if args.request_rate < 0:
         parser.error(f"--request-rate: must be >= 0, got {args.request_rate}")
-    if args.overload and args.address:
-        parser.error("--overload needs the local stack (its caps are known); drop --address")
+    if args.overload and (args.address or args.http):
+        parser.error("--overload needs the local stack (its caps are known); drop --address / --http")
     return args
 
 
@@ -287,27 +449,33 @@ def run(args: argparse.Namespace) -> dict:
         args.prompts, args.max_new_tokens, args.max_prompts, args.warmup = "chat", 16, 6, 1
         args.levels = [1, 4] if args.concurrency == "1,2,4,8" else args.levels
         args.num_requests = args.num_requests or 6
-        args.max_concurrent_requests, args.max_queue, args.overload = 2, 2, not args.address
+        args.max_concurrent_requests, args.max_queue, args.overload = 2, 2, not (args.address or args.http)
     target = args.target_model or DEFAULT_TARGET
     tokenizer = load_tokenizer(target)
     prompts = prompt_ids(tokenizer, args.prompts, args.max_prompts)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.speculation]
     stack = None
-    if not args.address:
-        flags = ["--max-concurrent-requests", str(args.max_concurrent_requests), "--max-queue", str(args.max_queue)]
-        stack = LocalStack(target, args.drafter, workdir / "logs", flags, args.target_flags.split(), api_token=args.api_token.strip())
+    if not (args.address or args.http):
+        caps = ["--max-concurrent-requests", str(args.max_concurrent_requests), "--max-queue", str(args.max_queue)]
+        stack = LocalStack(target, args.drafter, workdir / "logs", caps, args.target_flags.split(), api_token=args.api_token.strip())
     secret = {"api_token", "levels"}  # the token stays out of the report
     report: dict = {"config": {k: v for k, v in vars(args).items() if k not in secret} | {"levels": args.levels, "target": target,
-                                                                                      "num_prompts": len(prompts)}, "runs": []}
+                                                                                      "num_prompts": len(prompts),
+                                                                                      "api": "http" if args.http else "grpc"}, "runs": []}
     try:
         if stack:
             stack.wait()
-        conn = connect.Connection.from_args(args, address=args.address or stack.address)
+        conn = connect.Connection.from_args(args, address=args.address or (stack.address if stack else args.http))
         if args.address:
             connect.wait_healthy(conn, 30.0)  # TLS problems show here, in one line
 
+        def client() -> GrpcClient | HttpClient:
+            if args.http:
+                return HttpClient(args.http, conn.token, 600.0, args.ignore_eos, verify=_https_context(args))
+            return GrpcClient(conn, 600.0)
+
         def level(*level_args, **kwargs):
-            results, duration = asyncio.run(run_level(conn, *level_args, **kwargs))
+            results, duration = asyncio.run(run_level(client(), *level_args, **kwargs))
             refused = refused_access(results, conn)
             if refused:
                 raise connect.ConnectError(refused)
@@ -324,20 +492,23 @@ def run(args: argparse.Namespace) -> dict:
                     results, duration = level(prompts, n, args.max_new_tokens, speculation, concurrency, args.request_rate or None,
                                               args.seed, progress)
                     report["runs"].append({"speculation": speculation, "concurrency": concurrency, "request_rate": args.request_rate or None,
-                                           "num_requests": n, **summarise(results, duration), "_results": results})
-                    save_partial(report, args.out)  # a long run killed later still leaves its numbers
+                                           "num_requests": n, "requested_output_tokens": args.max_new_tokens,
+                                           **summarise(results, duration), "_results": results})
+                    save_partial(report, args.out)  # a long run killed later still leaves its numbers (main removes it at the end)
                     progress.console.print(format_report({"runs": report["runs"][-1:]}).splitlines()[-1])
             if args.overload and stack:
                 offered = 4 * (args.max_concurrent_requests + args.max_queue)
                 results, duration = level(prompts, offered, args.max_new_tokens, True, offered, None, args.seed, progress)
-                report["overload"] = {"offered_concurrency": offered, "max_concurrent_requests": args.max_concurrent_requests,
+                report["overload"] = {"offered_concurrency": offered, "requested_output_tokens": args.max_new_tokens,
+                                      "max_concurrent_requests": args.max_concurrent_requests,
                                       "max_queue": args.max_queue, **summarise(results, duration), "stack_alive": stack.alive(),
                                       "_results": results}
         if args.check:
             reference = reference_outputs(target, prompts, args.max_new_tokens)
+            same = _same_as(reference, tokenizer, text=bool(args.http), prefix=args.ignore_eos)
             for entry in [*report["runs"], *([report["overload"]] if "overload" in report else [])]:
                 done = [r for r in entry["_results"] if r.ok]
-                entry["identical"] = sum(r.tokens == reference[r.prompt_index] for r in done)
+                entry["identical"] = sum(same(r) for r in done)
                 entry["mismatched"] = len(done) - entry["identical"]
     finally:
         if stack:
@@ -348,11 +519,39 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+def _https_context(args: argparse.Namespace):
+    """httpx's `verify` for --http: the system's CAs, or --tls-ca, with --tls-cert/--tls-key presented."""
+    import ssl
+
+    if not args.http.startswith("https://"):
+        return True
+    context = ssl.create_default_context(cafile=args.tls_ca or None)
+    if args.tls_cert:
+        context.load_cert_chain(args.tls_cert, args.tls_key)
+    return context
+
+
+def _same_as(reference: list[list[int]], tokenizer, text: bool, prefix: bool):
+    """Whether a response is the target's own output: its token ids (gRPC) or, over HTTP, which
+    streams text, the reference decoded as the API decodes it (special tokens skipped). `prefix`
+    (ignore_eos): the response goes on past the target's end-of-sequence, so only up to there."""
+    decoded = [tokenizer.decode(ids, skip_special_tokens=True) for ids in reference] if text else []
+
+    def same(r: RequestResult) -> bool:
+        if text:
+            expected = decoded[r.prompt_index]
+            return r.text.startswith(expected) if prefix else r.text == expected
+        expected = reference[r.prompt_index]
+        return r.tokens[: len(expected)] == expected if prefix else r.tokens == expected
+
+    return same
+
+
 def save_partial(report: dict, out: str) -> None:
     folder = pathlib.Path(out)
     folder.mkdir(parents=True, exist_ok=True)
     runs = [{k: v for k, v in r.items() if k != "_results"} for r in report["runs"]]
-    (folder / "loadtest.partial.json").write_text(json.dumps({**report, "runs": runs, "overload": None}, indent=2, default=str))
+    (folder / PARTIAL).write_text(json.dumps({**report, "runs": runs, "overload": None}, indent=2, default=str))
 
 
 def headline(runs: list[dict]) -> dict:
@@ -406,15 +605,29 @@ def plot(report: dict, out: pathlib.Path) -> list[str]:
     return written
 
 
+def format_lengths(run: dict) -> str:
+    """`asked N: got n1 (k1), n2 (k2)`: the output lengths received, most requests first, so a run with
+    --ignore-eos shows at a glance whether every request got exactly N; `~` marks lengths counted as
+    content chunks because the server sent no usage."""
+    lengths = run.get("output_lengths")
+    if lengths is None:  # a report from before lengths were recorded
+        return "-"
+    counts = sorted(collections.Counter(lengths).items(), key=lambda kv: (-kv[1], kv[0]))
+    approx = "~" if run.get("exact_lengths", len(lengths)) < len(lengths) else ""
+    return f"{run.get('requested_output_tokens', '?')}: " + ", ".join(f"{approx}{n} ({k})" for n, k in counts[:6]) + (" ..." if len(counts) > 6 else "")
+
+
 def format_report(report: dict) -> str:
-    lines = ["spec  conc  done fail  req/s  out tok/s  TTFT p50/p99 ms   TPOT p50/p99 ms   ITL mean  E2EL p50/p99 ms  accept  identical"]
+    lines = ["spec  conc  done fail  req/s  out tok/s  TTFT p50/p99 ms   TPOT p50/p99 ms   ITL mean  E2EL p50/p99 ms  accept  identical"
+             "  output tokens asked: got (requests)"]
     for r in [*report["runs"], *([report["overload"] | {"speculation": True, "concurrency": report["overload"]["offered_concurrency"]}]
                                  if "overload" in report else [])]:
         ident = f"{r['identical']}/{r['completed']}" if "identical" in r else "-"
         lines.append(
             f"{'on ' if r['speculation'] else 'off'}  {r['concurrency'] or '-':>4}  {r['completed']:>4} {r['failed']:>4}  {r['request_throughput']:5.2f}"
             f"  {r['output_throughput']:9.1f}  {r['median_ttft_ms']:7.0f}/{r['p99_ttft_ms']:<7.0f}  {r['median_tpot_ms']:7.1f}/{r['p99_tpot_ms']:<7.1f}"
-            f"  {r['mean_itl_ms']:8.1f}  {r['median_e2el_ms']:7.0f}/{r['p99_e2el_ms']:<7.0f}  {r['acceptance_rate']:6.2f}  {ident}"
+            f"  {r['mean_itl_ms']:8.1f}  {r['median_e2el_ms']:7.0f}/{r['p99_e2el_ms']:<7.0f}  {r['acceptance_rate']:6.2f}  {ident:>9}"
+            f"  {format_lengths(r)}"
             + (f"  failures {r['failures']}" if r["failures"] else ""))
     if "overload" in report:
         o = report["overload"]
@@ -439,6 +652,7 @@ def main(argv: list[str]) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "loadtest.json").write_text(json.dumps(report, indent=2))
+    (out / PARTIAL).unlink(missing_ok=True)  # loadtest.json holds all of it now
     plots = plot(report, out)
     print(format_report(report))
     print(f"wrote {out / 'loadtest.json'}" + "".join(f", {p}" for p in plots))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specdec.model import gemm
-from specdec.serving.config import event_loop_option, option
+from specdec.serving.config import event_loop_option, log_format_option, log_level_option, option
 from specdec.model.loading import DEFAULT_TARGET
 
 ENV_PREFIX = "SPECDEC_TARGET_"
@@ -52,8 +52,8 @@ class TargetConfig:
         "dialling a dns:/// name re-resolve it and find replicas added since; 0: never.",
     )
     event_loop: str = event_loop_option()
-    log_format: str = option("auto", "auto, json or console.", choices=("auto", "json", "console"))
-    log_level: str = option("info", "debug, info, warning or error.")
+    log_format: str = log_format_option()
+    log_level: str = log_level_option()
 
     def __post_init__(self):
         if not 0 <= self.packed_gemm_rows <= gemm.MAX_ROWS:

@@ -34,7 +34,7 @@ def run(tmp_path_factory):
     target_path = tiny.save(target, folder / "target")
     corpus = folder / "corpus.txt"
     corpus.write_text("\n\n".join(f"passage {i}: the quick brown fox jumps over the lazy dog, then naps." for i in range(120)))
-    argv = ["--target", target_path, "--corpus", str(corpus), "--out", str(folder / "draft"), "--layers", "1",
+    argv = ["--target-model", target_path, "--corpus", str(corpus), "--out", str(folder / "draft"), "--layers", "1",
             "--vocab", str(KEPT), "--gen-prompts", "16", "--gen-tokens", "24", "--corpus-tokens", "3000", "--seq-len", "48",
             "--steps", "200", "--batch", "8", "--lr", "3e-3", "--heldout-prompts", "4", "--eval-tokens", "24",
             "--checkpoint-every", "50", "--threads", "1", "--dtype", "float32"]
@@ -125,7 +125,7 @@ def test_out_of_vocabulary_tokens_get_probability_zero(run):
 def test_missing_corpus_and_wrong_target_are_clear_errors(run, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         distill.load_corpus([str(tmp_path / "nope.txt")])
-    assert distill.main(["--target", run["target_path"], "--corpus", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
+    assert distill.main(["--target-model", run["target_path"], "--corpus", str(tmp_path / "nope"), "--out", str(tmp_path / "o")]) == 2
     other = tiny.tiny_config(hidden=32)
     from transformers import LlamaForCausalLM
 

@@ -38,7 +38,7 @@ def run(tmp_path_factory):
     target_path = tiny.save(target, folder / "target")
     corpus = folder / "corpus.txt"
     corpus.write_text("\n\n".join(f"passage {i}: the quick brown fox jumps over the lazy dog, then naps." for i in range(120)))
-    argv = ["--method", "feature", "--target", target_path, "--corpus", str(corpus), "--out", str(folder / "draft"),
+    argv = ["--method", "feature", "--target-model", target_path, "--corpus", str(corpus), "--out", str(folder / "draft"),
             "--vocab", str(KEPT), "--gen-prompts", "24", "--gen-tokens", "32", "--gen-batch", "8", "--seq-len", "64",
             "--steps", "150", "--batch", "8", "--lr", "3e-3", "--heldout-prompts", "6", "--eval-tokens", "32",
             "--checkpoint-every", "50", "--threads", "1", "--dtype", "float32", "--draft-length", "3"]

@@ -39,6 +39,7 @@ def test_quick_loadtest(tmp_path, capsys):
     assert overload["completed"] >= capacity and overload["identical"] == overload["completed"]
     assert overload["max_refusal_latency_ms"] < 2000 and overload["retry_after_ms"]  # prompt, with a hint
     assert "overload:" in capsys.readouterr().out
+    assert not (tmp_path / loadtest.PARTIAL).exists()  # written while it ran, gone once loadtest.json holds it all
 
 
 @pytest.mark.parametrize("argv", [["--concurrency", "0"], ["--concurrency", "a,b"], ["--max-new-tokens", "0"], ["--request-rate", "-1"]])
@@ -106,3 +107,54 @@ def test_tls_flags_need_an_address(tmp_path, capsys):
     assert "--tls-cert and --tls-key go together" in capsys.readouterr().err
     args = loadtest.parse(["--address", "127.0.0.1:1", "--tls-ca", str(ca), "--api-token", "t"])
     assert args.tls_ca == str(ca) and args.api_token == "t"
+
+
+@pytest.fixture(scope="module")
+def http_coordinator(tmp_path_factory):
+    """A real coordinator with its OpenAI-compatible HTTP API and an API token, in this process, on a
+    tiny target and its noisy draft (tiny models with a chat template, so `--prompts chat` works)."""
+    from specdec_tools.tinymodels import byte_tokenizer, save, tiny_pair
+    from tests.stack import Stack
+
+    target, draft = tiny_pair(seed=0, noise=0.02)
+    folder = tmp_path_factory.mktemp("loadtest-http")
+    target_path = save(target, folder / "target")
+    stack = Stack()
+    target_addr = stack.target(target_path)
+    draft_addr = stack.draft(drafter="model", model=save(draft, folder / "draft"))
+    stack.coordinator(target_addr, draft_addr, byte_tokenizer(), http_port=0, api_token="http-token")
+    yield {"url": f"http://127.0.0.1:{stack.servers[-1].http.port}", "target": target_path}
+    stack.stop()
+
+
+def test_http_loadtest_reports_the_same_fields_and_the_lengths(http_coordinator, tmp_path, capsys, monkeypatch):
+    """`--http URL`: streamed /v1/completions with the bearer token, the same report as over gRPC
+    (vLLM's keys), every response checked against the target alone, the requested and received
+    output lengths, and no partial file left behind."""
+    monkeypatch.setenv("SPECDEC_API_TOKEN", "http-token")  # read as --api-token's default, sent as Authorization: Bearer
+    argv = ["--http", http_coordinator["url"], "--target-model", http_coordinator["target"], "--prompts", "chat", "--max-prompts", "2",
+            "--max-new-tokens", "12", "--concurrency", "1,2", "--num-requests", "3", "--warmup", "1", "--out", str(tmp_path)]
+    assert loadtest.main(argv) == 0
+    report = json.loads((tmp_path / "loadtest.json").read_text())
+    assert report["config"]["api"] == "http" and "api_token" not in report["config"]
+    assert {(r["speculation"], r["concurrency"]) for r in report["runs"]} == {(s, c) for s in (True, False) for c in (1, 2)}
+    for run in report["runs"]:
+        assert all(key in run for key in VLLM_KEYS)
+        assert run["failed"] == 0 and run["completed"] == run["num_requests"] == run["identical"] == 3
+        assert run["requested_output_tokens"] == 12 and len(run["output_lengths"]) == 3
+        assert all(1 <= n <= 12 for n in run["output_lengths"]) and sum(run["output_lengths"]) == run["total_output_tokens"]
+        assert run["exact_lengths"] == 3  # counted from the usage the server sent, not from chunks
+        assert run["output_throughput"] > 0 and run["p99_ttft_ms"] >= run["median_ttft_ms"] > 0
+    assert any(r["acceptance_rate"] > 0 for r in report["runs"] if r["speculation"])
+    assert not (tmp_path / loadtest.PARTIAL).exists()
+    out = capsys.readouterr().out
+    assert "12: " in out  # the lengths column: asked 12, then what came back
+
+
+def test_http_loadtest_without_the_token_says_so(http_coordinator, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("SPECDEC_API_TOKEN", raising=False)
+    argv = ["--http", http_coordinator["url"], "--target-model", http_coordinator["target"], "--prompts", "chat", "--max-prompts", "1",
+            "--concurrency", "1", "--num-requests", "1", "--warmup", "0", "--out", str(tmp_path)]
+    assert loadtest.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "HTTP 401" in err and "--api-token" in err

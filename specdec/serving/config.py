@@ -36,12 +36,28 @@ def event_loop_option() -> Any:
     )
 
 
+LOG_FORMATS = ("auto", "json", "console")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def log_format_option() -> Any:
+    """Every service's `log_format` field (specdec.serving.logs.configure)."""
+    return option("auto", "auto, json or console.", choices=LOG_FORMATS)
+
+
+def log_level_option() -> Any:
+    """Every service's `log_level` field: a fixed set, so a typo is a usage error before anything starts."""
+    return option("info", "debug, info, warning or error.", choices=LOG_LEVELS)
+
+
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean (1/0, true/false, yes/no, on/off)"}
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
+    if lowered in _BOOL_WORDS:
+        return _BOOL_WORDS[lowered]
     raise ValueError(f"not a boolean: {text!r}")
 
 
@@ -49,34 +65,88 @@ def env_name(prefix: str, field: str) -> str:
     return f"{prefix}{field.upper()}"
 
 
+def env_value(name: str, text: str, kind: Any, choices: Sequence[Any] | None = None) -> Any:
+    """An environment variable's text as its flag would take it. argparse checks `choices` only for
+    values given on the command line, never for defaults, so a default from the environment is
+    checked here; ValueError names the variable and what it accepts."""
+    try:
+        value = _parse_bool(text) if kind is bool else kind(text)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        raise ValueError(f"{name}={text!r}: must be {_KIND_NAMES.get(kind, 'a valid value')}") from None
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name}={text!r}: must be one of {', '.join(map(str, choices))}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser, cls: type, env_prefix: str, env: Mapping[str, str]) -> None:
     """Adds one --flag per field of `cls`, with defaults taken from `env` where set."""
     hints = typing.get_type_hints(cls)
+    errors = []  # reported once every flag is added, so the usage line shows them all
     for field in dataclasses.fields(cls):
         kind = hints[field.name]
         name = env_name(env_prefix, field.name)
         default = field.default
         if name in env:
             try:
-                default = _parse_bool(env[name]) if kind is bool else kind(env[name])
+                default = env_value(name, env[name], kind, field.metadata.get("choices"))
             except ValueError as exc:
-                parser.error(f"{name}={env[name]!r}: {exc}")
-        help_text = f"{field.metadata.get('help', '')} [env {name}; default {default!r}]"
+                errors.append(str(exc))
+        shown = "(set)" if "token" in field.name and default else repr(default)  # --help must not print a secret
+        help_text = f"{field.metadata.get('help', '')} [env {name}; default {shown}]"
         flag = "--" + field.name.replace("_", "-")
         if kind is bool:
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             parser.add_argument(flag, type=kind, default=default, choices=field.metadata.get("choices"), help=help_text)
+    if errors:
+        parser.error("; ".join(errors))
+
+
+def env_defaults(parser: argparse.ArgumentParser, prefix: str = "SPECDEC_", env: Mapping[str, str] | None = None,
+                 skip: Sequence[str] = ()) -> None:
+    """The same precedence for a tool's own parser (`specdec up`, `generate`, `bench`, `loadtest`):
+    every `--flag VALUE` and `--[no-]flag` not in `skip` (dest names) takes its default from
+    `<prefix><FLAG>` when set, checked as add_arguments checks a service's, and says so in --help.
+    Plain switches (store_true) and repeatable flags are left alone: a switch the environment turned
+    on could not be turned off again by a flag."""
+    env = os.environ if env is None else env
+    errors = []
+    for action in parser._actions:
+        long = [s for s in action.option_strings if s.startswith("--")]
+        boolean = isinstance(action, argparse.BooleanOptionalAction)
+        single = type(action) is argparse._StoreAction and action.nargs in (None, "?")  # one value, not a list
+        if not long or action.dest in skip or not (boolean or single):
+            continue
+        name = env_name(prefix, long[0][2:].replace("-", "_"))
+        if name in env:
+            try:
+                action.default = env_value(name, env[name], bool if boolean else (action.type or str), action.choices)
+            except ValueError as exc:
+                errors.append(str(exc))
+        if name not in (action.help or ""):
+            action.help = f"{action.help or ''} [env {name}]".lstrip()
+    if errors:
+        parser.error("; ".join(errors))
 
 
 def from_namespace(cls: type[T], namespace: argparse.Namespace) -> T:
     return cls(**{field.name: getattr(namespace, field.name) for field in dataclasses.fields(cls)})
 
 
-def from_argv(cls: type[T], argv: Sequence[str] | None, env_prefix: str, prog: str, env: Mapping[str, str] | None = None) -> T:
+def from_argv(cls: type[T], argv: Sequence[str] | None, env_prefix: str, prog: str, env: Mapping[str, str] | None = None,
+              version: str | None = None) -> T:
+    """The config from flags, then the environment, then the defaults. Anything wrong with them (a
+    value outside a flag's choices, an unparsable number, a check of the config's own) is a usage
+    error: exit status 2 and one line naming the flag or variable, as argparse reports its own."""
     parser = argparse.ArgumentParser(prog=prog, description=cls.__doc__)
+    if version is not None:
+        parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     add_arguments(parser, cls, env_prefix, os.environ if env is None else env)
-    return from_namespace(cls, parser.parse_args(argv))
+    namespace = parser.parse_args(argv)
+    try:
+        return from_namespace(cls, namespace)
+    except ValueError as exc:  # __post_init__'s checks name the flag
+        parser.error(str(exc))
 
 
 def markdown_table(cls: type, env_prefix: str) -> str:
