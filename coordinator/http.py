@@ -17,7 +17,6 @@ import json
 import math
 import time
 import uuid
-from importlib import metadata
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,6 +30,7 @@ from starlette.exceptions import HTTPException
 from coordinator import openai_schema as schema
 from coordinator.validate import check_request_id, token_matches
 from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
+from specdec.version import package_version as version
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 # status, OpenAI's error type, and the code when the error has none of its own
@@ -40,13 +40,6 @@ KINDS: dict[type, tuple[int, str, str]] = {
     Unavailable: (503, "service_unavailable_error", "service_unavailable"),
 }
 REQUEST_ID_HEADER = "x-request-id"
-
-
-def version() -> str:
-    try:
-        return metadata.version("specdec")
-    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
-        return "0+unknown"
 
 
 def error(status: int, message: str, kind: str, code: str, param: str | None = None,

@@ -158,3 +158,15 @@ def test_http_loadtest_without_the_token_says_so(http_coordinator, tmp_path, cap
     assert loadtest.main(argv) == 1
     err = capsys.readouterr().err
     assert "HTTP 401" in err and "--api-token" in err
+
+
+def test_http_loadtest_with_ignore_eos_gets_exactly_the_lengths_asked(http_coordinator, tmp_path, monkeypatch):
+    """Fixed-length benchmarks: with --ignore-eos every request returns exactly --max-new-tokens
+    tokens (the coordinator honours ignore_eos), counted from the usage chunk the server sends."""
+    monkeypatch.setenv("SPECDEC_API_TOKEN", "http-token")
+    argv = ["--http", http_coordinator["url"], "--target-model", http_coordinator["target"], "--prompts", "chat", "--max-prompts", "2",
+            "--max-new-tokens", "40", "--concurrency", "2", "--num-requests", "4", "--warmup", "0", "--ignore-eos", "--out", str(tmp_path)]
+    assert loadtest.main(argv) == 0
+    report = json.loads((tmp_path / "loadtest.json").read_text())
+    for run in report["runs"]:
+        assert run["failed"] == 0 and run["output_lengths"] == [40] * 4 and run["exact_lengths"] == 4
