@@ -13,6 +13,12 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
+# The capacity a service's store enforces is a count of sequences (--max-sequences), so that is what
+# "usage" measures; a fraction from 0 to 1, as vLLM's kv_cache_usage_perc.
+KV_USAGE_HELP = ("Fraction (0-1) of the {service}'s sequence slots in use: sequences held over --max-sequences. "
+                 "At 1 each new sequence evicts the least recently used one, which its coordinator must then "
+                 "re-fill (specdec:sequence_refills): raise --max-sequences if memory allows, or add replicas.")
+
 
 class CoordinatorMetrics:
     def __init__(self):
@@ -41,6 +47,7 @@ class TargetMetrics:
         self.verify_seconds = Histogram("specdec:target_verify_seconds", "Target compute per Verify call.", buckets=LATENCY_BUCKETS)
         self.batch_size = Histogram("specdec:target_batch_size", "Sequences per target forward pass.", buckets=(1, 2, 4, 8, 16, 32, 64))
         self.sequences = Gauge("specdec:target_num_sequences", "Sequences held in the target's KV caches.")
+        self.kv_usage = Gauge("specdec:target_kv_cache_usage_perc", KV_USAGE_HELP.format(service="target"))
         self.sequences_started = Counter("specdec:target_sequences_started", "Sequences this target prefilled (re-fills included).")
         self.draft_tokens = Counter("specdec:target_spec_decode_num_draft_tokens", "Draft tokens the target verified.")
         self.accepted_tokens = Counter("specdec:target_spec_decode_num_accepted_tokens", "Draft tokens the target accepted.")
@@ -51,7 +58,19 @@ class DraftMetrics:
         self.propose_seconds = Histogram("specdec:draft_propose_seconds", "Draft compute per Propose call.", buckets=LATENCY_BUCKETS)
         self.proposed_tokens = Counter("specdec:draft_num_proposed_tokens", "Tokens the draft proposed.")
         self.sequences = Gauge("specdec:draft_num_sequences", "Sequences held in the draft's caches.")
+        self.kv_usage = Gauge("specdec:draft_kv_cache_usage_perc", KV_USAGE_HELP.format(service="draft"))
         self.sequences_started = Counter("specdec:draft_sequences_started", "Sequences this draft prefilled (re-fills included).")
+
+
+def follow_store(store, sequences: Gauge, usage: Gauge) -> None:
+    """Keeps a service's gauges equal to what its SequenceStore holds, on every change of it
+    (releases and expiries included, not only the calls that create sequences)."""
+    def held(count: int) -> None:
+        sequences.set(count)
+        usage.set(count / store.max_sequences if store.max_sequences else 0.0)
+
+    store.on_change = held
+    held(len(store))
 
 
 @functools.cache
