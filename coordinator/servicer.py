@@ -76,6 +76,9 @@ def record_request(m: metrics.CoordinatorMetrics, stats: Stats) -> None:
     if stats.completion_tokens:
         m.ttft.observe(stats.time_to_first_token_seconds)
         m.e2e.observe(stats.total_seconds)
+        # vLLM's split of a request's time: the queue is observed by Admission, on admission.
+        m.prefill_time.observe(stats.time_to_first_token_seconds)
+        m.decode_time.observe(stats.total_seconds - stats.time_to_first_token_seconds)
 
 
 def client_of(context) -> tuple[str, float | None]:
@@ -110,8 +113,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.loop: SpeculativeLoop | None = None
         self.target_info = pb.ModelInfo()
         self.active: dict[str, int] = {}  # running requests per client
+        metrics.set_model_name(config.tokenizer)  # the model id /v1/models reports labels the request metrics
         self.admission = Admission(config.max_concurrent_requests, config.max_queue, config.verify_token_budget,
-                                   on_queue=metrics.coordinator().waiting.set)  # specdec:num_requests_waiting
+                                   on_queue=metrics.coordinator().waiting.set,  # specdec:num_requests_waiting
+                                   on_admit=metrics.coordinator().queue_time.observe)  # specdec:request_queue_time_seconds
 
     def attach(self, tokenizer, target: TargetClient, target_info: pb.ModelInfo, draft: DraftClient | None,
                draft_info: pb.ModelInfo | None) -> None:

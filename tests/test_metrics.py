@@ -2,7 +2,8 @@
 
 The gauges of sequences held must follow the services' stores both ways: up while a request runs
 and back to 0 once every request has ended (they used to stay at 1: set after each Verify or
-Propose, never on Release).
+Propose, never on Release). The request histograms split a request's time into queue, prefill and
+decode, and the coordinator's request metrics carry the served model's name, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
+from coordinator.config import CoordinatorConfig
 from protos import specdec_pb2 as pb
 from tests import tiny
 from tests.stack import Stack
 
 MAX_SEQUENCES = 8
+MODEL = CoordinatorConfig().tokenizer  # the model name the HTTP API reports, and the metrics' label
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +74,26 @@ def test_sequence_gauges_rise_during_a_request_and_return_to_zero_after(env):
     assert during["specdec:target_num_sequences"] == during["specdec:draft_num_sequences"] == 1
     assert during["specdec:target_kv_cache_usage_perc"] == during["specdec:draft_kv_cache_usage_perc"] == 1 / MAX_SEQUENCES
     assert settled(0.0) == dict.fromkeys(held(), 0.0)  # a cancelled request releases too
+
+
+def test_request_time_is_split_into_queue_prefill_and_decode(env):
+    names = ("specdec:request_queue_time_seconds", "specdec:request_prefill_time_seconds",
+             "specdec:request_decode_time_seconds", "specdec:e2e_request_latency_seconds")
+    before = {n: (value(f"{n}_count", model_name=MODEL), value(f"{n}_sum", model_name=MODEL)) for n in names}
+    response = env["client"].Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=tiny.prompts(1, seed=7)[0]), max_new_tokens=16), timeout=60)
+    stats = response.stats
+    after = {n: (value(f"{n}_count", model_name=MODEL), value(f"{n}_sum", model_name=MODEL)) for n in names}
+    count = {n: after[n][0] - before[n][0] for n in names}
+    added = {n: after[n][1] - before[n][1] for n in names}
+    assert count == dict.fromkeys(names, 1.0)
+    assert added["specdec:request_prefill_time_seconds"] == pytest.approx(stats.time_to_first_token_seconds)
+    assert added["specdec:request_decode_time_seconds"] == pytest.approx(stats.total_seconds - stats.time_to_first_token_seconds)
+    assert added["specdec:request_prefill_time_seconds"] + added["specdec:request_decode_time_seconds"] == pytest.approx(
+        added["specdec:e2e_request_latency_seconds"])
+    assert 0 <= added["specdec:request_queue_time_seconds"] < stats.total_seconds  # nothing else was running: no wait
+    # Every request-level series carries the model the coordinator serves (its --tokenizer).
+    assert value("specdec:request_success_total", model_name=MODEL, finished_reason="length") > 0
+    assert value("specdec:generation_tokens_total", model_name=MODEL) > 0
 
 
 def test_store_gauges_follow_evictions_releases_and_idle_expiry(monkeypatch):

@@ -20,26 +20,69 @@ KV_USAGE_HELP = ("Fraction (0-1) of the {service}'s sequence slots in use: seque
                  "re-fill (specdec:sequence_refills): raise --max-sequences if memory allows, or add replicas.")
 
 
+class ModelLabelled:
+    """A metric whose first label is `model_name`, filled in at each use with the model the
+    coordinator serves, so the code recording it reads as if the label were not there:
+    `m.running.inc()`, `m.requests.labels("eos").inc()`. prometheus_client has no constant labels."""
+
+    def __init__(self, metric, extra_labels: int):
+        self.metric, self.extra_labels = metric, extra_labels
+
+    def labels(self, *values: str):
+        return self.metric.labels(_model_name, *values)
+
+    def __getattr__(self, method: str):  # inc, dec, set, observe of the model's child
+        return getattr(self.metric.labels(_model_name), method)
+
+
+_model_name = ""
+
+
+def set_model_name(name: str) -> None:
+    """The value of the coordinator's `model_name` label (the model id its HTTP API reports).
+    Process-wide, as the metrics are: the last coordinator started in a process names them."""
+    global _model_name
+    _model_name = name
+    for metric in vars(coordinator()).values():
+        if not metric.extra_labels:
+            metric.labels()  # exported from the start (a 0), as an unlabelled metric would be
+
+
+def _labelled(kind, name: str, doc: str, labels: tuple[str, ...] = (), **kwargs) -> ModelLabelled:
+    return ModelLabelled(kind(name, doc, ["model_name", *labels], **kwargs), len(labels))
+
+
 class CoordinatorMetrics:
+    """Request-level metrics, each labelled with `model_name` as vLLM labels its own."""
+
     def __init__(self):
-        self.requests = Counter("specdec:request_success", "Finished requests, by finish reason.", ["finished_reason"])
-        self.failures = Counter("specdec:request_failure", "Failed requests, by gRPC status code.", ["code"])
-        self.running = Gauge("specdec:num_requests_running", "Requests being generated now.")
-        self.waiting = Gauge("specdec:num_requests_waiting", "Requests accepted but not yet started (queue depth).")
-        self.ttft = Histogram("specdec:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS)
-        self.itl = Histogram("specdec:inter_token_latency_seconds",
+        self.requests = _labelled(Counter, "specdec:request_success", "Finished requests, by finish reason.", ("finished_reason",))
+        self.failures = _labelled(Counter, "specdec:request_failure", "Failed requests, by gRPC status code.", ("code",))
+        self.running = _labelled(Gauge, "specdec:num_requests_running", "Requests being generated now.")
+        self.waiting = _labelled(Gauge, "specdec:num_requests_waiting", "Requests accepted but not yet started (queue depth).")
+        self.ttft = _labelled(Histogram, "specdec:time_to_first_token_seconds", "Time to first token.", buckets=LATENCY_BUCKETS)
+        self.itl = _labelled(Histogram, "specdec:inter_token_latency_seconds",
                              "Time between tokens as streamed (a step's gap shared by its tokens).", buckets=LATENCY_BUCKETS)
-        self.e2e = Histogram("specdec:e2e_request_latency_seconds", "End-to-end request latency.", buckets=LATENCY_BUCKETS)
-        self.prompt_tokens = Counter("specdec:prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = Counter("specdec:generation_tokens", "Tokens generated.")
-        self.num_drafts = Counter("specdec:spec_decode_num_drafts", "Speculative steps that verified at least one draft token.")
-        self.num_draft_tokens = Counter("specdec:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
-        self.num_accepted_tokens = Counter("specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
-        self.accepted_per_pos = Counter("specdec:spec_decode_num_accepted_tokens_per_pos",
-                                        "Accepted draft tokens by position in the draft.", ["position"])
-        self.refills = Counter("specdec:sequence_refills", "Sequences re-sent whole to a service that had lost them "
-                               "(a restart, an eviction, a fleet replica gone).", ["service"])
-        self.steps = Counter("specdec:spec_decode_num_steps", "Target passes (Verify calls).")
+        self.e2e = _labelled(Histogram, "specdec:e2e_request_latency_seconds", "End-to-end request latency.", buckets=LATENCY_BUCKETS)
+        self.queue_time = _labelled(Histogram, "specdec:request_queue_time_seconds",
+                                    "Time a request waited in the admission queue for a running slot (0 when one was free).",
+                                    buckets=LATENCY_BUCKETS)
+        self.prefill_time = _labelled(Histogram, "specdec:request_prefill_time_seconds",
+                                      "From a request's start (after the queue) to its first token: the prompt's prefill.",
+                                      buckets=LATENCY_BUCKETS)
+        self.decode_time = _labelled(Histogram, "specdec:request_decode_time_seconds",
+                                     "From a request's first token to its last: the decode, speculative steps included.",
+                                     buckets=LATENCY_BUCKETS)
+        self.prompt_tokens = _labelled(Counter, "specdec:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = _labelled(Counter, "specdec:generation_tokens", "Tokens generated.")
+        self.num_drafts = _labelled(Counter, "specdec:spec_decode_num_drafts", "Speculative steps that verified at least one draft token.")
+        self.num_draft_tokens = _labelled(Counter, "specdec:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.num_accepted_tokens = _labelled(Counter, "specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = _labelled(Counter, "specdec:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted draft tokens by position in the draft.", ("position",))
+        self.refills = _labelled(Counter, "specdec:sequence_refills", "Sequences re-sent whole to a service that had lost them "
+                                 "(a restart, an eviction, a fleet replica gone).", ("service",))
+        self.steps = _labelled(Counter, "specdec:spec_decode_num_steps", "Target passes (Verify calls).")
 
 
 class TargetMetrics:
