@@ -345,7 +345,8 @@ async def start_http(servicer: CoordinatorServicer, config: CoordinatorConfig) -
     from coordinator.http import build_app
 
     app = build_app(servicer, model_name=config.tokenizer, api_token=config.api_token)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
+                                           log_config=None))  # uvicorn's own handlers would bypass the one log stream (logs.py)
     server.install_signal_handlers = lambda: None  # the gRPC server owns SIGTERM
     task = asyncio.create_task(server.serve())
     while not server.started:
