@@ -113,6 +113,10 @@ class CoordinatorConfig:
             raise ValueError(f"--tree-top-k must be in [1, {MAX_TREE_TOP_K}], got {self.tree_top_k}")
         self.parsed_tree_shape()  # raises for a malformed shape
 
+    def model_names(self) -> list[str]:
+        """The ids the HTTP API serves (--served-model-name, else --tokenizer), the first one shown."""
+        return [n.strip() for n in self.served_model_name.split(",") if n.strip()] or [self.tokenizer]
+
     def parsed_tree_shape(self) -> tuple[int, ...]:
         try:
             shape = tuple(int(part) for part in self.tree_shape.split(",") if part.strip())

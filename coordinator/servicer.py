@@ -91,6 +91,9 @@ def record_request(m: metrics.CoordinatorMetrics, stats: Stats) -> None:
     if stats.completion_tokens:
         m.ttft.observe(stats.time_to_first_token_seconds)
         m.e2e.observe(stats.total_seconds)
+        # vLLM's split of a request's time: the queue is observed by Admission, on admission.
+        m.prefill_time.observe(stats.time_to_first_token_seconds)
+        m.decode_time.observe(stats.total_seconds - stats.time_to_first_token_seconds)
 
 
 def client_of(context) -> tuple[str, float | None]:
@@ -125,8 +128,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.loop: SpeculativeLoop | None = None
         self.target_info = pb.ModelInfo()
         self.active: dict[str, int] = {}  # running requests per client
+        metrics.set_model_name(config.model_names()[0])  # the model id /v1/models reports first labels the request metrics
         self.admission = Admission(config.max_concurrent_requests, config.max_queue, config.verify_token_budget,
-                                   on_queue=metrics.coordinator().waiting.set)  # specdec:num_requests_waiting
+                                   on_queue=metrics.coordinator().waiting.set,  # specdec:num_requests_waiting
+                                   on_admit=metrics.coordinator().queue_time.observe)  # specdec:request_queue_time_seconds
 
     def attach(self, tokenizer, target: TargetClient, target_info: pb.ModelInfo, draft: DraftClient | None,
                draft_info: pb.ModelInfo | None) -> None:
@@ -368,9 +373,9 @@ async def start_http(servicer: CoordinatorServicer, config: CoordinatorConfig) -
 
     from coordinator.http import build_app
 
-    names = [n.strip() for n in config.served_model_name.split(",") if n.strip()] or [config.tokenizer]
-    app = build_app(servicer, model_names=names, api_token=config.api_token)
-    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off"))
+    app = build_app(servicer, model_names=config.model_names(), api_token=config.api_token)
+    server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
+                                           log_config=None))  # uvicorn's own handlers would bypass the one log stream (logs.py)
     server.install_signal_handlers = lambda: None  # the gRPC server owns SIGTERM
     task = asyncio.create_task(server.serve())
     while not server.started:

@@ -106,7 +106,6 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     message.dist.probs.extend(proposal.dist_probs)
                 yield message
             m.propose_seconds.observe(spent[0])
-        m.sequences.set(len(self.engine.store))
 
     async def _propose_alone(self, request, settings: DraftSettings, spent: list[float]):
         """The drafter's own loop runs on the worker thread and hands each token to the event loop the
@@ -192,7 +191,6 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         m = metrics.draft()
         m.proposed_tokens.inc(len(tree.tokens))
         m.propose_seconds.observe(tree.compute_seconds)
-        m.sequences.set(len(self.engine.store))
         response = pb.ProposeTreeResponse(compute_seconds=tree.compute_seconds)
         response.tree.parents.extend(tree.parents)
         response.tree.tokens.extend(tree.tokens)
@@ -228,6 +226,7 @@ async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signal
     log.info("draft listening", port=server.port, drafter=config.drafter, model=config.model, metrics_port=metrics_port)
     engine, info = await server.loading(servicer.host.run(build_engine, config))
     engine.store.on_start = metrics.draft().sequences_started.inc
+    metrics.follow_store(engine.store, metrics.draft().sequences, metrics.draft().kv_usage)
     servicer.host.attach(engine, info)
     await server.mark_serving()
     log.info("draft serving", port=server.port)

@@ -3,7 +3,8 @@
 # when everything is there). Debian only; installs system packages, so it runs as root (or with sudo).
 #   1. Debian packages: gRPC Java and the runtime jars it does not pull in itself (protobuf-java,
 #      guava, netty, perfmark, gson, javax.annotation), protoc and its grpc-java plugin, a JDK if
-#      javac is missing, Node.js and npm if node is missing.
+#      javac is missing, Node.js and npm if node is missing; and Debian's prometheus package for its
+#      promtool, with which tests/test_monitoring.py loads and unit-tests the alert rules.
 #   2. npm ci in clients/node (skipped when node_modules matches package-lock.json).
 #   3. clients/java/build.sh (skips itself when the build is up to date).
 set -euo pipefail
@@ -35,6 +36,7 @@ command -v javac >/dev/null 2>&1 || missing+=(default-jdk-headless)
 if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
   missing+=(nodejs npm)
 fi
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 
 if [ "${#missing[@]}" -gt 0 ]; then
   SUDO=()

@@ -82,7 +82,6 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         m.batch_size.observe(result.batch_size)
         m.draft_tokens.inc(len(request.draft_tokens) + len(request.draft_tree.tokens))
         m.accepted_tokens.inc(result.accepted)
-        m.sequences.set(len(self.engine.store))
         response = pb.VerifyResponse(
             accepted=result.accepted,
             next_token=result.next_token,
@@ -134,6 +133,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
         eos_token_ids=engine.lm.eos_token_ids, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
     )
     engine.store.on_start = metrics.target().sequences_started.inc
+    metrics.follow_store(engine.store, metrics.target().sequences, metrics.target().kv_usage)
     servicer.host.attach(engine, info)
     await server.mark_serving()
     log.info("target serving", port=server.port, vocab_size=engine.lm.vocab_size)

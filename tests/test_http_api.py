@@ -13,6 +13,7 @@ import grpc
 import openai
 import pytest
 
+from coordinator.config import CoordinatorConfig
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from tests import tiny
@@ -173,12 +174,16 @@ def test_metrics_counters_match_response_statistics(env):
     def delta(name):
         return after.get(name, 0.0) - before.get(name, 0.0)
 
-    assert delta("specdec:spec_decode_num_steps_total") == totals["steps"]
-    assert delta("specdec:spec_decode_num_draft_tokens_total") == totals["draft"] > 0
-    assert delta("specdec:spec_decode_num_accepted_tokens_total") == totals["accepted"]
-    assert delta("specdec:generation_tokens_total") == totals["tokens"]
-    assert delta('specdec:spec_decode_num_accepted_tokens_per_pos_total{position="0"}') == totals["pos0"]
-    assert delta('specdec:request_success_total{finished_reason="length"}') + delta('specdec:request_success_total{finished_reason="eos"}') == 4
+    def ours(name, **labels):  # the coordinator's request metrics carry the model it serves; exposed sorted
+        labels["model_name"] = CoordinatorConfig().tokenizer
+        return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+
+    assert delta(ours("specdec:spec_decode_num_steps_total")) == totals["steps"]
+    assert delta(ours("specdec:spec_decode_num_draft_tokens_total")) == totals["draft"] > 0
+    assert delta(ours("specdec:spec_decode_num_accepted_tokens_total")) == totals["accepted"]
+    assert delta(ours("specdec:generation_tokens_total")) == totals["tokens"]
+    assert delta(ours("specdec:spec_decode_num_accepted_tokens_per_pos_total", position=0)) == totals["pos0"]
+    assert delta(ours("specdec:request_success_total", finished_reason="length")) + delta(ours("specdec:request_success_total", finished_reason="eos")) == 4
     # The target's own counters (same process in this test) saw the same draft tokens.
     assert delta("specdec:target_spec_decode_num_draft_tokens_total") == totals["draft"]
     assert any(re.match(r"specdec:time_to_first_token_seconds_count", k) for k in after)

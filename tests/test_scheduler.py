@@ -82,6 +82,31 @@ def test_queue_depth_is_reported_on_every_change():
     assert depths == [1, 2, 1, 0] and depths[-1] == 0
 
 
+def test_queue_time_is_the_wait_for_a_slot():
+    """What feeds specdec:request_queue_time_seconds: ~0 for a request that found a slot free, the
+    time until the running one ended for a queued one; nothing for a request cancelled while queued."""
+    waits = []
+    hold_s = 0.2
+
+    async def main():
+        admission = Admission(max_running=1, max_queue=3, on_admit=waits.append)
+
+        async def request(hold: float):
+            async with admission.slot():
+                await asyncio.sleep(hold)
+
+        first = asyncio.ensure_future(request(hold_s))
+        await asyncio.sleep(0)
+        cancelled, second = asyncio.ensure_future(request(0)), asyncio.ensure_future(request(0))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        await asyncio.gather(first, second)
+
+    asyncio.run(main())
+    assert len(waits) == 2
+    assert waits[0] < 0.05 and waits[1] >= hold_s - 0.01
+
+
 def test_draft_length_shrinks_as_the_batch_fills():
     admission = Admission(max_running=0, max_queue=0, verify_token_budget=16)
     caps = []

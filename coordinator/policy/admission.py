@@ -44,8 +44,9 @@ class Admission:
     """Not thread-safe: used from the coordinator's event loop only."""
 
     def __init__(self, max_running: int, max_queue: int, verify_token_budget: int = 8,
-                 on_queue: Callable[[int], None] | None = None):
-        """`on_queue(depth)` hears every change of the queue's length (the queue-depth gauge)."""
+                 on_queue: Callable[[int], None] | None = None, on_admit: Callable[[float], None] | None = None):
+        """`on_queue(depth)` hears every change of the queue's length (the queue-depth gauge);
+        `on_admit(seconds)` how long each admitted request waited for its slot (the queue-time histogram)."""
         if max_running < 0 or max_queue < 0 or verify_token_budget < 0:
             raise ValueError("max_running, max_queue and verify_token_budget must be >= 0")
         self.max_running, self.max_queue, self.budget = max_running, max_queue, verify_token_budget
@@ -53,6 +54,7 @@ class Admission:
         self._waiting: collections.deque[asyncio.Future] = collections.deque()
         self._mean_seconds = 5.0  # decayed mean request duration, for the retry hint
         self._on_queue = on_queue
+        self._on_admit = on_admit
 
     @property
     def queued(self) -> int:
@@ -61,6 +63,7 @@ class Admission:
     @contextlib.asynccontextmanager
     async def slot(self):
         """Holds a running slot for the body; waits in the queue for one, or raises Overloaded (see `busy`)."""
+        arrived = time.monotonic()
         if not self.max_running or (self.running < self.max_running and not self._waiting):
             self.running += 1
         elif len(self._waiting) < self.max_queue:
@@ -72,6 +75,8 @@ class Admission:
                 self.retry_after_s(),
             )
         start = time.monotonic()
+        if self._on_admit is not None:
+            self._on_admit(start - arrived)
         try:
             yield
         finally:

@@ -81,6 +81,10 @@ class SequenceStore:
         # Called once per sequence created (a prefill, or a re-fill after a loss): the services count
         # them, so a fleet shows which replica served which sequences and whether any was re-filled.
         self.on_start: Callable[[], object] = lambda: None
+        # Called with the number of sequences held after every change (a start, a release, an
+        # eviction, an idle expiry): the services' gauges follow it, so they fall back to 0 when
+        # the last sequence goes, not only when the next call happens to look.
+        self.on_change: Callable[[int], object] = lambda held: None
 
     def __len__(self) -> int:
         return len(self._sequences)
@@ -117,13 +121,15 @@ class SequenceStore:
     def release(self, sequence_id: str, retire: bool = True) -> bool:
         """Frees the sequence and retires its id (even if unseen: its first call may still be in flight)."""
         check_sequence_id(sequence_id)
-        if not retire:
-            return self._sequences.pop(sequence_id, None) is not None
-        self._retired[sequence_id] = None
-        self._retired.move_to_end(sequence_id)
-        while len(self._retired) > self.RETIRED_IDS:
-            self._retired.popitem(last=False)
-        return self._sequences.pop(sequence_id, None) is not None
+        if retire:
+            self._retired[sequence_id] = None
+            self._retired.move_to_end(sequence_id)
+            while len(self._retired) > self.RETIRED_IDS:
+                self._retired.popitem(last=False)
+        released = self._sequences.pop(sequence_id, None) is not None
+        if released:
+            self.on_change(len(self._sequences))
+        return released
 
     def _create(self, sequence_id: str) -> Sequence:
         if len(self._sequences) >= self.max_sequences:
@@ -135,6 +141,7 @@ class SequenceStore:
         self._sequences[sequence_id] = seq
         log.info("sequence started", sequence_id=sequence_id)
         self.on_start()
+        self.on_change(len(self._sequences))
         return seq
 
     def _expire_idle(self) -> None:
@@ -142,9 +149,13 @@ class SequenceStore:
         if self.idle_timeout_s <= 0:
             return
         deadline = time.monotonic() - self.idle_timeout_s
+        expired = False
         while self._sequences:
             oldest_id, oldest = next(iter(self._sequences.items()))
             if oldest.last_used >= deadline:
                 break
             del self._sequences[oldest_id]
+            expired = True
             log.info("expired idle sequence", sequence_id=oldest_id, idle_timeout_s=self.idle_timeout_s)
+        if expired:
+            self.on_change(len(self._sequences))
