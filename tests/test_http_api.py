@@ -13,7 +13,6 @@ import grpc
 import openai
 import pytest
 
-from coordinator.config import CoordinatorConfig
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from tests import tiny
@@ -175,7 +174,7 @@ def test_metrics_counters_match_response_statistics(env):
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     def ours(name, **labels):  # the coordinator's request metrics carry the model it serves; exposed sorted
-        labels["model_name"] = CoordinatorConfig().tokenizer
+        labels["model_name"] = "tiny"  # the fixture's --served-model-name
         return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
 
     assert delta(ours("specdec:spec_decode_num_steps_total")) == totals["steps"]
