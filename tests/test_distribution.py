@@ -343,7 +343,7 @@ class AcceptEverything(TargetEngine):
         if call.sampling.greedy or not gamma:
             return super()._verdict(call, logits, position)
         q = target_probs(logits[gamma], call.sampling)
-        return gamma, int(torch.multinomial(q, 1, generator=torch.Generator().manual_seed(call.sampling.seed + position)))
+        return gamma, int(torch.multinomial(q, 1, generator=torch.Generator().manual_seed(call.sampling.seed + position))), []
 
 
 class CutByOwnProbability(ModelDrafter):
