@@ -106,6 +106,15 @@ def usage_json(stats) -> dict:
             "total_tokens": stats.prompt_tokens + stats.completion_tokens}
 
 
+# JSON has no -Infinity, the log-probability of an alternative that top-k or top-p removed: it is
+# written as this floor, as OpenAI's API and vLLM write it.
+LOGPROB_FLOOR = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
 class Logprobs:
     """Turns the target's TokenLogprobs into OpenAI's two shapes (completions and chat)."""
 
@@ -120,16 +129,18 @@ class Logprobs:
             content = []
             for lp in logprobs:
                 text = self._text(lp.token_id)
-                tops = [{"token": (t := self._text(i)), "logprob": v, "bytes": list(t.encode("utf-8"))} for i, v in lp.top]
-                content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": tops})
+                tops = [{"token": (t := self._text(i)), "logprob": _logprob(v), "bytes": list(t.encode("utf-8"))} for i, v in lp.top]
+                content.append({"token": text, "logprob": _logprob(lp.logprob), "bytes": list(text.encode("utf-8")),
+                                "top_logprobs": tops})
             return {"content": content}
         tokens, offsets = [], []
         for lp in logprobs:
             tokens.append(self._text(lp.token_id))
             offsets.append(self.offset)
             self.offset += len(tokens[-1])
-        tops = [{self._text(i): v for i, v in lp.top} for lp in logprobs]
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops, "text_offset": offsets}
+        tops = [{self._text(i): _logprob(v) for i, v in lp.top} for lp in logprobs]
+        return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs], "top_logprobs": tops,
+                "text_offset": offsets}
 
 
 def _openapi(app: FastAPI) -> dict:

@@ -26,7 +26,7 @@ from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
 from specdec.serving import tls
 from specdec.errors import DeadlineExceeded, InvalidArgument, Overloaded, SpecdecError, Unavailable
-from specdec.serving.rpc import CLEANUP_S, Server, error_status, rpc_method
+from specdec.serving.rpc import CLEANUP_S, Server, add_parsing_servicer, error_status, rpc_method
 from specdec.serving.logs import bind_request
 from specdec.serving.wire import logprobs_to_proto
 from specdec.spec.sampling import TokenLogprob
@@ -327,7 +327,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, 
     interceptors = [TokenAuth(config.api_token, service_name)] if config.api_token else []
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
     server = Server(config.host, config.port, [service_name], interceptors=interceptors, credentials=credentials)
-    pb_grpc.add_CoordinatorServiceServicer_to_server(servicer, server.server)
+    add_parsing_servicer(servicer, server.server, pb.DESCRIPTOR.services_by_name["CoordinatorService"])
     servicer.drain = server.drain  # the HTTP API answers 503 while the gRPC server drains
     await server.start()
     metrics.coordinator()
