@@ -173,7 +173,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         """
         m = metrics.coordinator()
         try:
-            spec, stop = self._spec(request)
+            # Off the event loop: tokenizing a long prompt takes a while, and the loop serves every
+            # other request and /health meanwhile (the fast tokenizer's encode is thread-safe).
+            spec, stop = await asyncio.to_thread(self._spec, request)
             with self._admit(client):  # the per-client cap counts queued requests too
                 async with self.admission.slot():
                     REQUEST_DEADLINE.set(deadline)
@@ -373,7 +375,7 @@ async def start_http(servicer: CoordinatorServicer, config: CoordinatorConfig) -
 
     from coordinator.http import build_app
 
-    app = build_app(servicer, model_names=config.model_names(), api_token=config.api_token)
+    app = build_app(servicer, model_names=config.model_names(), api_token=config.api_token, max_body_bytes=config.max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
                                            log_config=None))  # uvicorn's own handlers would bypass the one log stream (logs.py)
     server.install_signal_handlers = lambda: None  # the gRPC server owns SIGTERM
