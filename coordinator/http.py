@@ -281,11 +281,19 @@ def build_app(servicer, model_names: list[str], api_token: str = "", max_body_by
 
     @app.get("/health")
     async def health():
-        """503 while loading and from SIGTERM on, like gRPC health: a load balancer stops sending here."""
+        """503 while loading, from SIGTERM on, and while the target cannot be reached, like gRPC
+        health: a load balancer stops sending here. The draft's state is in the body only: without a
+        draft the target decodes alone, slower but with the same output (coordinator/readiness.py)."""
         if _draining(servicer):
             return JSONResponse({"status": "draining"}, status_code=503)
-        ready = servicer.loop is not None
-        return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
+        if servicer.loop is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        backends = getattr(servicer, "backends", None)
+        if backends is None:
+            return JSONResponse({"status": "ok"})
+        if not backends.target_up:
+            return JSONResponse({"status": "target unavailable", **backends.status()}, status_code=503)
+        return JSONResponse({"status": "ok", **backends.status()})
 
     @app.get("/metrics")
     async def prometheus():

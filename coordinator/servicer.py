@@ -19,6 +19,7 @@ from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, releases_done
 from coordinator.policy.admission import Admission
+from coordinator.readiness import BackendHealth
 from coordinator.text import TextStream
 from coordinator.validate import generation_spec, token_matches
 from protos import specdec_pb2 as pb
@@ -128,6 +129,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.loop: SpeculativeLoop | None = None
         self.target_info = pb.ModelInfo()
         self.active: dict[str, int] = {}  # running requests per client
+        self.backends: BackendHealth | None = None  # whether the target (and draft) answer, once serving
         metrics.set_model_name(config.model_names()[0])  # the model id /v1/models reports first labels the request metrics
         self.admission = Admission(config.max_concurrent_requests, config.max_queue, config.verify_token_budget,
                                    on_queue=metrics.coordinator().waiting.set,  # specdec:num_requests_waiting
@@ -348,10 +350,16 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, 
     await server.mark_serving()
     log.info("coordinator serving", port=server.port, target_model=target_info.model,
              drafter=(draft_info.drafter or draft_info.model) if draft_info else None)
+    servicer.backends = BackendHealth(target.channel, draft.channel if isinstance(draft, DraftClient) else None,
+                                      on_target=lambda up: server.set_ready(service_name, up))
+    watch = asyncio.create_task(servicer.backends.watch())
     server.servicer = servicer  # lets tests and tools inspect the engine behind the server
     if ready is not None:
         ready.set_result(server)
-    await server.wait()
+    try:
+        await server.wait()
+    finally:
+        watch.cancel()
     await releases_done(CLEANUP_S)  # handlers cut twice leave their releases running on their own
 
 

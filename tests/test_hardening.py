@@ -5,19 +5,24 @@
 - Non-streaming requests whose clients disconnect, running or queued, are cancelled at once: the
   running count returns to 0 long before they would have finished, and neither service holds a
   sequence.
+- HTTP /health (and the coordinator's gRPC health for its service) says 503 / NOT_SERVING while the
+  target is down and ready again once it is back; a missing draft is reported but stays 200.
 Figures are printed; run with -s to see them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import gc
 import json
 import socket
 import time
 
+import grpc
 import httpx2
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 
 from tests import tiny
@@ -195,3 +200,64 @@ def test_abandoned_requests_are_cancelled_running_or_queued(env):
     # The coordinator still serves.
     response = post(env["client"], json.dumps({"prompt": "hello", "max_tokens": 3, "temperature": 0}).encode())
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+
+
+# --- readiness follows the target ---------------------------------------------------------------------
+
+
+def http_health(base: str) -> tuple[int, dict]:
+    response = httpx2.get(f"{base}/health", timeout=10)
+    return response.status_code, response.json()
+
+
+def grpc_health(address: str, service: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_health_follows_the_target_and_reports_the_draft(tmp_path):
+    target_model, draft_model = tiny.tiny_pair(seed=0)
+    target_path, draft_path = tiny.save(target_model, tmp_path / "target"), tiny.save(draft_model, tmp_path / "draft")
+    stack, stack_client = Stack(), None
+    try:
+        target_addr = stack.target(target_path)
+        draft_addr = stack.draft(drafter="model", model=draft_path)
+        coordinator = stack.coordinator(target_addr, draft_addr, tiny.byte_tokenizer(), http_port=0)
+        target_server, draft_server, server = stack.servers
+        base = f"http://127.0.0.1:{server.http.port}"
+        service = "specdec.v1.CoordinatorService"
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        assert http_health(base) == (200, {"status": "ok", "target": "ok", "draft": "ok"})
+        assert grpc_health(coordinator, service) == serving
+
+        def stop(backend) -> None:
+            asyncio.run_coroutine_threadsafe(backend.stop(0), stack.loop).result(timeout=30)
+
+        stop(target_server)
+        down = wait_for(lambda: http_health(base)[0] == 503, 10)
+        print(f"\ntarget stopped: /health 503 after {down}s")
+        assert down is not None, http_health(base)
+        assert http_health(base)[1]["status"] == "target unavailable"
+        assert grpc_health(coordinator, service) == not_serving
+        assert grpc_health(coordinator, "") == serving  # the process is alive: a liveness probe must not restart it
+
+        stack.target(target_path, port=int(target_addr.rsplit(":", 1)[1]))  # the target comes back on its port
+        up = wait_for(lambda: http_health(base)[0] == 200, 20)
+        print(f"target back: /health 200 after {up}s")
+        assert up is not None, http_health(base)
+        assert grpc_health(coordinator, service) == serving
+        client = stack_client = httpx2.Client(base_url=base, timeout=60)
+        response = post(client, json.dumps({"prompt": "hello", "max_tokens": 3, "temperature": 0}).encode())
+        assert response.status_code == 200, response.text
+
+        # Without its draft the coordinator still generates (the target alone): reported, still ready.
+        stop(draft_server)
+        assert wait_for(lambda: http_health(base)[1].get("draft") == "unavailable", 10) is not None, http_health(base)
+        assert http_health(base) == (200, {"status": "ok", "target": "ok", "draft": "unavailable"})
+        assert grpc_health(coordinator, service) == serving
+        assert post(client, json.dumps({"prompt": "hello", "max_tokens": 3, "temperature": 0}).encode()).status_code == 200
+    finally:
+        if stack_client is not None:
+            stack_client.close()
+        stack.stop()
+

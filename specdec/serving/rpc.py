@@ -299,6 +299,15 @@ class Server:
     async def mark_serving(self) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
 
+    async def set_ready(self, name: str, ready: bool) -> None:
+        """SERVING or NOT_SERVING for one service name while the server runs (the coordinator's, as
+        its target comes and goes). Ignored once shutdown started: a draining server stays NOT_SERVING."""
+        if self._stopping:
+            return
+        result = self.health.set(name, health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if inspect.isawaitable(result):
+            await result
+
     async def _set_all(self, status) -> None:
         for name in ["", *self.service_names]:
             result = self.health.set(name, status)
