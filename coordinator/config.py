@@ -66,6 +66,20 @@ class CoordinatorConfig:
     default_max_new_tokens: int = option(128, "max_new_tokens when a request leaves it unset.")
     max_prompt_tokens: int = option(
         32768, "Longest prompt accepted, in target tokens; the target's context (less one generated token) bounds it too.")
+    max_prompt_chars: int = option(
+        1_000_000,
+        "Longest text prompt (or chat messages' total) in characters, checked before tokenizing: tokenizing "
+        "costs time in proportion to the text, so a text far past --max-prompt-tokens is refused without "
+        "paying for it. The default is about 30 characters per token of the default --max-prompt-tokens, "
+        "several times the 3 to 5 that text averages, so in practice it refuses only prompts that could not "
+        "fit anyway; raise it with --max-prompt-tokens. 0: no limit.",
+    )
+    max_body_bytes: int = option(
+        16 * 1024 * 1024,
+        "Largest HTTP request body; a larger one gets 413 before it is read (Content-Length) or as soon as "
+        "it passes the limit (chunked). The default holds a prompt of --max-prompt-chars characters even "
+        "written as JSON escapes (up to 12 bytes a character), or --max-prompt-tokens token ids, with room to spare.",
+    )
     max_streams_per_client: int = option(
         64,
         "Concurrent requests one client (bearer token, else peer address) may have; past it "
@@ -104,9 +118,11 @@ class CoordinatorConfig:
     def __post_init__(self):
         if not 0 <= self.decode_ahead <= MAX_DECODE_AHEAD:
             raise ValueError(f"--decode-ahead must be in [0, {MAX_DECODE_AHEAD}], got {self.decode_ahead}")
-        for flag in ("max_concurrent_requests", "max_queue", "verify_token_budget", "target_retry_s"):
+        for flag in ("max_concurrent_requests", "max_queue", "verify_token_budget", "target_retry_s", "max_prompt_chars"):
             if getattr(self, flag) < 0:
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if not 0 <= self.tree_budget <= MAX_TREE_NODES:
             raise ValueError(f"--tree-budget must be in [0, {MAX_TREE_NODES}], got {self.tree_budget}")
         if not 1 <= self.tree_top_k <= MAX_TREE_TOP_K:

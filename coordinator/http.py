@@ -6,6 +6,11 @@ statistics serve both; speculation statistics ride along in each response under 
 Errors use OpenAI's envelope, {"error": {"message", "type", "param", "code"}}, with `param` the
 request's own field name, for every status this app returns (404 and 405 included).
 
+Bounded before any work: a body past --max-body-bytes is a 413 before it is read (or as it arrives,
+when chunked), and the prompt's length is checked before it is tokenized, off the event loop
+(coordinator/validate.py). A request whose client disconnects is cancelled at once, streamed or not,
+queued or running, so abandoned requests hold no running slot and no sequence.
+
 The request id is the client's `X-Request-Id` header when it sends one (else a fresh one): it is
 the id in the logs, the response's `id` ("cmpl-<id>") and its `X-Request-Id` header, so one id
 follows a request from the client through the coordinator to both services' logs.
@@ -13,11 +18,13 @@ follows a request from the client through the coordinator to both services' logs
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
 import uuid
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,11 +33,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from coordinator import openai_schema as schema
 from coordinator.validate import check_request_id, token_matches
 from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
+from specdec.serving.logs import bind_request
 from specdec.version import package_version as version
+
+T = TypeVar("T")
 
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 # status, OpenAI's error type, and the code when the error has none of its own
@@ -82,6 +93,81 @@ def invalid_body(exc: ValidationError) -> JSONResponse:
     return error(400, f"{param}: {first['msg']}", "invalid_request_error", "invalid_value", param)
 
 
+class BodyTooLarge(Exception):
+    """The request body is past --max-body-bytes."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"the request body is larger than {limit} bytes (--max-body-bytes)")
+
+
+async def read_body(raw: Request, limit: int) -> bytes:
+    """The body, at most `limit` bytes: refused from Content-Length before a byte is read, and for a
+    chunked body as soon as the bytes received pass the limit, so memory stays bounded either way."""
+    declared = raw.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit)
+    chunks, size = [], 0
+    try:
+        async for chunk in raw.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLarge(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return b"".join(chunks)
+
+
+def too_large(exc: BodyTooLarge, headers: dict[str, str] | None = None) -> JSONResponse:
+    return error(413, str(exc), "invalid_request_error", "request_too_large", "body", headers)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+def gone(headers: dict[str, str]) -> JSONResponse:
+    """The answer to a client that left: nobody reads it. 499 is nginx's "client closed request",
+    which keeps abandoned requests out of the server-error counts of whatever logs statuses."""
+    return error(499, "the client closed the connection; the request was cancelled", "invalid_request_error",
+                 "client_closed_request", headers=headers)
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns once the client has disconnected. After the body, the next ASGI message is
+    http.disconnect, which the server sends when the connection closes."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        await asyncio.sleep(0.1)  # nothing else is expected after the body; never spin on it
+
+
+async def unless_gone(raw: Request, work: Awaitable[T]) -> T:
+    """The result of `work`, run as a task that is cancelled if the client disconnects first (then
+    ClientGone). Cancelling unwinds the generation: it leaves the admission queue, or releases its
+    running slot and both services' sequences, so an abandoned request stops costing at once."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(raw))
+    try:
+        done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        if task not in done and watch.exception() is not None:  # the server cannot tell us: just wait
+            await asyncio.wait((task,))
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait((task,))  # let it release what it holds before the handler returns
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _first(steps):
+    return await steps.__anext__()
+
+
+async def _rest(steps) -> list:
+    return [chunk async for chunk in steps]
+
+
 def _draining(servicer) -> bool:
     drain = getattr(servicer, "drain", None)  # the gRPC server's Drain, set by serve()
     return bool(drain is not None and drain.draining)
@@ -106,6 +192,15 @@ def usage_json(stats) -> dict:
             "total_tokens": stats.prompt_tokens + stats.completion_tokens}
 
 
+# JSON has no -Infinity, the log-probability of an alternative that top-k or top-p removed: it is
+# written as this floor, as OpenAI's API and vLLM write it.
+LOGPROB_FLOOR = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
 class Logprobs:
     """Turns the target's TokenLogprobs into OpenAI's two shapes (completions and chat)."""
 
@@ -120,16 +215,18 @@ class Logprobs:
             content = []
             for lp in logprobs:
                 text = self._text(lp.token_id)
-                tops = [{"token": (t := self._text(i)), "logprob": v, "bytes": list(t.encode("utf-8"))} for i, v in lp.top]
-                content.append({"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": tops})
+                tops = [{"token": (t := self._text(i)), "logprob": _logprob(v), "bytes": list(t.encode("utf-8"))} for i, v in lp.top]
+                content.append({"token": text, "logprob": _logprob(lp.logprob), "bytes": list(text.encode("utf-8")),
+                                "top_logprobs": tops})
             return {"content": content}
         tokens, offsets = [], []
         for lp in logprobs:
             tokens.append(self._text(lp.token_id))
             offsets.append(self.offset)
             self.offset += len(tokens[-1])
-        tops = [{self._text(i): v for i, v in lp.top} for lp in logprobs]
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs], "top_logprobs": tops, "text_offset": offsets}
+        tops = [{self._text(i): _logprob(v) for i, v in lp.top} for lp in logprobs]
+        return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs], "top_logprobs": tops,
+                "text_offset": offsets}
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -161,15 +258,16 @@ def _openapi(app: FastAPI) -> dict:
     return doc
 
 
-def build_app(servicer, model_names: list[str], api_token: str = "") -> FastAPI:
+def build_app(servicer, model_names: list[str], api_token: str = "", max_body_bytes: int = 16 * 1024 * 1024) -> FastAPI:
     """`servicer` is the CoordinatorServicer: its `_generate` runs requests, its readiness gates
-    /health. `model_names`: the ids /v1/models lists and requests may name (the first is shown)."""
+    /health. `model_names`: the ids /v1/models lists and requests may name (the first is shown).
+    `max_body_bytes`: the largest request body read (413 past it)."""
     app = FastAPI(title="specdec", version=version(),
                   description="OpenAI-compatible completions over speculative decoding (specdec).")
     app.openapi = lambda: _openapi(app)
     started = int(time.time())
     _error_handlers(app)
-    _token_routes(app, servicer)
+    _token_routes(app, servicer, max_body_bytes)
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -183,11 +281,19 @@ def build_app(servicer, model_names: list[str], api_token: str = "") -> FastAPI:
 
     @app.get("/health")
     async def health():
-        """503 while loading and from SIGTERM on, like gRPC health: a load balancer stops sending here."""
+        """503 while loading, from SIGTERM on, and while the target cannot be reached, like gRPC
+        health: a load balancer stops sending here. The draft's state is in the body only: without a
+        draft the target decodes alone, slower but with the same output (coordinator/readiness.py)."""
         if _draining(servicer):
             return JSONResponse({"status": "draining"}, status_code=503)
-        ready = servicer.loop is not None
-        return JSONResponse({"status": "ok" if ready else "loading"}, status_code=200 if ready else 503)
+        if servicer.loop is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        backends = getattr(servicer, "backends", None)
+        if backends is None:
+            return JSONResponse({"status": "ok"})
+        if not backends.target_up:
+            return JSONResponse({"status": "target unavailable", **backends.status()}, status_code=503)
+        return JSONResponse({"status": "ok", **backends.status()})
 
     @app.get("/metrics")
     async def prometheus():
@@ -206,11 +312,11 @@ def build_app(servicer, model_names: list[str], api_token: str = "") -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        return await _complete(servicer, raw, schema.CompletionRequest, model_names)
+        return await _complete(servicer, raw, schema.CompletionRequest, model_names, max_body_bytes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        return await _complete(servicer, raw, schema.ChatCompletionRequest, model_names)
+        return await _complete(servicer, raw, schema.ChatCompletionRequest, model_names, max_body_bytes)
 
     return app
 
@@ -231,21 +337,27 @@ def _error_handlers(app: FastAPI) -> None:
         param = _location(tuple(p for p in first["loc"] if p != "body"))
         return error(400, f"{param}: {first['msg']}", "invalid_request_error", "invalid_value", param)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        return gone({})
+
     @app.exception_handler(Exception)
     async def server_error(request: Request, exc: Exception):
         return error(500, f"internal error: {type(exc).__name__}", "server_error", "internal_error")
 
 
-def _token_routes(app: FastAPI, servicer) -> None:
+def _token_routes(app: FastAPI, servicer, max_body_bytes: int) -> None:
     """vLLM's /tokenize and /detokenize: what a prompt costs in target tokens, before sending it."""
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
         """The prompt's target token ids, as /v1/completions (`prompt`) or the chat (`messages`) would send them."""
         try:
-            body = TokenizeRequest.model_validate_json(await raw.body())
+            body = TokenizeRequest.model_validate_json(await read_body(raw, max_body_bytes))
             request = schema.to_generate_request(body.as_request(), "tokenize")
-            ids = servicer.prompt_ids(request)
+            ids = await asyncio.to_thread(servicer.prompt_ids, request)  # tokenizing is work: off the event loop
+        except BodyTooLarge as exc:
+            return too_large(exc)
         except ValidationError as exc:
             return invalid_body(exc)
         except SpecdecError as exc:
@@ -255,9 +367,11 @@ def _token_routes(app: FastAPI, servicer) -> None:
     @app.post("/detokenize")
     async def detokenize(raw: Request):
         try:
-            body = DetokenizeRequest.model_validate_json(await raw.body())
+            body = DetokenizeRequest.model_validate_json(await read_body(raw, max_body_bytes))
             if servicer.tokenizer is None:
                 raise Unavailable("the coordinator is still loading its tokenizer")
+        except BodyTooLarge as exc:
+            return too_large(exc)
         except ValidationError as exc:
             return invalid_body(exc)
         except SpecdecError as exc:
@@ -283,8 +397,10 @@ class DetokenizeRequest(schema.Strict):
     tokens: list[schema.TokenId]
 
 
-async def _complete(servicer, raw: Request, model: type[BaseModel], model_names: list[str]):
-    """One completion: validated and run by the servicer's `_generate`, as a gRPC request is."""
+async def _complete(servicer, raw: Request, model: type[BaseModel], model_names: list[str], max_body_bytes: int):
+    """One completion: validated and run by the servicer's `_generate`, as a gRPC request is. Until
+    its response starts, the generation runs in tasks cancelled if the client leaves (`unless_gone`);
+    a streamed response is cancelled by starlette when the client leaves after that."""
     request_id = raw.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
     headers = {"X-Request-Id": request_id}
     if _draining(servicer):  # as the gRPC Drain interceptor refuses new calls with UNAVAILABLE
@@ -292,7 +408,8 @@ async def _complete(servicer, raw: Request, model: type[BaseModel], model_names:
     chat = model is schema.ChatCompletionRequest
     try:
         check_request_id(request_id)
-        body = model.model_validate_json(await raw.body())
+        bind_request(request_id)  # here, so the tasks the generation runs in all log with the id
+        body = model.model_validate_json(await read_body(raw, max_body_bytes))
         if body.model is not None and body.model not in model_names:
             return error(404, f"The model `{body.model}` does not exist (served: {', '.join(model_names)}).",
                          "invalid_request_error", "model_not_found", "model", headers)
@@ -300,11 +417,15 @@ async def _complete(servicer, raw: Request, model: type[BaseModel], model_names:
         token = raw.headers.get("authorization", "")
         client = f"token:{hash(token)}" if token else f"peer:{raw.client.host if raw.client else '?'}"
         steps = servicer._generate(request, client)
-        first = await steps.__anext__()  # validation errors surface here, before any bytes are sent
+        first = await unless_gone(raw, _first(steps))  # validation errors surface here, before any bytes are sent
+    except BodyTooLarge as exc:
+        return too_large(exc, headers)
     except ValidationError as exc:
         return invalid_body(exc)
     except SpecdecError as exc:
         return failed(exc, headers)
+    except ClientGone:
+        return gone(headers)
     echo = ""
     if not chat and body.echo:
         echo = request.text or servicer.tokenizer.decode(list(request.token_ids.ids))
@@ -314,13 +435,13 @@ async def _complete(servicer, raw: Request, model: type[BaseModel], model_names:
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(reply.events(first, steps, usage), media_type="text/event-stream", headers=headers)
-    chunks = [first]
     try:
-        async for chunk in steps:
-            chunks.append(chunk)
+        rest = await unless_gone(raw, _rest(steps))
     except SpecdecError as exc:
         return failed(exc, headers)
-    return JSONResponse(reply.whole(chunks), headers=headers)
+    except ClientGone:
+        return gone(headers)
+    return JSONResponse(reply.whole([first, *rest]), headers=headers)
 
 
 class Reply:

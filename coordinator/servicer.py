@@ -19,6 +19,7 @@ from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, releases_done
 from coordinator.policy.admission import Admission
+from coordinator.readiness import BackendHealth
 from coordinator.text import TextStream
 from coordinator.validate import generation_spec, token_matches
 from protos import specdec_pb2 as pb
@@ -26,7 +27,7 @@ from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
 from specdec.serving import tls
 from specdec.errors import DeadlineExceeded, InvalidArgument, Overloaded, SpecdecError, Unavailable
-from specdec.serving.rpc import CLEANUP_S, Server, error_status, rpc_method
+from specdec.serving.rpc import CLEANUP_S, Server, add_parsing_servicer, error_status, rpc_method
 from specdec.serving.logs import bind_request
 from specdec.serving.wire import logprobs_to_proto
 from specdec.spec.sampling import TokenLogprob
@@ -128,6 +129,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.loop: SpeculativeLoop | None = None
         self.target_info = pb.ModelInfo()
         self.active: dict[str, int] = {}  # running requests per client
+        self.backends: BackendHealth | None = None  # whether the target (and draft) answer, once serving
         metrics.set_model_name(config.model_names()[0])  # the model id /v1/models reports first labels the request metrics
         self.admission = Admission(config.max_concurrent_requests, config.max_queue, config.verify_token_budget,
                                    on_queue=metrics.coordinator().waiting.set,  # specdec:num_requests_waiting
@@ -173,7 +175,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         """
         m = metrics.coordinator()
         try:
-            spec, stop = self._spec(request)
+            # Off the event loop: tokenizing a long prompt takes a while, and the loop serves every
+            # other request and /health meanwhile (the fast tokenizer's encode is thread-safe).
+            spec, stop = await asyncio.to_thread(self._spec, request)
             with self._admit(client):  # the per-client cap counts queued requests too
                 async with self.admission.slot():
                     REQUEST_DEADLINE.set(deadline)
@@ -327,7 +331,7 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, 
     interceptors = [TokenAuth(config.api_token, service_name)] if config.api_token else []
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
     server = Server(config.host, config.port, [service_name], interceptors=interceptors, credentials=credentials)
-    pb_grpc.add_CoordinatorServiceServicer_to_server(servicer, server.server)
+    add_parsing_servicer(servicer, server.server, pb.DESCRIPTOR.services_by_name["CoordinatorService"])
     servicer.drain = server.drain  # the HTTP API answers 503 while the gRPC server drains
     await server.start()
     metrics.coordinator()
@@ -346,10 +350,16 @@ async def serve(config: CoordinatorConfig, ready: asyncio.Future | None = None, 
     await server.mark_serving()
     log.info("coordinator serving", port=server.port, target_model=target_info.model,
              drafter=(draft_info.drafter or draft_info.model) if draft_info else None)
+    servicer.backends = BackendHealth(target.channel, draft.channel if isinstance(draft, DraftClient) else None,
+                                      on_target=lambda up: server.set_ready(service_name, up))
+    watch = asyncio.create_task(servicer.backends.watch())
     server.servicer = servicer  # lets tests and tools inspect the engine behind the server
     if ready is not None:
         ready.set_result(server)
-    await server.wait()
+    try:
+        await server.wait()
+    finally:
+        watch.cancel()
     await releases_done(CLEANUP_S)  # handlers cut twice leave their releases running on their own
 
 
@@ -373,7 +383,7 @@ async def start_http(servicer: CoordinatorServicer, config: CoordinatorConfig) -
 
     from coordinator.http import build_app
 
-    app = build_app(servicer, model_names=config.model_names(), api_token=config.api_token)
+    app = build_app(servicer, model_names=config.model_names(), api_token=config.api_token, max_body_bytes=config.max_body_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
                                            log_config=None))  # uvicorn's own handlers would bypass the one log stream (logs.py)
     server.install_signal_handlers = lambda: None  # the gRPC server owns SIGTERM

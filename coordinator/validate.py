@@ -35,7 +35,7 @@ def generation_spec(request: Request, config: CoordinatorConfig, tokenizer, targ
     raises InvalidArgument naming the first bad field."""
     # A prompt must leave room for one generated token in the target's context.
     limit = min(config.max_prompt_tokens, target.max_context - 1) if target.max_context else config.max_prompt_tokens
-    prompt_ids = prompt_tokens(request, tokenizer, target.vocab_size, limit)
+    prompt_ids = prompt_tokens(request, tokenizer, target.vocab_size, limit, config.max_prompt_chars)
     max_new = max_new_tokens(request, config, len(prompt_ids), target.max_context)
     sampling, seeded = sampling_config(request.sampling)
     draft_length, adaptive, tree = speculation(request.speculation, config)
@@ -65,7 +65,8 @@ def generation_spec(request: Request, config: CoordinatorConfig, tokenizer, targ
 def _text_ids(request: Request, tokenizer, vocab: int) -> Sequence[int]:
     if not request.text:
         raise InvalidArgument("text", "the prompt is empty")
-    return tokenizer(request.text, add_special_tokens=False)["input_ids"]
+    # Only the ids: each other list (attention mask, type ids) costs a pass holding the GIL on a long prompt.
+    return tokenizer(request.text, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
 
 
 def _token_ids(request: Request, tokenizer, vocab: int) -> Sequence[int]:
@@ -93,12 +94,26 @@ def _chat_ids(request: Request, tokenizer, vocab: int) -> Sequence[int]:
 PROMPTS: dict[str, Callable[[Request, Any, int], Sequence[int]]] = {"text": _text_ids, "token_ids": _token_ids, "chat": _chat_ids}
 
 
-def prompt_tokens(request: Request, tokenizer, vocab: int, limit: int) -> list[int]:
-    """The prompt in the target's token ids: at least one, at most `limit`."""
+def check_prompt_chars(request: Request, which: str, max_chars: int) -> None:
+    """Refuses a text or chat prompt longer than `max_chars` (0: no limit) before it is tokenized:
+    tokenizing takes time in proportion to the text, and a text this long cannot be within the
+    token limit, so the work would be wasted (--max-prompt-chars)."""
+    if not max_chars or which not in ("text", "chat"):
+        return
+    chars = len(request.text) if which == "text" else sum(len(m.content) for m in request.chat.messages)
+    if chars > max_chars:
+        field = "text" if which == "text" else "chat.messages"
+        raise InvalidArgument(field, f"the prompt has {chars} characters, more than the limit of {max_chars}", "context_length_exceeded")
+
+
+def prompt_tokens(request: Request, tokenizer, vocab: int, limit: int, max_chars: int = 0) -> list[int]:
+    """The prompt in the target's token ids: at least one, at most `limit`; a text or chat prompt
+    at most `max_chars` characters (0: no limit), checked first."""
     which = request.WhichOneof("prompt")
     encode = PROMPTS.get(which or "")
     if encode is None:
         raise InvalidArgument("prompt", "set one of text, token_ids or chat")
+    check_prompt_chars(request, which, max_chars)
     ids = [int(t) for t in encode(request, tokenizer, vocab)]
     if not ids:
         raise InvalidArgument(which, "the prompt has no tokens")

@@ -616,3 +616,29 @@ def test_regression_sequence_ids_and_lengths(env):
     rejected(lambda: target.Verify(pb.VerifyRequest(sequence_id="r5"), timeout=30), "append_tokens")
     rejected(lambda: draft.Propose(pb.ProposeRequest(sequence_id="r5", max_tokens=2), timeout=30), "append_tokens")
     assert len(env["stack"].servers[0].servicer.engine.store) == held
+
+
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+@pytest.mark.parametrize("payload", [b"\xff\xff\xff", b"\x0a\x02\xff\xfe"], ids=["not-protobuf", "text-not-utf8"])
+def test_regression_undecodable_requests_are_invalid_argument(env, method, payload):
+    # Was UNKNOWN ("Unexpected DecodeError"): gRPC parsed the bytes before any handler ran. The
+    # second payload is a request whose `text` (field 1: tag 0x0a, length 2) is not UTF-8.
+    streaming = method == "GenerateStream"
+    request_cls = pb.GenerateStreamRequest if streaming else pb.GenerateRequest
+    with grpc.insecure_channel(env["addresses"]["coordinator"]) as channel:
+        make = channel.unary_stream if streaming else channel.unary_unary
+        rpc = make(f"/specdec.v1.CoordinatorService/{method}", request_serializer=None, response_deserializer=None)
+
+        def call(data: bytes):
+            result = rpc(data, timeout=30)
+            return list(result) if streaming else result
+
+        with pytest.raises(grpc.RpcError) as info:
+            call(payload)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert info.value.details().startswith("request:") and request_cls.DESCRIPTOR.full_name in info.value.details()
+        violations = error_details_pb2.BadRequest()
+        rpc_status.from_call(info.value).details[0].Unpack(violations)
+        assert violations.field_violations[0].field == "request"
+        # The same raw method with a well-formed request still generates.
+        assert call(request_cls(text="hi", max_new_tokens=2).SerializeToString())

@@ -16,7 +16,8 @@ from collections.abc import Callable, Iterable
 
 import grpc
 import structlog
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, message_factory
+from google.protobuf.message import DecodeError
 from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -91,6 +92,59 @@ def rpc_method(method: Callable) -> Callable:
             raise
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
+
+    return unary
+
+
+def add_parsing_servicer(servicer, server: grpc.aio.Server, service) -> None:
+    """Registers `servicer`'s methods for `service` (a ServiceDescriptor) with requests handed over as
+    bytes and parsed here. With the generated registration, gRPC parses them before any handler runs
+    and answers UNKNOWN ("Unexpected DecodeError") to bytes that are not the message, or a string
+    field that is not UTF-8; that is the client's mistake, so here it is INVALID_ARGUMENT naming
+    `request`, mapped by `_abort` like every other error. Unary and server-streaming methods only:
+    the public services have no others."""
+    handlers = {}
+    for method in service.methods:
+        if method.client_streaming:
+            raise ValueError(f"{method.full_name}: client streaming is not supported here")
+        request_cls = message_factory.GetMessageClass(method.input_type)
+        response_cls = message_factory.GetMessageClass(method.output_type)
+        behaviour = _parsed(getattr(servicer, method.name), request_cls, method.server_streaming)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(behaviour, request_deserializer=None, response_serializer=response_cls.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
+def parse_request(data: bytes, request_cls):
+    """`data` as a `request_cls` message; InvalidArgument("request") when it is not one."""
+    try:
+        return request_cls.FromString(data)
+    except DecodeError:
+        raise InvalidArgument("request", f"cannot be parsed as a {request_cls.DESCRIPTOR.full_name} (malformed bytes, "
+                                         "or a string field that is not valid UTF-8)") from None
+
+
+def _parsed(behaviour: Callable, request_cls, streaming: bool) -> Callable:
+    if streaming:
+        async def stream(data, context):
+            try:
+                request = parse_request(data, request_cls)
+            except InvalidArgument as exc:
+                await _abort(context, exc)  # raises AbortError
+            else:
+                async for item in behaviour(request, context):
+                    yield item
+
+        return stream
+
+    async def unary(data, context):
+        try:
+            request = parse_request(data, request_cls)
+        except InvalidArgument as exc:
+            await _abort(context, exc)  # raises AbortError
+        else:
+            return await behaviour(request, context)
 
     return unary
 
@@ -244,6 +298,15 @@ class Server:
 
     async def mark_serving(self) -> None:
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    async def set_ready(self, name: str, ready: bool) -> None:
+        """SERVING or NOT_SERVING for one service name while the server runs (the coordinator's, as
+        its target comes and goes). Ignored once shutdown started: a draining server stays NOT_SERVING."""
+        if self._stopping:
+            return
+        result = self.health.set(name, health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING)
+        if inspect.isawaitable(result):
+            await result
 
     async def _set_all(self, status) -> None:
         for name in ["", *self.service_names]:
