@@ -145,6 +145,9 @@ class Drain(grpc.aio.ServerInterceptor):
         return counted
 
     def _stream(self, behaviour):
+        if not inspect.isasyncgenfunction(behaviour):  # a handler that writes with context.write and returns
+            return self._unary(behaviour)
+
         async def counted(request, context):
             await self._enter(context)
             try:
