@@ -81,13 +81,28 @@ class CoordinatorConfig:
         "written as JSON escapes (up to 12 bytes a character), or --max-prompt-tokens token ids, with room to spare.",
     )
     max_streams_per_client: int = option(
-        64,
-        "Concurrent requests one client (bearer token, else peer address) may have; past it "
-        "RESOURCE_EXHAUSTED. 0: no limit.",
+        0,
+        "Concurrent requests (running and queued) one client may have; past it RESOURCE_EXHAUSTED. A client is "
+        "its --client-id-header value when set, else its IP address (the port left out): never the bearer "
+        "token, which every client of --api-token shares and anyone can make up. 0: --max-concurrent-requests "
+        "(no limit when that is 0), so no client holds more than the running slots.",
+    )
+    client_id_header: str = option(
+        "",
+        "Request header (HTTP) and metadata key (gRPC) naming the client for --max-streams-per-client, e.g. "
+        "x-client-id. Only for a gateway in front that sets it on every request (and drops a client's own): "
+        "anyone reaching the coordinator directly can send any value. Requests without it count by IP "
+        "address. Empty: by IP address.",
     )
     max_concurrent_requests: int = option(
         32,
         "Requests running at once (each is a row of the target's batch); more wait in the queue. 0: no limit.",
+    )
+    stream_stall_timeout_s: float = option(
+        30.0,
+        "End a GenerateStream whose next message could not be written for this long (a client that stopped "
+        "reading: flow control holds the write) with CANCELLED, freeing its running slot and its sequences; "
+        "0: wait up to the request's deadline.",
     )
     max_queue: int = option(64, "Requests waiting for a running slot; past it RESOURCE_EXHAUSTED at once, with a retry-after hint.")
     verify_token_budget: int = option(
@@ -118,8 +133,9 @@ class CoordinatorConfig:
     def __post_init__(self):
         if not 0 <= self.decode_ahead <= MAX_DECODE_AHEAD:
             raise ValueError(f"--decode-ahead must be in [0, {MAX_DECODE_AHEAD}], got {self.decode_ahead}")
-        for flag in ("max_concurrent_requests", "max_queue", "verify_token_budget", "target_retry_s", "max_prompt_chars"):
-            if getattr(self, flag) < 0:
+        for flag in ("max_concurrent_requests", "max_queue", "verify_token_budget", "target_retry_s", "max_streams_per_client",
+                     "stream_stall_timeout_s", "max_prompt_chars"):
+            if not getattr(self, flag) >= 0:  # NaN too
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
@@ -128,6 +144,12 @@ class CoordinatorConfig:
         if not 1 <= self.tree_top_k <= MAX_TREE_TOP_K:
             raise ValueError(f"--tree-top-k must be in [1, {MAX_TREE_TOP_K}], got {self.tree_top_k}")
         self.parsed_tree_shape()  # raises for a malformed shape
+        if self.client_id_header and not all(c.isascii() and (c.isalnum() or c in "-_.") for c in self.client_id_header):
+            raise ValueError(f"--client-id-header must be a header name (letters, digits, '-', '_', '.'), got {self.client_id_header!r}")
+
+    def streams_per_client(self) -> int:
+        """The per-client cap in force (0: none): --max-streams-per-client, else the running slots."""
+        return self.max_streams_per_client or self.max_concurrent_requests
 
     def model_names(self) -> list[str]:
         """The ids the HTTP API serves (--served-model-name, else --tokenizer), the first one shown."""

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from coordinator import openai_schema as schema
+from coordinator.policy.admission import client_key
 from coordinator.validate import check_request_id, token_matches
 from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
 from specdec.serving.logs import bind_request
@@ -414,8 +415,8 @@ async def _complete(servicer, raw: Request, model: type[BaseModel], model_names:
             return error(404, f"The model `{body.model}` does not exist (served: {', '.join(model_names)}).",
                          "invalid_request_error", "model_not_found", "model", headers)
         request = schema.to_generate_request(body, request_id)
-        token = raw.headers.get("authorization", "")
-        client = f"token:{hash(token)}" if token else f"peer:{raw.client.host if raw.client else '?'}"
+        id_header = servicer.config.client_id_header
+        client = client_key(raw.client.host if raw.client else "?", raw.headers.get(id_header, "") if id_header else "")
         steps = servicer._generate(request, client)
         first = await unless_gone(raw, _first(steps))  # validation errors surface here, before any bytes are sent
     except BodyTooLarge as exc:

@@ -493,10 +493,14 @@ class SpeculativeLoop:
         for i in range(accepted):
             stats.accepted_per_position[i] += 1
         policy.observe(depth, accepted)
-        # Only steady-state steps (one catch-up token) describe the per-step costs; a prefill does not,
-        # nor an exchange that decoded ahead (its compute spans several forwards, its wire one exchange).
-        if self.cost_model is not None and appended <= 1 and not verdict.decoded:
-            self.cost_model.observe(depth, draft.compute_seconds, drafted + 1, verdict.compute_seconds, verify_wire,
+        # Only steady-state steps (one catch-up token) describe the per-step costs; a prefill does not.
+        # An exchange that decoded ahead (it drafted nothing) ran one single-position forward per
+        # token: it is a reading of V(1), and its wire is one exchange's. Leaving those out left
+        # V(1) unmeasured whenever every ask of an n-gram draft was cut to nothing, since each such
+        # step decodes ahead: the estimates that made the cut could then never change.
+        if self.cost_model is not None and appended <= 1:
+            forwards = 1 + len(verdict.decoded)
+            self.cost_model.observe(depth, draft.compute_seconds, drafted + 1, verdict.compute_seconds / forwards, verify_wire,
                                     draft_wire if asked else None)
 
     async def _release(self, sequence_id: str) -> None:

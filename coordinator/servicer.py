@@ -18,7 +18,7 @@ from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
 from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, releases_done
-from coordinator.policy.admission import Admission
+from coordinator.policy.admission import Admission, client_key, grpc_peer_host
 from coordinator.readiness import BackendHealth
 from coordinator.text import TextStream
 from coordinator.validate import generation_spec, token_matches
@@ -97,12 +97,13 @@ def record_request(m: metrics.CoordinatorMetrics, stats: Stats) -> None:
         m.decode_time.observe(stats.total_seconds - stats.time_to_first_token_seconds)
 
 
-def client_of(context) -> tuple[str, float | None]:
-    """(who is calling, their deadline as a time.monotonic() value or None)."""
-    metadata = dict(context.invocation_metadata() or ())
-    token = metadata.get("authorization", "")
-    peer = context.peer() or ""
-    who = f"token:{hash(token)}" if token else "peer:" + peer.rsplit(":", 1)[0]
+def client_of(context, id_header: str = "") -> tuple[str, float | None]:
+    """(who is calling, as coordinator/policy/admission.py's `client_key` names clients; their
+    deadline as a time.monotonic() value or None). `id_header`: --client-id-header."""
+    client_id = ""
+    if id_header:
+        client_id = str(dict(context.invocation_metadata() or ()).get(id_header.lower(), ""))
+    who = client_key(grpc_peer_host(context.peer() or ""), client_id)
     remaining = context.time_remaining()
     return who, (time.monotonic() + remaining if remaining is not None else None)
 
@@ -156,9 +157,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
     @contextlib.contextmanager
     def _admit(self, client: str):
         """Caps one client's concurrent requests, so no single client can take every slot."""
-        limit = self.config.max_streams_per_client
+        limit = self.config.streams_per_client()
         if limit and self.active.get(client, 0) >= limit:
-            raise Overloaded(f"this client already has {limit} requests running (max_streams_per_client); retry after one finishes")
+            raise Overloaded(f"this client already has {limit} requests running or queued (max_streams_per_client); "
+                             "retry after one finishes")
         self.active[client] = self.active.get(client, 0) + 1
         try:
             yield
@@ -240,7 +242,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         pieces: list[str] = []
         logprobs: list = []
         try:
-            async for chunk in self._generate(request, *client_of(context)):
+            async for chunk in self._generate(request, *client_of(context, self.config.client_id_header)):
                 token_ids.extend(chunk.tokens)
                 pieces.append(chunk.text)
                 logprobs.extend(chunk.logprobs)
@@ -252,17 +254,51 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
 
     @rpc_method
     async def GenerateStream(self, request: pb.GenerateStreamRequest, context):
+        """Writes each message with context.write under --stream-stall-timeout-s instead of yielding
+        it: a client that stops reading fills gRPC's flow-control window and a yield then waits,
+        for as long as the client's deadline, holding a running slot and both services' sequences
+        while the target idles. Two such streams under --max-concurrent-requests 2 made another
+        client's request fail DEADLINE_EXCEEDED."""
+        send = StreamWriter(context, self.config.stream_stall_timeout_s)
         try:
-            async for chunk in self._generate(request, *client_of(context)):
-                request_id = chunk.spec.request_id
-                if chunk.tokens or chunk.text:
-                    yield pb.GenerateStreamResponse(request_id=request_id, token_ids=chunk.tokens, text=chunk.text,
-                                                    logprobs=logprobs_to_proto(chunk.logprobs))
-                if chunk.finish:
-                    yield pb.GenerateStreamResponse(request_id=request_id, finish_reason=FINISH_REASONS[chunk.finish],
-                                                    stats=stats_proto(chunk.stats))
+            async with contextlib.aclosing(self._generate(request, *client_of(context, self.config.client_id_header))) as chunks:
+                async for chunk in chunks:
+                    request_id = chunk.spec.request_id
+                    if chunk.tokens or chunk.text:
+                        await send(pb.GenerateStreamResponse(request_id=request_id, token_ids=chunk.tokens, text=chunk.text,
+                                                             logprobs=logprobs_to_proto(chunk.logprobs)))
+                    if chunk.finish:
+                        await send(pb.GenerateStreamResponse(request_id=request_id, finish_reason=FINISH_REASONS[chunk.finish],
+                                                             stats=stats_proto(chunk.stats)))
         except Overloaded as exc:
             await abort_overloaded(context, exc)
+        except ClientStalled:
+            metrics.coordinator().failures.labels(ClientStalled.code.name).inc()
+            raise
+
+
+class ClientStalled(SpecdecError):
+    """A streaming client stopped reading: its next message waited past --stream-stall-timeout-s."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class StreamWriter:
+    """Writes a server stream's messages, each within `timeout_s` (0: no bound)."""
+
+    def __init__(self, context, timeout_s: float):
+        self.context, self.timeout_s = context, timeout_s
+
+    async def __call__(self, message) -> None:
+        if not self.timeout_s:
+            await self.context.write(message)
+            return
+        try:
+            await asyncio.wait_for(self.context.write(message), self.timeout_s)
+        except TimeoutError:
+            log.warning("ending a stream whose client stopped reading", stall_timeout_s=self.timeout_s)
+            raise ClientStalled(f"the client stopped reading: a message waited {self.timeout_s:g}s to be written "
+                                "(--stream-stall-timeout-s)") from None
 
 
 async def abort_overloaded(context, exc: Overloaded) -> None:

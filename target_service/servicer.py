@@ -140,7 +140,10 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     server.servicer = servicer  # lets tests and tools inspect the engine behind the server
     if ready is not None:
         ready.set_result(server)
+    sweep = servicer.host.sweep_idle(engine.store)  # frees what a vanished coordinator left, with no call to trigger it
     try:
         await server.wait()
     finally:
+        if sweep is not None:
+            sweep.cancel()
         servicer.batcher.close()

@@ -157,3 +157,36 @@ def test_asking_the_draft_costs_only_the_steps_that_draft():
     assert costs.draft_per_ask == pytest.approx(0.002, rel=0.1) and costs.wire_per_step == pytest.approx(0.001, rel=0.1)
     assert costs.step_seconds(0) == pytest.approx(0.026, rel=0.05)
     assert costs.step_seconds(2) == pytest.approx(0.002 + 0.030 + 0.001, rel=0.05)
+
+
+def test_a_burst_of_batched_readings_gives_way_to_single_stream_ones():
+    """A fresh coordinator whose first steps were batched (a burst of streams) read V(1) several
+    times a single stream's, the very first reading a pass padded to another row's prefill. Those
+    readings fixed the seconds of the untried V(n > 1) for good, so once single streams measured
+    their own V(1), V(2) stood many times above it and no proposal was worth verifying again."""
+    model = CostModel(NGRAM_DRAFT_PRIOR)
+    model.observe(drafted=0, draft_seconds=0.0, verified=1, verify_seconds=0.200, wire_seconds=0.001)  # padded to a prefill
+    for _ in range(200):  # ten rows a pass
+        model.observe(drafted=0, draft_seconds=0.0, verified=1, verify_seconds=0.050, wire_seconds=0.001)
+    for _ in range(150):  # one stream, and nothing drafted: two or three requests
+        model.observe(drafted=0, draft_seconds=0.0, verified=1, verify_seconds=0.010, wire_seconds=0.001, ask_seconds=0.0001)
+    costs = model.costs()
+    assert costs.verify[0] == pytest.approx(0.010, rel=0.1)
+    prior_jump = NGRAM_DRAFT_PRIOR.verify[1] / NGRAM_DRAFT_PRIOR.verify[0]
+    assert costs.verify[1] / costs.verify[0] == pytest.approx(prior_jump, rel=0.1)  # the prior's shape at today's scale
+    assert best_prefix([0.9, 0.8, 0.7], costs) == 3  # a strong match is worth verifying again
+
+
+def test_lengths_measured_only_in_a_burst_age_back_to_the_prior_shape():
+    """With no load cap (--verify-token-budget 0) a burst measures V(n > 1) too, in batched passes.
+    Kept until a draft of the same length was timed again, those readings outweighed the single
+    streams' V(1) for good; aged by every step observed, they give way."""
+    model = CostModel(NGRAM_DRAFT_PRIOR)
+    for _ in range(100):
+        for n in (1, 3, 5):
+            model.observe(drafted=n - 1, draft_seconds=0.0, verified=n, verify_seconds=0.060 + 0.010 * n, wire_seconds=0.001)
+    for _ in range(250):
+        model.observe(drafted=0, draft_seconds=0.0, verified=1, verify_seconds=0.010, wire_seconds=0.001)
+    costs = model.costs()
+    assert costs.verify[0] == pytest.approx(0.010, rel=0.1)
+    assert costs.verify[4] / costs.verify[0] == pytest.approx(NGRAM_DRAFT_PRIOR.verify[4] / NGRAM_DRAFT_PRIOR.verify[0], rel=0.1)

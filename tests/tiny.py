@@ -65,3 +65,19 @@ def one_layer_target(seed: int = 0) -> LlamaForCausalLM:
     model.generation_config.eos_token_id = EOS
     model.generation_config.pad_token_id = EOS
     return model
+
+
+def looping_target(layers: int = 2, hidden: int = 512, seed: int = 0) -> LlamaForCausalLM:
+    """A target whose greedy text soon loops, so prompt lookup (the n-gram drafter) is right nearly
+    always once a loop has begun: its attention outputs are zeroed, so each next token depends on
+    the current token alone. Wider than the other tiny models, so that a forward's cost grows with
+    the positions it computes (a batch padded to a prefill costs far more than one token), as a
+    real target's does; at width 64 the Python around the forward dominates."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(layers=layers, hidden=hidden)).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    model.generation_config.eos_token_id = EOS
+    model.generation_config.pad_token_id = EOS
+    return model

@@ -30,6 +30,26 @@ from specdec.errors import Overloaded
 MIN_RETRY_S, MAX_RETRY_S = 0.05, 60.0
 
 
+def client_key(host: str, client_id: str = "") -> str:
+    """Whom a request counts against for --max-streams-per-client, over gRPC and HTTP alike: the id
+    the operator's gateway sent in --client-id-header when there is one, else the caller's IP
+    address. Not the bearer token: with --api-token every client sends the same one, so all shared
+    one cap, and without it any made-up Authorization value was a fresh client."""
+    return f"id:{client_id}" if client_id else f"peer:{host}"
+
+
+def grpc_peer_host(peer: str) -> str:
+    """The address of a gRPC peer without its port: 'ipv4:10.0.0.7:54321' -> '10.0.0.7',
+    'ipv6:[::1]:54321' -> '::1'; anything else ('unix:/run/s.sock') as it is. One client opens a
+    connection (so a port) per channel: counting ports would count its channels, not the client."""
+    kind, _, address = peer.partition(":")
+    if kind == "ipv4":
+        return address.rsplit(":", 1)[0]
+    if kind == "ipv6":
+        return address.rsplit(":", 1)[0].removeprefix("[").removesuffix("]")
+    return peer
+
+
 def busy(message: str, retry_after_s: float) -> Overloaded:
     """RESOURCE_EXHAUSTED with how long the client should wait before trying again.
 

@@ -99,7 +99,7 @@ class SequenceStore:
             raise InvalidArgument("known_len", f"must be >= 0, got {known_len}")
         if known_len == 0 and not append:
             raise InvalidArgument("append_tokens", "a sequence sent from the start (known_len=0) needs at least one token")
-        self._expire_idle()
+        self.expire_idle()
         seq = self._sequences.get(sequence_id)
         if known_len == 0:
             if seq is None and sequence_id in self._retired:
@@ -144,18 +144,21 @@ class SequenceStore:
         self.on_change(len(self._sequences))
         return seq
 
-    def _expire_idle(self) -> None:
-        """Frees sequences a vanished coordinator left behind."""
+    def expire_idle(self) -> int:
+        """Frees sequences a vanished coordinator left behind; returns how many. Every sync runs it,
+        and the services also run it on a timer (specdec/serving/rpc.py, `expire_idle_sequences`),
+        since after the last coordinator is gone no sync comes to run it."""
         if self.idle_timeout_s <= 0:
-            return
+            return 0
         deadline = time.monotonic() - self.idle_timeout_s
-        expired = False
+        expired = 0
         while self._sequences:
             oldest_id, oldest = next(iter(self._sequences.items()))
             if oldest.last_used >= deadline:
                 break
             del self._sequences[oldest_id]
-            expired = True
+            expired += 1
             log.info("expired idle sequence", sequence_id=oldest_id, idle_timeout_s=self.idle_timeout_s)
         if expired:
             self.on_change(len(self._sequences))
+        return expired

@@ -199,6 +199,9 @@ class Drain(grpc.aio.ServerInterceptor):
         return counted
 
     def _stream(self, behaviour):
+        if not inspect.isasyncgenfunction(behaviour):  # a handler that writes with context.write and returns
+            return self._unary(behaviour)
+
         async def counted(request, context):
             await self._enter(context)
             try:
@@ -376,6 +379,11 @@ def run_service(main, event_loop: str = "uvloop"):
     return asyncio.run(main)
 
 
+# The longest wait between two sweeps for idle sequences: a short --idle-timeout-s is swept every
+# quarter of itself, the default 600 s at most this late.
+MAX_SWEEP_INTERVAL_S = 30.0
+
+
 class EngineHost:
     """What the draft and target servicers share: an engine that arrives after the server starts,
     and one worker thread that runs every model call in arrival order, off the event loop.
@@ -412,6 +420,26 @@ class EngineHost:
         if self._engine is None:
             raise Unavailable(f"the {self.role} model is still loading")
         return self._engine
+
+    def sweep_idle(self, store) -> asyncio.Task | None:
+        """Expires `store`'s idle sequences on a timer until the returned task is cancelled (None:
+        the store has no idle timeout). The store expires them on every sync too, but a coordinator
+        that was SIGKILLed sends no more calls: its sequences, 10 in the target and 4 in the draft
+        (46 MiB), stayed until some other call came. The sweep runs on the worker, in line with the
+        model calls, since the store is not thread-safe."""
+        if store.idle_timeout_s <= 0:
+            return None
+        interval = min(store.idle_timeout_s / 4, MAX_SWEEP_INTERVAL_S)
+
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    await self.run(store.expire_idle)
+                except Exception:  # noqa: BLE001 - the next sweep tries again; the calls' own expiry still runs
+                    log.exception("idle sweep failed")
+
+        return asyncio.get_running_loop().create_task(sweep(), name=f"{self.role}-idle-sweep")
 
     async def run(self, fn, *args):
         future = self.executor.submit(fn, *args)

@@ -82,20 +82,32 @@ NGRAM_DRAFT_PRIOR = Costs(draft_per_token=0.002, verify=cost_curve(1.0, 1.2, 0.0
 class CostModel:
     """Running estimates of step costs from every step of every request (thread-safe).
 
-    Each quantity is a decayed mean seeded with the prior at weight `prior_weight`; V(n) is kept per
-    n, since its shape (the 1 -> 2 jump on CPUs) is what decides whether drafting pays at all.
+    Each quantity is a decayed mean of its readings, pulled towards the prior at weight
+    `prior_weight`; V(n) is kept per n, since its shape (the 1 -> 2 jump on CPUs) is what decides
+    whether drafting pays at all. The priors are in units of one target token, so they are read in
+    seconds at the current `unit`: the scale that best fits the recent V(n) readings to the
+    prior's shape. Every reading of V ages with every step observed, not only with its own cell's.
+
+    Why both: a fresh coordinator whose first requests came as a burst of 10 streams drafted
+    nothing for minutes after. Its first timed steps were batched, so V(1) came out several times
+    a single stream's, and that one reading fixed the seconds of every prior for good: V(n > 1)
+    stayed at the prior times the burst's V(1) until a draft of that length was measured, and
+    next to the V(1) of single streams, drafting never paid, so none ever was. Readings kept per
+    cell until their own cell is observed again have the same flaw for V(n) measured in a burst
+    (--verify-token-budget 0). Aged, they give way to the prior's shape at today's scale, which is
+    what lets the policy try drafting, and measure it, again.
     """
 
     def __init__(self, prior: Costs, decay: float = 0.97, prior_weight: float = 2.0):
         self.prior = prior
         self.decay = decay
+        self.prior_weight = prior_weight
         self._lock = threading.Lock()
-        w = prior_weight
-        self._draft = [prior.draft_per_token * w, w]  # [decayed seconds, decayed tokens]
-        self._wire = [prior.wire_per_step * w, w]  # [decayed seconds, decayed steps]
-        self._ask = [prior.draft_per_ask * w, w]  # [decayed seconds, decayed asks]
-        self._verify = [[v * w, w] for v in prior.verify]  # per n: [decayed seconds, decayed count]
-        self._scaled = False
+        # Readings only, each [decayed seconds, decayed weight]; the priors join them in costs().
+        self._draft = [0.0, 0.0]  # per draft token
+        self._wire = [0.0, 0.0]  # per target exchange
+        self._ask = [0.0, 0.0]  # per draft exchange
+        self._verify = [[0.0, 0.0] for _ in prior.verify]  # per n new positions
         # Most draft tokens a request may verify per step under the current load (set by the
         # coordinator's scheduler: coordinator/policy/admission.py); None: no load cap.
         self.draft_cap: Callable[[], int] | None = None
@@ -104,27 +116,35 @@ class CostModel:
                 ask_seconds: float | None = None) -> None:
         """One step: `wire_seconds` the target exchange's, `ask_seconds` the draft exchange's round
         trip (wall minus the draft's compute) when the step asked the draft, else None."""
+        d = self.decay
         with self._lock:
-            if not self._scaled:
-                # The priors are in target-token units; the first timed step gives the unit in seconds.
-                self._rescale(verify_seconds / self.prior.verify[verified - 1])
             if drafted:
-                self._draft = [self._draft[0] * self.decay + draft_seconds, self._draft[1] * self.decay + drafted]
+                self._draft = [self._draft[0] * d + draft_seconds, self._draft[1] * d + drafted]
             if ask_seconds is not None:
-                self._ask = [self._ask[0] * self.decay + ask_seconds, self._ask[1] * self.decay + 1]
+                self._ask = [self._ask[0] * d + ask_seconds, self._ask[1] * d + 1]
+            for cell in self._verify:
+                cell[0], cell[1] = cell[0] * d, cell[1] * d
             cell = self._verify[min(verified, MAX_VERIFY_POSITIONS) - 1]
-            cell[0], cell[1] = cell[0] * self.decay + verify_seconds, cell[1] * self.decay + 1
-            self._wire = [self._wire[0] * self.decay + wire_seconds, self._wire[1] * self.decay + 1]
+            cell[0], cell[1] = cell[0] + verify_seconds, cell[1] + 1
+            self._wire = [self._wire[0] * d + wire_seconds, self._wire[1] * d + 1]
 
-    def _rescale(self, unit: float) -> None:
-        for cell in (self._draft, self._wire, self._ask, *self._verify):
-            cell[0] *= unit
-        self._scaled = True
+    def _unit(self) -> float:
+        """Seconds per prior unit: the weighted fit of the V readings to the prior's shape (1 before any)."""
+        seconds = sum(cell[0] for cell in self._verify)
+        units = sum(cell[1] * v for cell, v in zip(self._verify, self.prior.verify))
+        return seconds / units if units > 0 and seconds > 0 else 1.0
 
     def costs(self) -> Costs:
         with self._lock:
-            verify = monotone([seconds / count for seconds, count in self._verify], [count for _, count in self._verify])
-            return Costs(self._draft[0] / self._draft[1], tuple(verify), self._wire[0] / self._wire[1], self._ask[0] / self._ask[1])
+            unit, w = self._unit(), self.prior_weight
+
+            def mean(cell: list[float], prior: float) -> float:
+                return (cell[0] + prior * unit * w) / (cell[1] + w)
+
+            verify = monotone([mean(cell, v) for cell, v in zip(self._verify, self.prior.verify)],
+                              [cell[1] + w for cell in self._verify])
+            return Costs(mean(self._draft, self.prior.draft_per_token), tuple(verify),
+                         mean(self._wire, self.prior.wire_per_step), mean(self._ask, self.prior.draft_per_ask))
 
 
 def best_prefix(confidence: list[float], costs: Costs) -> int:

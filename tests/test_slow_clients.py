@@ -1,0 +1,197 @@
+"""Clients that stop reading, and whom the per-client cap counts.
+
+A GenerateStream client that never reads fills gRPC's flow-control window; the coordinator's next
+write then waits. It used to wait (holding a running slot and both services' sequences, with the
+target idle) until the client's deadline. The stalled clients here open their streams on channels
+that announce a small window and never grow it, so the window fills after a few dozen messages
+instead of after 64 KiB or more; one message per token (no decoding ahead) makes many messages.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import pytest
+
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from tests import tiny
+from tests.stack import Stack
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# A receive window of 1 KiB that BDP probing does not enlarge: a client that reads nothing stalls its
+# stream after about twenty 50-byte messages.
+STALLING = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+LONG = 480  # tokens: within the tiny models' 512 positions, far more messages than the window holds
+
+
+@pytest.fixture(scope="module")
+def target_path(tmp_path_factory):
+    target, _ = tiny.tiny_pair(seed=0)
+    return tiny.save(target, tmp_path_factory.mktemp("slow") / "target")
+
+
+def long_stream(address: str, client_id: str = "", authorization: str = "", timeout: float = 60.0):
+    """A GenerateStream nobody reads, and its channel (closed by the caller)."""
+    channel = grpc.insecure_channel(address, options=STALLING)
+    metadata = [(k, v) for k, v in (("x-client-id", client_id), ("authorization", authorization)) if v]
+    call = pb_grpc.CoordinatorServiceStub(channel).GenerateStream(
+        pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_new_tokens=LONG, ignore_eos=True),
+        timeout=timeout, metadata=metadata)
+    return call, channel
+
+
+def short(client_id: str = "", authorization: str = "") -> tuple[pb.GenerateRequest, list]:
+    metadata = [(k, v) for k, v in (("x-client-id", client_id), ("authorization", authorization)) if v]
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), max_new_tokens=8), metadata
+
+
+def wait_for(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def outcome(call) -> tuple[grpc.StatusCode, str, int]:
+    """Reads the stream to its end: (status, details, messages received)."""
+    received = 0
+    try:
+        for _ in call:
+            received += 1
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or "", received
+    return grpc.StatusCode.OK, "", received
+
+
+def test_streams_whose_clients_stopped_reading_give_their_slots_back(target_path):
+    stack = Stack()
+    channels = []
+    try:
+        target = stack.target(target_path)
+        coordinator = stack.coordinator(target, "", tiny.byte_tokenizer(), max_concurrent_requests=2, decode_ahead=0,
+                                        stream_stall_timeout_s=1.0, client_id_header="x-client-id")
+        held = stack.servers[0].servicer.engine.store
+        stalled = []
+        for i in range(2):
+            call, channel = long_stream(coordinator, client_id=f"stopped-reading-{i}")
+            stalled.append(call)
+            channels.append(channel)
+        assert wait_for(lambda: len(held) == 2, 10), "the two streams never ran"
+        started = time.monotonic()
+        request, metadata = short(client_id="reads-its-answers")
+        answer = stack.client(coordinator).Generate(request, timeout=15, metadata=metadata)  # queued behind the two
+        waited = time.monotonic() - started
+        ends = [outcome(call) for call in stalled]
+        print(f"\ntwo streams that stopped reading, 2 running slots, 1 s stall timeout: a third client's request "
+              f"answered after {waited:.1f}s; the stalled streams ended {[(c.name, n) for c, _, n in ends]}")
+        assert len(answer.token_ids) == 8
+        for code, details, received in ends:
+            assert code == grpc.StatusCode.CANCELLED and "stopped reading" in details
+            assert received < LONG, "the stream was never stalled"
+        assert wait_for(lambda: len(held) == 0, 10), "the stalled streams' sequences were not released"
+    finally:
+        for channel in channels:
+            channel.close()
+        stack.stop()
+
+
+def test_the_per_client_cap_counts_clients_not_bearer_tokens(target_path):
+    """Keyed by the Authorization header, every client of --api-token shared one cap, and without
+    a token any made-up value was a client of its own. The streams held here stall (no reading, no
+    stall timeout), so each holds its place for as long as the test needs."""
+    stack = Stack()
+    channels, calls = [], []
+    try:
+        target = stack.target(target_path)
+        by_peer = stack.coordinator(target, "", tiny.byte_tokenizer(), max_streams_per_client=1, decode_ahead=0,
+                                    stream_stall_timeout_s=0)
+        by_header = stack.coordinator(target, "", tiny.byte_tokenizer(), max_streams_per_client=1, decode_ahead=0,
+                                      stream_stall_timeout_s=0, client_id_header="X-Client-Id")
+        running = [server.servicer.admission for server in stack.servers[1:]]
+
+        call, channel = long_stream(by_peer, authorization="Bearer made-up-1")
+        calls.append(call)
+        channels.append(channel)
+        assert wait_for(lambda: running[0].running == 1, 10)
+        request, metadata = short(authorization="Bearer made-up-2")
+        with pytest.raises(grpc.RpcError) as refused:
+            stack.client(by_peer).Generate(request, timeout=15, metadata=metadata)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, "another made-up token bypassed the cap"
+
+        call, channel = long_stream(by_header, client_id="alice")
+        calls.append(call)
+        channels.append(channel)
+        assert wait_for(lambda: running[1].running == 1, 10)
+        request, metadata = short(client_id="bob")
+        assert len(stack.client(by_header).Generate(request, timeout=15, metadata=metadata).token_ids) == 8
+        request, metadata = short(client_id="alice")
+        with pytest.raises(grpc.RpcError) as refused:
+            stack.client(by_header).Generate(request, timeout=15, metadata=metadata)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()
+        stack.stop()
+
+
+def post(url: str, client_id: str) -> int:
+    """The status of a small completion sent with a made-up bearer token as `client_id`."""
+    request = urllib.request.Request(url, method="POST", data=json.dumps({"prompt": "hello", "max_tokens": 4}).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": "Bearer made-up-2",
+                                              "x-client-id": client_id})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_http_requests_count_against_the_same_clients(target_path):
+    """The HTTP API names clients with the same function: a made-up Authorization header is no
+    new client there either, and --client-id-header separates clients."""
+    stack = Stack()
+    channels, calls = [], []
+    try:
+        target = stack.target(target_path)
+        stack.coordinator(target, "", tiny.byte_tokenizer(), max_streams_per_client=1, decode_ahead=0,
+                          stream_stall_timeout_s=0, client_id_header="x-client-id", http_port=0)
+        server = stack.servers[-1]
+        address, url = f"127.0.0.1:{server.port}", f"http://127.0.0.1:{server.http.port}/v1/completions"
+        call, channel = long_stream(address, client_id="alice", authorization="Bearer made-up-1")
+        calls.append(call)
+        channels.append(channel)
+        assert wait_for(lambda: server.servicer.admission.running == 1, 10)
+        assert post(url, client_id="alice") == 429
+        assert post(url, client_id="bob") == 200
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()
+        stack.stop()
+
+
+def test_one_client_holds_no_more_than_the_running_slots_by_default():
+    """The cap used to default to 64 beside 32 running slots: one client could hold every slot and
+    queue more. By default it now follows --max-concurrent-requests; a value set wins."""
+    from coordinator.config import CoordinatorConfig
+    from coordinator.policy.admission import client_key, grpc_peer_host
+
+    assert CoordinatorConfig().streams_per_client() == CoordinatorConfig().max_concurrent_requests
+    assert CoordinatorConfig(max_concurrent_requests=2).streams_per_client() == 2
+    assert CoordinatorConfig(max_concurrent_requests=2, max_streams_per_client=5).streams_per_client() == 5
+    assert CoordinatorConfig(max_concurrent_requests=0).streams_per_client() == 0  # no limit on either
+    with pytest.raises(ValueError):
+        CoordinatorConfig(client_id_header="x client id")
+    # gRPC peers and HTTP hosts name the same client: the address without the port
+    assert client_key(grpc_peer_host("ipv4:10.0.0.7:54321")) == client_key("10.0.0.7") != client_key("10.0.0.8")
+    assert grpc_peer_host("ipv6:[::1]:54321") == "::1"
+    assert client_key("10.0.0.7", "alice") != client_key("10.0.0.7", "bob")
