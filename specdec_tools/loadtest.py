@@ -456,7 +456,9 @@ def run(args: argparse.Namespace) -> dict:
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.speculation]
     stack = None
     if not (args.address or args.http):
-        caps = ["--max-concurrent-requests", str(args.max_concurrent_requests), "--max-queue", str(args.max_queue)]
+        # The load generator is one client that stands for many: it may fill the running slots and the queue.
+        caps = ["--max-concurrent-requests", str(args.max_concurrent_requests), "--max-queue", str(args.max_queue),
+                "--max-streams-per-client", str(args.max_concurrent_requests + args.max_queue)]
         stack = LocalStack(target, args.drafter, workdir / "logs", caps, args.target_flags.split(), api_token=args.api_token.strip())
     secret = {"api_token", "levels"}  # the token stays out of the report
     report: dict = {"config": {k: v for k, v in vars(args).items() if k not in secret} | {"levels": args.levels, "target": target,

@@ -42,7 +42,8 @@ def env(tmp_path_factory):
     target_addr = stack.target(tiny.save(target, folder / "target"))
     draft_addr = stack.draft(drafter="model", model=tiny.save(draft, folder / "draft"))
     stack.coordinator(target_addr, draft_addr, tiny.byte_tokenizer(), http_port=0, served_model_name="tiny",
-                      max_body_bytes=BIG_CAP, max_concurrent_requests=RUNNING, max_queue=64)
+                      max_body_bytes=BIG_CAP, max_concurrent_requests=RUNNING, max_queue=64,
+                      max_streams_per_client=64)  # every test client is one peer (127.0.0.1): no per-client cap here
     server = stack.servers[-1]
     base = f"http://127.0.0.1:{server.http.port}"
     # This process runs the servers and the test clients: what holds its GIL stalls them all. A client's

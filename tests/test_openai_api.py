@@ -46,7 +46,7 @@ def env(tmp_path_factory):
     base = f"http://127.0.0.1:{stack.servers[-1].http.port}"
     # A second coordinator with one running slot and one queue place, for the queue and 429 tests.
     stack.coordinator(target_addr, draft_addr, tiny.byte_tokenizer(), http_port=0, served_model_name=MODEL,
-                      max_concurrent_requests=1, max_queue=1)
+                      max_concurrent_requests=1, max_queue=1, max_streams_per_client=8)  # one test peer fills slot and queue
     small = stack.servers[-1]
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
     yield {"base": base, "client": client, "target": target, "stack": stack, "small": small, "grpc": grpc_addr}

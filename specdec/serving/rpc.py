@@ -128,13 +128,18 @@ def parse_request(data: bytes, request_cls):
 def _parsed(behaviour: Callable, request_cls, streaming: bool) -> Callable:
     if streaming:
         async def stream(data, context):
+            """A coroutine that writes: a method may be an async generator, or a coroutine that
+            writes with context.write itself (to bound each write, as GenerateStream does)."""
             try:
                 request = parse_request(data, request_cls)
             except InvalidArgument as exc:
                 await _abort(context, exc)  # raises AbortError
+            result = behaviour(request, context)
+            if inspect.isasyncgen(result):
+                async for item in result:
+                    await context.write(item)
             else:
-                async for item in behaviour(request, context):
-                    yield item
+                await result
 
         return stream
 
