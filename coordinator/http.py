@@ -123,6 +123,18 @@ def too_large(exc: BodyTooLarge, headers: dict[str, str] | None = None) -> JSONR
     return error(413, str(exc), "invalid_request_error", "request_too_large", "body", headers)
 
 
+REFUSALS = (BodyTooLarge, ValidationError, SpecdecError)  # what a request is refused for before it runs
+
+
+def refused(exc: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
+    """One of REFUSALS as its response: 413, 400 for a body that is not the model, or its SpecdecError's status."""
+    if isinstance(exc, BodyTooLarge):
+        return too_large(exc, headers)
+    if isinstance(exc, ValidationError):
+        return invalid_body(exc)
+    return failed(exc, headers)
+
+
 class ClientGone(Exception):
     """The HTTP client disconnected before its response was ready."""
 
@@ -357,12 +369,8 @@ def _token_routes(app: FastAPI, servicer, max_body_bytes: int) -> None:
             body = TokenizeRequest.model_validate_json(await read_body(raw, max_body_bytes))
             request = schema.to_generate_request(body.as_request(), "tokenize")
             ids = await asyncio.to_thread(servicer.prompt_ids, request)  # tokenizing is work: off the event loop
-        except BodyTooLarge as exc:
-            return too_large(exc)
-        except ValidationError as exc:
-            return invalid_body(exc)
-        except SpecdecError as exc:
-            return failed(exc)
+        except REFUSALS as exc:
+            return refused(exc)
         return {"tokens": ids, "count": len(ids), "max_model_len": servicer.target_info.max_context or None}
 
     @app.post("/detokenize")
@@ -371,12 +379,8 @@ def _token_routes(app: FastAPI, servicer, max_body_bytes: int) -> None:
             body = DetokenizeRequest.model_validate_json(await read_body(raw, max_body_bytes))
             if servicer.tokenizer is None:
                 raise Unavailable("the coordinator is still loading its tokenizer")
-        except BodyTooLarge as exc:
-            return too_large(exc)
-        except ValidationError as exc:
-            return invalid_body(exc)
-        except SpecdecError as exc:
-            return failed(exc)
+        except REFUSALS as exc:
+            return refused(exc)
         return {"prompt": servicer.tokenizer.decode(body.tokens)}
 
 
@@ -419,12 +423,8 @@ async def _complete(servicer, raw: Request, model: type[BaseModel], model_names:
         client = client_key(raw.client.host if raw.client else "?", raw.headers.get(id_header, "") if id_header else "")
         steps = servicer._generate(request, client)
         first = await unless_gone(raw, _first(steps))  # validation errors surface here, before any bytes are sent
-    except BodyTooLarge as exc:
-        return too_large(exc, headers)
-    except ValidationError as exc:
-        return invalid_body(exc)
-    except SpecdecError as exc:
-        return failed(exc, headers)
+    except REFUSALS as exc:
+        return refused(exc, headers)
     except ClientGone:
         return gone(headers)
     echo = ""
