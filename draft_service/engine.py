@@ -322,6 +322,8 @@ class DrafterInfo:
     device: str = ""
     dtype: str = ""
     needs_features: bool = False
+    weights: str = ""  # what the forward reads the weights as (--weights); empty without weights (n-gram)
+    weight_bytes: int = 0
 
 
 def _lm_info(config: DraftConfig, drafter, kind: str, **overrides) -> DrafterInfo:
@@ -342,6 +344,7 @@ def _load_model_drafter(config: DraftConfig):
     loaded = load_model(config.model, config.device, config.dtype)
     lm = CausalLM(loaded.model, loaded.device)
     drafter = ModelDrafter(lm, config.top_k, staged=config.staged)
+    drafter.source = loaded.path  # where --weights gguf finds the file's blocks
     if config.target_tokenizer:
         from draft_service.drafters.other_vocab import build_cross_drafter
 
@@ -375,9 +378,12 @@ def build_engine(config: DraftConfig) -> tuple[DraftEngine, DrafterInfo]:
     off the event loop)."""
     drafter, info = build_drafter(config)
     model = getattr(getattr(drafter, "lm", None), "model", None)
-    if isinstance(model, torch.nn.Module) and config.packed_gemm_rows:  # a model draft: its decode steps are 1-row GEMMs
+    if isinstance(model, torch.nn.Module):  # a model draft: its decode steps are 1-row GEMMs
         parameter = next(model.parameters())
-        gemm.apply(model, parameter.device, parameter.dtype, config.packed_gemm_rows, gemm.DEFAULT_MIN_ROWS)
+        packed = gemm.apply(model, parameter.device, parameter.dtype, config.packed_gemm_rows, gemm.DEFAULT_MIN_ROWS,
+                            config.weights, getattr(drafter, "source", None))
+        info = dataclasses.replace(info, weights=packed.weights if packed else str(parameter.dtype).removeprefix("torch."),
+                                   weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(model))
     engine = DraftEngine(drafter, config.max_sequences, config.idle_timeout_s)
     engine.warm_up()
     return engine, info

@@ -225,7 +225,7 @@ class TargetServiceGetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "device", "dtype", "drafter", "needs_features")
+    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "device", "dtype", "drafter", "needs_features", "weights", "weight_bytes")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,8 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -242,7 +244,9 @@ class ModelInfo(_message.Message):
     dtype: str
     drafter: str
     needs_features: bool
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., drafter: _Optional[str] = ..., needs_features: _Optional[bool] = ...) -> None: ...
+    weights: str
+    weight_bytes: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., drafter: _Optional[str] = ..., needs_features: _Optional[bool] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("start", "rows", "dim", "data")

@@ -10,7 +10,11 @@ Configurations, all on the same prompts, models and machine (results and their h
                   verified in one target pass, in one process; tree-grpc[...]: the first budget over gRPC
   staged          the model draft at fixed lengths, itself speculated by an n-gram index (--staged)
 `specdec bench --overlap` is a separate comparison: sequential against overlapped speculation with
-the draft and the target pinned to separate cores (specdec_tools/bench_overlap.py).
+the draft and the target pinned to separate cores (specdec_tools/bench_overlap.py); `specdec bench
+--kernel` times each weight format's linear layers against the memory's bandwidth (bench_kernel.py).
+With --weights (fp32, bf16, f16, int8, q4, gguf; several comma-separated) each format gets its own
+specdec rows, checked against that format with speculation off and compared with fp32's tokens;
+llama.cpp (plain and prompt lookup, on the target's GGUF file) joins where llama-cpp-python is installed.
 After the main table, "chain vs tree vs staged" puts each model draft's best chain (the most tokens
 per target pass of its fixed-length and adaptive chains) beside its trees and staged runs.
 Repetitions are interleaved (rep 1 of every configuration, then rep 2, ...) so drift on a shared
@@ -40,6 +44,7 @@ import uuid
 import torch
 
 from specdec.model import gemm
+from specdec.model.formats import FORMATS
 from specdec_tools import flags
 from specdec_tools import plan as planlib
 from specdec_tools.stacks import Stack, draft_config
@@ -64,6 +69,8 @@ class Options:
     tree_budgets: tuple[int, ...] = (16, 32)
     tree_top_k: int = 8
     staged: bool = True
+    weights: tuple[str, ...] = ("fp32",)  # --weights formats of the target; the first one also serves the gRPC rows
+    llamacpp: bool = True  # llama.cpp rows on the target's GGUF, where llama-cpp-python is installed
 
 
 @dataclasses.dataclass
@@ -76,6 +83,7 @@ class Configuration:
     hops: int = 0  # network round trips per step (the analytic model's RTT term)
     runner: object = None  # callable(prompt_ids) -> Sample
     note: str = ""
+    weights: str = "fp32"  # what the target's kernel reads its weights as ("gguf:Q4_1" for llama.cpp's rows)
 
 
 @dataclasses.dataclass
@@ -249,12 +257,12 @@ class GrpcStack(Stack):
     """`specdec serve` target, draft(s) and coordinator(s) as child processes on loopback ports."""
 
     def __init__(self, target: str, drafters: tuple[str, ...], logs: pathlib.Path, device: str = "cpu",
-                 tree: tuple[int, int] | None = None):
+                 tree: tuple[int, int] | None = None, weights: str = "fp32"):
         """`tree` (budget, top-k): model drafts also get a coordinator that drafts trees."""
         from specdec.model.loading import feature_draft_folder
 
         super().__init__(target, logs, device)
-        self.start_target()
+        self.start_target("--weights", weights)
         self.coordinators: dict[str, str] = {}
         self.tree_coordinators: dict[str, str] = {}
         self.ngram_in_coordinator: str | None = None
@@ -276,8 +284,26 @@ def short_name(drafter: str) -> str:
 
 
 def build_configurations(opts: Options, target_spec: str, target_loaded, lm, drafters: tuple[str, ...],
-                         stack: GrpcStack | None, notes: dict) -> tuple[list[Configuration], dict]:
-    """Every configuration with its runner; also the draft engines (for measuring their cost)."""
+                         stack: GrpcStack | None, notes: dict, weights: str = "fp32",
+                         engines: dict | None = None) -> tuple[list[Configuration], dict]:
+    """Every configuration with its runner; also the draft engines (for measuring their cost).
+
+    `weights`: the format `lm`'s target reads; with several formats in one run each builds its own
+    specdec rows (named name@format), the transformers rows only with the first (they run fp32)."""
+    configs, engines = _build_configurations(opts, target_spec, target_loaded, lm, drafters, stack, notes, engines or {})
+    several = len(opts.weights) > 1 or opts.weights != ("fp32",)
+    for config in configs:
+        if config.kind not in ("hf", "hf-assisted"):
+            config.weights = weights
+            if several:
+                config.name = f"{config.name}@{weights}"
+    if weights != opts.weights[0]:
+        configs = [c for c in configs if c.kind not in ("hf", "hf-assisted")]
+    return configs, engines
+
+
+def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, drafters: tuple[str, ...],
+                          stack: GrpcStack | None, notes: dict, engines: dict) -> tuple[list[Configuration], dict]:
     from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
     from coordinator.local import LocalProposer, LocalVerifier
     from coordinator.loop import SpeculativeLoop, TreeSpec
@@ -293,12 +319,12 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
         configs.append(Configuration("hf", "hf", runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos)))
     off_loop = SpeculativeLoop(verifier, None, None, NGRAM_DRAFT_PRIOR)
     configs.append(Configuration("specdec-off", "specdec-off", runner=local_runner(off_loop, opts.max_new_tokens, eos, 0, False)))
-    engines = {}
     for drafter in drafters:
         name = short_name(drafter)
         config = draft_config(drafter, target_spec)  # as the gRPC stack's draft service runs it
-        engine, _ = build_engine(config)
-        engines[drafter] = engine
+        if drafter not in engines:  # one engine per draft, shared by every weight format's rows
+            engines[drafter] = build_engine(config)[0]
+        engine = engines[drafter]
         prior = NGRAM_DRAFT_PRIOR if drafter == "ngram" else MODEL_DRAFT_PRIOR
         features = bool(getattr(engine.drafter, "needs_features", False))  # a feature draft (specdec/model/feature_draft.py)
         if opts.hf:
@@ -365,6 +391,39 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
     return configs, engines
 
 
+def gguf_linear_types(path: pathlib.Path) -> list[str]:
+    """The types a GGUF file stores its matrices in, most used first ("Q4_1", "Q8_0")."""
+    import collections
+
+    import gguf
+
+    counts = collections.Counter(t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if len(t.shape) == 2)
+    return [name for name, _ in counts.most_common()]
+
+
+def peer_configurations(opts: Options, target_spec: str, eos: list[int], notes: dict) -> list[Configuration]:
+    """llama.cpp on the GGUF file the target comes from, plain and with its prompt lookup (2 threads,
+    as specdec gets on the machines we measure): the engine CPU users would pick instead."""
+    if not opts.llamacpp:
+        return []
+    from specdec_tools import bench_llamacpp
+
+    reason = bench_llamacpp.unavailable_reason()
+    gguf = bench_llamacpp.gguf_for(target_spec) if reason is None else None
+    if reason is None and gguf is None:
+        reason = f"the target {target_spec} does not come from a GGUF file"
+    if reason is not None:
+        notes["llama.cpp"] = f"skipped: {reason}"
+        return []
+    weights = f"gguf:{'+'.join(gguf_linear_types(gguf))}"
+    configs = [Configuration("llama.cpp", "llamacpp", weights=weights, note=f"{gguf.name}, 2 threads",
+                             runner=bench_llamacpp.llamacpp_runner(gguf, opts.max_new_tokens, eos))]
+    configs.append(Configuration("llama.cpp[prompt-lookup]", "llamacpp", "ngram", opts.prompt_lookup, weights=weights,
+                                 note=f"LlamaPromptLookupDecoding(num_pred_tokens={opts.prompt_lookup})",
+                                 runner=bench_llamacpp.llamacpp_runner(gguf, opts.max_new_tokens, eos, prompt_lookup=opts.prompt_lookup)))
+    return configs
+
+
 def machine() -> dict:
     import platform
 
@@ -398,17 +457,30 @@ def run(opts: Options, argv: list[str]) -> dict:
         loaded = load_model(target, "cpu")
         tokenizer = loaded.tokenizer or load_tokenizer(target)
         # specdec's own configurations run the target as its service does; hf_runner switches it off
-        gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS)
+        # (and computes with the fp32 weights whatever the format: the reference every format is held to)
+        packed = gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS,
+                            opts.weights[0], loaded.path)
         lm = CausalLM(loaded.model, loaded.device)
+        formats = {opts.weights[0]: (loaded, lm, packed)}
+        for weights in opts.weights[1:]:  # a model of its own per format: each layer holds one compact weight
+            other = load_model(target, "cpu")
+            formats[weights] = (other, CausalLM(other.model, other.device),
+                                gemm.apply(other.model, other.device, other.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS,
+                                           weights, other.path))
         prompts = {name: load_prompts(tokenizer, name, opts.limit) for name in opts.prompt_sets}
         if lm.max_context:  # tiny test models have short contexts: keep each prompt's tail
             room = lm.max_context - opts.max_new_tokens - opts.max_draft - 2
             prompts = {k: [(pid, ids[-room:]) for pid, ids in v] for k, v in prompts.items()}
         notes: dict[str, str] = {}
         tree = (opts.tree_budgets[0], opts.tree_top_k) if opts.tree_budgets else None
-        stack = GrpcStack(target, drafters, opts.out / "logs", tree=tree) if opts.grpc else None
+        stack = GrpcStack(target, drafters, opts.out / "logs", tree=tree, weights=opts.weights[0]) if opts.grpc else None
         try:
-            configs, engines = build_configurations(opts, target, loaded, lm, drafters, stack, notes)
+            configs, engines = [], {}
+            for i, (weights, (model_f, lm_f, _)) in enumerate(formats.items()):
+                made, engines = build_configurations(opts if i == 0 else dataclasses.replace(opts, hf=False), target, model_f, lm_f,
+                                                     drafters, stack if i == 0 else None, notes, weights, engines)
+                configs += made
+            configs += peer_configurations(opts, target, lm.eos_token_ids, notes)
             longest = max([opts.max_draft, *opts.draft_lengths]) + 1
             ns = sorted({1, 2, 3, 4, 5, 6, 8, 9, 12, 16, longest})
             room = lm.max_context - max(ns) - 1 if lm.max_context else None
@@ -450,6 +522,8 @@ def run(opts: Options, argv: list[str]) -> dict:
             if stack is not None:
                 stack.stop()
         context_info = {"draft_cost": draft_cost, "rtt": rtt, "notes": notes, "machine": machine(),
+                        "weights": {w: {"weight_bytes": p.weight_bytes if p else gemm.linear_bytes(m.model),
+                                        "stored_as": p.sources if p else {}} for w, (m, _, p) in formats.items()},
                         "command": "specdec bench " + " ".join(argv), "target": opts.target if not opts.quick else "tiny (quick)",
                         "drafters": [short_name(d) for d in drafters], "prompts": {k: [pid for pid, _ in v] for k, v in prompts.items()}}
         return report(list(results.values()), context_info, opts)
@@ -476,6 +550,12 @@ def parse(argv: list[str]) -> Options:
     parser.add_argument("--tree-budgets", default="16,32", help="Node budgets of the dynamic-tree configurations of each model draft ('' for none).")
     parser.add_argument("--tree-top-k", type=int, default=8, help="Children per expanded node of those trees (8 beat 4 on tokens per pass with the 75-step distilled SmolLM2 draft).")
     parser.add_argument("--no-staged", action="store_true", help="Skip the staged-drafting configurations.")
+    parser.add_argument("--weights", default="fp32",
+                        help=f"Comma-separated formats the target's kernel reads its weights as ({', '.join(FORMATS)}): each "
+                             "gets its own specdec rows, checked against the same format with speculation off and "
+                             "compared with fp32's greedy tokens; the first also serves the gRPC rows.")
+    parser.add_argument("--no-llamacpp", action="store_true",
+                        help="Skip llama.cpp's rows (run where llama-cpp-python is installed and the target comes from a GGUF file).")
     parser.add_argument("--out", default=None,
                         help=f"Folder for results.json and the PNG plots; default: a new {flags.RESULTS_ROOT}/bench-TIMESTAMP/ "
                              "(the committed runs are under benchmarks/results/).")
@@ -493,6 +573,9 @@ def parse(argv: list[str]) -> Options:
         parser.error(f"--tree-budgets: expected comma-separated integers, got {args.tree_budgets!r}")
     if any(not 1 <= b <= 64 for b in budgets) or not 1 <= args.tree_top_k <= 16:
         parser.error("--tree-budgets must be in 1..64 and --tree-top-k in 1..16")
+    weights = tuple(dict.fromkeys(w.strip() for w in args.weights.split(",") if w.strip()))
+    if not weights or any(w not in FORMATS for w in weights):
+        parser.error(f"--weights: comma-separated formats from {', '.join(FORMATS)}, got {args.weights!r}")
     sets = tuple(s.strip() for s in args.prompts.split(",") if s.strip())
     for name in sets:
         if not prompt_path(name).is_file():
@@ -504,7 +587,8 @@ def parse(argv: list[str]) -> Options:
     opts = Options(target=args.target_model, drafters=tuple(args.drafter or ["ngram"]), prompt_sets=sets, limit=args.limit,
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats, max_draft=args.max_draft, draft_lengths=lengths,
                    grpc=not args.no_grpc, hf=not args.no_hf, out=pathlib.Path(args.out or flags.fresh_out("bench")), quick=args.quick,
-                   prompt_lookup=args.prompt_lookup, tree_budgets=budgets, tree_top_k=args.tree_top_k, staged=not args.no_staged)
+                   prompt_lookup=args.prompt_lookup, tree_budgets=budgets, tree_top_k=args.tree_top_k, staged=not args.no_staged,
+                   weights=weights, llamacpp=not args.no_llamacpp)
     if opts.quick:
         opts = dataclasses.replace(opts, limit=opts.limit or 2, max_new_tokens=min(opts.max_new_tokens, 16), repeats=1,
                                    draft_lengths=lengths[:1], tree_budgets=budgets[:1])
@@ -553,6 +637,10 @@ def main(argv: list[str]) -> int:
         from specdec_tools.bench_overlap import main as overlap_main
 
         return overlap_main(argv)
+    if "--kernel" in argv:  # each weight format's linear layers against the memory's bandwidth
+        from specdec_tools.bench_kernel import main as kernel_main
+
+        return kernel_main(argv)
     opts = parse(argv)
     document = run(opts, argv)
     rows = chain_tree_staged(document)

@@ -32,20 +32,33 @@ def _sum(samples, key: str) -> float:
     return sum((s.stats or {}).get(key, 0) for s in samples)
 
 
-def summarise(result, baseline_tokens: dict[int, list[int]] | None, ctx: dict) -> dict:
-    """One configuration on one prompt set -> the JSON record."""
+def _agreement(result, reference: dict[int, list[int]]) -> dict:
+    """How many runs equal the reference tokens, and where the others first differ."""
+    flat = [(i, s.tokens) for rep in result.samples for i, s in enumerate(rep)]
+    first = [next((j for j, (a, b) in enumerate(zip(tokens, reference[i])) if a != b), min(len(tokens), len(reference[i])))
+             for i, tokens in flat if tokens != reference[i]]
+    return {"identical": len(flat) - len(first), "runs": len(flat), "first_difference_at": sorted(first)}
+
+
+def summarise(result, baseline_tokens: dict[int, list[int]] | None, ctx: dict,
+              reference_tokens: dict[int, list[int]] | None = None) -> dict:
+    """One configuration on one prompt set -> the JSON record. `baseline_tokens`: what it must equal
+    (the target alone in the same weight format); `reference_tokens`: fp32's greedy tokens, which a
+    compact format or llama.cpp is compared with (agreement, not a guarantee)."""
     config = result.config
     per_rep = [sum(len(s.tokens) for s in rep) / sum(s.seconds for s in rep) for rep in result.samples]
     flat = [s for rep in result.samples for s in rep]
     record = {
         "configuration": config.name, "kind": config.kind, "drafter": config.drafter, "draft_length": config.draft_length,
-        "adaptive": config.adaptive, "note": config.note, "prompt_set": result.prompt_set,
+        "adaptive": config.adaptive, "note": config.note, "prompt_set": result.prompt_set, "weights": config.weights,
         "tokens_per_second": {"min": min(per_rep), "median": statistics.median(per_rep), "max": max(per_rep), "per_repetition": per_rep},
         "tokens": sum(len(s.tokens) for s in flat), "seconds": sum(s.seconds for s in flat),
     }
     if baseline_tokens is not None:
         same = sum(1 for rep in result.samples for i, s in enumerate(rep) if s.tokens == baseline_tokens[i])
         record["identical_to_baseline"] = {"identical": same, "runs": len(flat)}
+    if reference_tokens is not None:
+        record["agreement_with_fp32"] = _agreement(result, reference_tokens)
     if flat and flat[0].stats is not None:
         steps, draft_steps = _sum(flat, "steps"), _sum(flat, "draft_steps")
         drafted, accepted = _sum(flat, "draft_tokens"), _sum(flat, "accepted_tokens")
@@ -68,6 +81,8 @@ def summarise(result, baseline_tokens: dict[int, list[int]] | None, ctx: dict) -
         })
         if config.kind != "tree":  # the analytic model describes chains
             record.update(predict(record, flat, config, planlib.median_curve(result.curves), ctx))
+    elif flat and all(s.ttft > 0 for s in flat):  # a peer that reports its first token (llama.cpp)
+        record["time_to_first_token_seconds"] = {"median": statistics.median(s.ttft for s in flat), "max": max(s.ttft for s in flat)}
     return record
 
 
@@ -107,14 +122,28 @@ def report(results, ctx: dict, opts) -> dict:
     records = []
     for set_name in opts.prompt_sets:
         group = [r for r in results if r.prompt_set == set_name]
-        base = next((r for r in group if r.config.kind == "hf"), None) or next(r for r in group if r.config.kind == "specdec-off")
-        baseline_tokens = {i: s.tokens for i, s in enumerate(base.samples[0])}
-        summaries = [summarise(r, baseline_tokens, ctx) for r in group]
+
+        def tokens_of(result) -> dict[int, list[int]] | None:
+            return {i: s.tokens for i, s in enumerate(result.samples[0])} if result is not None else None
+
+        # fp32's reference: transformers' generate() (it always computes with the fp32 weights), else specdec-off in fp32
+        reference = tokens_of(next((r for r in group if r.config.kind == "hf"), None)
+                              or next((r for r in group if r.config.kind == "specdec-off" and r.config.weights == "fp32"), None))
+        summaries = []
+        for r in group:
+            # every specdec row must equal the target alone in its own weight format; fp32's is also transformers'
+            own = tokens_of(next((o for o in group if o.config.kind == "specdec-off" and o.config.weights == r.config.weights), None))
+            baseline = reference if r.config.weights == "fp32" else own if r.config.kind != "llamacpp" else None
+            compare = reference if r.config.weights != "fp32" and (r.config.kind == "specdec-off" or r.config.kind == "llamacpp") else None
+            summaries.append(summarise(r, baseline, ctx, compare))
         hf = next((s for s in summaries if s["kind"] == "hf"), None)
+        llama = next((s for s in summaries if s["configuration"] == "llama.cpp"), None)
         for s in summaries:
             median = s["tokens_per_second"]["median"]
             if hf is not None:
                 s["speedup_vs_hf"] = median / hf["tokens_per_second"]["median"]
+            if llama is not None:
+                s["speedup_vs_llamacpp"] = median / llama["tokens_per_second"]["median"]
             peer = next((p for p in summaries if p["kind"] == "hf-assisted" and p["drafter"] == s["drafter"]), None)
             if peer is not None and s["kind"].startswith("specdec"):
                 s["speedup_vs_hf_assisted"] = median / peer["tokens_per_second"]["median"]
@@ -127,7 +156,7 @@ def report(results, ctx: dict, opts) -> dict:
         "cost_curve_seconds": {str(n): v for n, v in planlib.median_curve([c for r in results for c in r.curves]).points},
         "cost_curve_seconds_by_set": {name: {str(n): v for n, v in c.points} for name, c in by_set.items()},
         "draft_cost_seconds_per_token": {k: v for k, v in ctx["draft_cost"].items()},
-        "rtt_seconds": ctx["rtt"], "notes": ctx["notes"], "results": records,
+        "rtt_seconds": ctx["rtt"], "notes": ctx["notes"], "weights": ctx.get("weights", {}), "results": records,
     }
     opts.out.mkdir(parents=True, exist_ok=True)
     (opts.out / "results.json").write_text(json.dumps(document, indent=2))
@@ -149,22 +178,29 @@ def print_table(document: dict) -> None:
                   f"torch {document['machine']['torch']}; target {document['target']}\ncost curve (ms, median of the run's): {curves}\n"
                   f"draft cost (ms/token): {', '.join(f'{k}={v * 1e3:.2f}' for k, v in document['draft_cost_seconds_per_token'].items()) or 'n/a'}; "
                   f"RTT {document['rtt_seconds'] * 1e3:.2f} ms")
+    for name, held in document.get("weights", {}).items():
+        stored = ", ".join(f"{k} x{v}" for k, v in held["stored_as"].items())
+        console.print(f"weights {name}: {held['weight_bytes'] / 2**20:.0f} MiB of linear weights read per forward ({stored or 'as loaded'})")
     for set_name in document["prompts"]:
         table = Table(title=f"prompt set: {set_name} ({len(document['prompts'][set_name])} prompts)")
-        for column in ("configuration", "tok/s median [min-max]", "TTFT ms", "vs hf", "vs hf-assisted", "identical", "accept",
+        for column in ("configuration", "weights", "tok/s median [min-max]", "TTFT ms", "vs hf", "vs hf-assisted", "vs llama.cpp",
+                       "identical", "agrees w/ fp32", "accept",
                        "tokens/step", "decode tok/s", "predicted", "efficiency", "draft/verify/wire/other %", "overhead",
                        "bytes/step"):
             table.add_column(column, justify="left" if column == "configuration" else "right")
         for r in (r for r in document["results"] if r["prompt_set"] == set_name):
             t = r["tokens_per_second"]
             ident = r.get("identical_to_baseline")
+            agree = r.get("agreement_with_fp32")
             split = r.get("time_split")
             table.add_row(
-                escape(r["configuration"]), escape(f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]"),
+                escape(r["configuration"]), escape(r.get("weights", "")), escape(f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]"),
                 f"{r['time_to_first_token_seconds']['median'] * 1e3:.0f}" if "time_to_first_token_seconds" in r else "",
                 f"{r['speedup_vs_hf']:.2f}x" if "speedup_vs_hf" in r else "",
                 f"{r['speedup_vs_hf_assisted']:.2f}x" if "speedup_vs_hf_assisted" in r else "",
+                f"{r['speedup_vs_llamacpp']:.2f}x" if "speedup_vs_llamacpp" in r else "",
                 f"{ident['identical']}/{ident['runs']}" if ident else "",
+                f"{agree['identical']}/{agree['runs']}" if agree else "",
                 f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r and r["draft_tokens"] else "",
                 f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "",
                 f"{r['decode_tokens_per_second']:.1f}" if "decode_tokens_per_second" in r else "",

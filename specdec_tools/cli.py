@@ -21,6 +21,7 @@ import signal
 import sys
 import time
 
+from specdec.model.formats import FORMATS
 from specdec_tools import connect, flags
 
 SERVICES = ("target", "draft", "coordinator")
@@ -104,6 +105,9 @@ def cmd_up(argv: list[str]) -> int:
                         help="Target services, each its own process; the coordinator routes each sequence to one of them.")
     parser.add_argument("--draft-replicas", type=int, default=1, help="Draft services, each its own process (as --target-replicas).")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--weights", default=None, choices=FORMATS,
+                        help="What the target's kernel reads its weights as (`specdec serve target --weights`); gguf: the "
+                             "embedded model's own 4-bit blocks, the model llama.cpp runs. Unset: the target's default.")
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds to wait for all three to be healthy.")
     flags.finish(parser)
     args = parser.parse_args(argv)
@@ -117,7 +121,7 @@ def cmd_up(argv: list[str]) -> int:
     stack = Stack(args.target_model or "", None, args.device, grace=15.0)  # on this terminal, with metrics and the HTTP API
     signal.signal(signal.SIGTERM, lambda *_: (stack.stop(), sys.exit(0)))
     try:
-        stack.start_target(port=args.port + 1, replicas=args.target_replicas)
+        stack.start_target(*(["--weights", args.weights] if args.weights else []), port=args.port + 1, replicas=args.target_replicas)
         draft = stack.start_draft("ngram" if args.drafter == "ngram" else args.draft_model, port=args.port + 2,
                                   replicas=args.draft_replicas)
         coordinator = stack.start_coordinator(draft, port=args.port)

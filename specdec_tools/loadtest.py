@@ -37,6 +37,7 @@ import time
 
 from specdec_tools import connect, flags
 from specdec_tools.stacks import Stack
+from specdec.model.formats import FORMATS
 from specdec_tools.workload import load_prompt_ids, reference_outputs
 
 PARTIAL = "loadtest.partial.json"  # in --out while a run goes on; removed once loadtest.json is written
@@ -390,6 +391,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-concurrent-requests", type=int, default=32, help="Local coordinator's cap (see `specdec serve coordinator`).")
     parser.add_argument("--max-queue", type=int, default=64, help="Local coordinator's queue bound.")
     parser.add_argument("--target-flags", default="", help="Extra flags for the local target, e.g. '--max-batch-size 1'.")
+    parser.add_argument("--weights", default="fp32",
+                        help=f"What the local target reads its weights as ({', '.join(FORMATS)}); several, comma-separated: one "
+                             "stack after the other, each checked against the target alone in its own format, and the "
+                             "summary sets each format's throughput against the first's. With --address/--http: the one "
+                             "format the server runs (for --check's reference).")
     parser.add_argument("--out", default=None,
                         help=f"Folder for loadtest.json and the PNG plots ({PARTIAL} while it runs); default: a new "
                              f"{flags.RESULTS_ROOT}/loadtest-TIMESTAMP/ (the committed runs are under benchmarks/results/).")
@@ -426,14 +432,17 @@ def parse(argv: list[str]) -> argparse.Namespace:
             parser.error(f"--{flag.replace('_', '-')}: out of range: {getattr(args, flag)}")
     if args.request_rate < 0:
         parser.error(f"--request-rate: must be >= 0, got {args.request_rate}")
+    args.weights_list = list(dict.fromkeys(w.strip() for w in args.weights.split(",") if w.strip()))
+    if not args.weights_list or any(w not in FORMATS for w in args.weights_list):
+        parser.error(f"--weights: comma-separated formats from {', '.join(FORMATS)}, got {args.weights!r}")
+    if len(args.weights_list) > 1 and (args.address or args.http):
+        parser.error("--weights: several formats need the local stack (a server runs one)")
     if args.overload and (args.address or args.http):
         parser.error("--overload needs the local stack (its caps are known); drop --address / --http")
     return args
 
 
 def run(args: argparse.Namespace) -> dict:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from specdec.model.loading import DEFAULT_TARGET, load_tokenizer
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="specdec-loadtest-"))
@@ -454,16 +463,31 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(target)
     prompts = prompt_ids(tokenizer, args.prompts, args.max_prompts)
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.speculation]
+    secret = {"api_token", "levels"}  # the token stays out of the report
+    report: dict = {"config": {k: v for k, v in vars(args).items() if k not in secret} | {"levels": args.levels, "target": target,
+                                                                                      "num_prompts": len(prompts),
+                                                                                      "api": "http" if args.http else "grpc"}, "runs": []}
+    for i, weights in enumerate(args.weights_list):
+        run_format(args, weights, target, tokenizer, prompts, modes, workdir, report, overload=args.overload and i == 0)
+    for entry in [*report["runs"], *([report["overload"]] if "overload" in report else [])]:
+        entry.pop("_results")
+    report["summary"] = headline(report["runs"])
+    return report
+
+
+def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, prompts: list[list[int]], modes: list[bool],
+               workdir: pathlib.Path, report: dict, overload: bool) -> None:
+    """Every level of one weight format: its own local stack (a target serving `weights`), its runs
+    appended to report["runs"], each checked against the target alone in that format."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     stack = None
     if not (args.address or args.http):
         # The load generator is one client that stands for many: it may fill the running slots and the queue.
         caps = ["--max-concurrent-requests", str(args.max_concurrent_requests), "--max-queue", str(args.max_queue),
                 "--max-streams-per-client", str(args.max_concurrent_requests + args.max_queue)]
-        stack = LocalStack(target, args.drafter, workdir / "logs", caps, args.target_flags.split(), api_token=args.api_token.strip())
-    secret = {"api_token", "levels"}  # the token stays out of the report
-    report: dict = {"config": {k: v for k, v in vars(args).items() if k not in secret} | {"levels": args.levels, "target": target,
-                                                                                      "num_prompts": len(prompts),
-                                                                                      "api": "http" if args.http else "grpc"}, "runs": []}
+        stack = LocalStack(target, args.drafter, workdir / f"logs-{weights}", caps, ["--weights", weights, *args.target_flags.split()],
+                           api_token=args.api_token.strip())
     try:
         if stack:
             stack.wait()
@@ -493,12 +517,13 @@ def run(args: argparse.Namespace) -> dict:
                     n = args.num_requests or max(8, 2 * (concurrency or 4))
                     results, duration = level(prompts, n, args.max_new_tokens, speculation, concurrency, args.request_rate or None,
                                               args.seed, progress)
-                    report["runs"].append({"speculation": speculation, "concurrency": concurrency, "request_rate": args.request_rate or None,
+                    report["runs"].append({"weights": weights, "speculation": speculation, "concurrency": concurrency,
+                                           "request_rate": args.request_rate or None,
                                            "num_requests": n, "requested_output_tokens": args.max_new_tokens,
                                            **summarise(results, duration), "_results": results})
                     save_partial(report, args.out)  # a long run killed later still leaves its numbers (main removes it at the end)
                     progress.console.print(format_report({"runs": report["runs"][-1:]}).splitlines()[-1])
-            if args.overload and stack:
+            if overload and stack:
                 offered = 4 * (args.max_concurrent_requests + args.max_queue)
                 results, duration = level(prompts, offered, args.max_new_tokens, True, offered, None, args.seed, progress)
                 report["overload"] = {"offered_concurrency": offered, "requested_output_tokens": args.max_new_tokens,
@@ -506,19 +531,16 @@ def run(args: argparse.Namespace) -> dict:
                                       "max_queue": args.max_queue, **summarise(results, duration), "stack_alive": stack.alive(),
                                       "_results": results}
         if args.check:
-            reference = reference_outputs(target, prompts, args.max_new_tokens)
+            reference = reference_outputs(target, prompts, args.max_new_tokens, weights)
             same = _same_as(reference, tokenizer, text=bool(args.http), prefix=args.ignore_eos)
-            for entry in [*report["runs"], *([report["overload"]] if "overload" in report else [])]:
+            for entry in [*(r for r in report["runs"] if r["weights"] == weights),
+                          *([report["overload"]] if "overload" in report and overload else [])]:
                 done = [r for r in entry["_results"] if r.ok]
                 entry["identical"] = sum(same(r) for r in done)
                 entry["mismatched"] = len(done) - entry["identical"]
     finally:
         if stack:
             stack.stop()
-    for entry in [*report["runs"], *([report["overload"]] if "overload" in report else [])]:
-        entry.pop("_results")
-    report["summary"] = headline(report["runs"])
-    return report
 
 
 def _https_context(args: argparse.Namespace):
@@ -557,13 +579,23 @@ def save_partial(report: dict, out: str) -> None:
 
 
 def headline(runs: list[dict]) -> dict:
-    """Aggregate output tokens/s at the highest concurrency over one stream, per speculation mode."""
+    """Aggregate output tokens/s at the highest concurrency over one stream, per speculation mode
+    (and weight format, when there are several); and each format's over the first's, per mode and level."""
     out = {}
-    for speculation in (True, False):
-        by_level = {r["concurrency"]: r["output_throughput"] for r in runs if r["speculation"] == speculation and r["concurrency"]}
-        if 1 in by_level and len(by_level) > 1:
-            top = max(by_level)
-            out[f"{'spec' if speculation else 'nospec'}_throughput_{top}_vs_1"] = by_level[top] / by_level[1] if by_level[1] else 0.0
+    formats = list(dict.fromkeys(r.get("weights", "fp32") for r in runs))
+    for weights in formats:
+        prefix = f"{weights}_" if len(formats) > 1 else ""
+        for speculation in (True, False):
+            by_level = {r["concurrency"]: r["output_throughput"] for r in runs
+                        if r["speculation"] == speculation and r["concurrency"] and r.get("weights", "fp32") == weights}
+            if 1 in by_level and len(by_level) > 1:
+                top = max(by_level)
+                out[f"{prefix}{'spec' if speculation else 'nospec'}_throughput_{top}_vs_1"] = by_level[top] / by_level[1] if by_level[1] else 0.0
+    first = {(r["speculation"], r["concurrency"]): r["output_throughput"] for r in runs if r.get("weights", "fp32") == formats[0]}
+    for r in runs:
+        weights, key = r.get("weights", "fp32"), (r["speculation"], r["concurrency"])
+        if weights != formats[0] and r["concurrency"] and first.get(key):
+            out[f"{weights}_vs_{formats[0]}_{'spec' if r['speculation'] else 'nospec'}_{r['concurrency']}"] = r["output_throughput"] / first[key]
     return out
 
 
@@ -620,13 +652,13 @@ def format_lengths(run: dict) -> str:
 
 
 def format_report(report: dict) -> str:
-    lines = ["spec  conc  done fail  req/s  out tok/s  TTFT p50/p99 ms   TPOT p50/p99 ms   ITL mean  E2EL p50/p99 ms  accept  identical"
+    lines = ["weights  spec  conc  done fail  req/s  out tok/s  TTFT p50/p99 ms   TPOT p50/p99 ms   ITL mean  E2EL p50/p99 ms  accept  identical"
              "  output tokens asked: got (requests)"]
     for r in [*report["runs"], *([report["overload"] | {"speculation": True, "concurrency": report["overload"]["offered_concurrency"]}]
                                  if "overload" in report else [])]:
         ident = f"{r['identical']}/{r['completed']}" if "identical" in r else "-"
         lines.append(
-            f"{'on ' if r['speculation'] else 'off'}  {r['concurrency'] or '-':>4}  {r['completed']:>4} {r['failed']:>4}  {r['request_throughput']:5.2f}"
+            f"{r.get('weights', 'fp32'):<7}  {'on ' if r['speculation'] else 'off'}  {r['concurrency'] or '-':>4}  {r['completed']:>4} {r['failed']:>4}  {r['request_throughput']:5.2f}"
             f"  {r['output_throughput']:9.1f}  {r['median_ttft_ms']:7.0f}/{r['p99_ttft_ms']:<7.0f}  {r['median_tpot_ms']:7.1f}/{r['p99_tpot_ms']:<7.1f}"
             f"  {r['mean_itl_ms']:8.1f}  {r['median_e2el_ms']:7.0f}/{r['p99_e2el_ms']:<7.0f}  {r['acceptance_rate']:6.2f}  {ident:>9}"
             f"  {format_lengths(r)}"

@@ -40,31 +40,38 @@ def load_prompt_ids(tokenizer, prompts: str, limit: int) -> list[list[int]]:
     return [ids for _, ids in load_prompts(tokenizer, prompts, limit)]
 
 
-def greedy_generate(model, prompt: list[int], max_new: int, eos: list[int], **generate_kwargs) -> list[int]:
+def greedy_generate(model, prompt: list[int], max_new: int, eos: list[int], packed: bool = False, **generate_kwargs) -> list[int]:
     """transformers' greedy generate() of one prompt's continuation, as users run it (specdec's
-    packed layers off): the target decoding alone; with generate_kwargs (assistant_model=,
-    prompt_lookup_num_tokens=), transformers' own assisted generation."""
+    packed layers off, so the fp32 weights): the target decoding alone; with generate_kwargs
+    (assistant_model=, prompt_lookup_num_tokens=), transformers' own assisted generation.
+    `packed`: through specdec's packed layers instead, the model in their weight format."""
+    import contextlib
+
     import torch
 
     from specdec.model import gemm
 
     ids = torch.tensor([prompt])
-    with torch.inference_mode(), gemm.disabled():
+    with torch.inference_mode(), contextlib.nullcontext() if packed else gemm.disabled():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos[0] if eos else None, **generate_kwargs)
     return out[0, len(prompt):].tolist()
 
 
-def reference_outputs(target: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    """The target decoding alone on every prompt, up to its first end-of-sequence token: the ground truth."""
+def reference_outputs(target: str, prompts: list[list[int]], max_new: int, weights: str = "fp32") -> list[list[int]]:
+    """The target decoding alone on every prompt, up to its first end-of-sequence token: the ground
+    truth. `weights`: the format the target serves (the reference is the model in that format)."""
+    from specdec.model import gemm
     from specdec.model.lm import CausalLM
     from specdec.model.loading import load_model
 
     loaded = load_model(target, "cpu", "auto")
+    if weights != "fp32":
+        gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, weights, loaded.path)
     eos = CausalLM(loaded.model, loaded.device).eos_token_ids
     out = []
     for prompt in prompts:
-        new = greedy_generate(loaded.model, prompt, max_new, eos)
+        new = greedy_generate(loaded.model, prompt, max_new, eos, packed=weights != "fp32")
         cut = next((i for i, t in enumerate(new) if t in eos), None)
         out.append(new[: cut + 1] if cut is not None else new)
     return out

@@ -124,13 +124,15 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
         server.install_signal_handlers(config.grace_s)
     log.info("target listening", port=server.port, model=config.model, metrics_port=metrics_port)
     loaded = await server.loading(servicer.host.run(load_model, config.model, config.device, config.dtype))  # on the compute thread
-    await server.loading(servicer.host.run(gemm.apply, loaded.model, loaded.device, loaded.dtype,
-                                           config.packed_gemm_rows, config.packed_gemm_min_rows))
+    packed = await server.loading(servicer.host.run(gemm.apply, loaded.model, loaded.device, loaded.dtype, config.packed_gemm_rows,
+                                                    config.packed_gemm_min_rows, config.weights, loaded.path))
     engine = TargetEngine(CausalLM(loaded.model, loaded.device), config.max_sequences, config.idle_timeout_s)
     await server.loading(servicer.host.run(engine.warm_up))
     info = pb.ModelInfo(
         model=config.model, vocab_size=engine.lm.vocab_size, max_context=engine.lm.max_context,
         eos_token_ids=engine.lm.eos_token_ids, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
+        weights=packed.weights if packed else str(loaded.dtype).removeprefix("torch."),
+        weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(loaded.model),
     )
     engine.store.on_start = metrics.target().sequences_started.inc
     metrics.follow_store(engine.store, metrics.target().sequences, metrics.target().kv_usage)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import concurrent.futures
 import dataclasses
 import os
@@ -40,6 +41,7 @@ from coordinator.servicer import make_loop
 from draft_service.engine import ChainState, DraftEngine, DraftSettings, ModelDrafter, NgramDrafter, Proposal
 from draft_service.drafters.feature import FeatureDrafter
 from protos import specdec_pb2 as pb
+from specdec.model import gemm
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig, target_probs, truncated_probs
 from target_service.engine import TargetEngine
@@ -265,6 +267,13 @@ def check_case(name, models, drafter, sampling=PLAIN, prompt=PROMPT, loop_kwargs
 
 def test_model_chain_draft(models):
     check_case("model chain", models, ModelDrafter(CausalLM(models["draft"], CPU)))
+
+
+def test_compact_weights_target(models):
+    """--weights q4: the served target is the 4-bit model, and speculation samples from its distribution."""
+    target = copy.deepcopy(models["target"])
+    gemm.pack_linears(target, gemm.DEFAULT_ROWS, 1, "q4")
+    check_case("q4 target", {"target": target, "draft": models["draft"]}, ModelDrafter(CausalLM(models["draft"], CPU)))
 
 
 def test_sparse_top_k_draft(models):

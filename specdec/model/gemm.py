@@ -26,6 +26,7 @@ transformers' `generate()`.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -36,7 +37,8 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from specdec.model import gemm_kernel
+from specdec.model import compact, gemm_kernel
+from specdec.model.compact import Compact
 
 log = structlog.get_logger(__name__)
 
@@ -68,36 +70,56 @@ def disabled() -> Iterator[None]:
 
 
 class PackedLinear(torch.nn.Linear):
-    """An nn.Linear that also keeps its weight in the small-M kernel's panels (shares weight and bias).
+    """An nn.Linear that also keeps its weight in the kernel's panels (shares weight and bias), as
+    fp32 panels or in a compact format (specdec/model/compact.py).
 
     The panels are a copy taken when the layer is built: serving never changes weights after
     loading, and code that does (training, load_state_dict) must pack again or call `disabled()`.
+
+    A compact layer computes with its compact weight at every row count: the served model is the
+    model in that format, one model whether a forward is a decode step, a verify or a prefill.
+    Inside `disabled()` it computes with the fp32 weight it was made from: the reference.
     """
 
-    def __init__(self, linear: torch.nn.Linear, rows: int, min_rows: int, kernel: gemm_kernel.Kernel):
+    def __init__(self, linear: torch.nn.Linear, rows: int, min_rows: int, kernel: gemm_kernel.Kernel,
+                 weight: Compact | None = None):
         torch.nn.Module.__init__(self)  # nn.Linear.__init__ would allocate a fresh weight
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.rows, self.min_rows = rows, min_rows
+        self.rows, self.min_rows = (MAX_ROWS, 1) if weight is not None else (rows, min_rows)
         self.kernel = kernel
-        # A plain attribute, not a buffer: it stays out of state_dict and is rebuilt, not moved.
-        self.packed = kernel.pack(linear.weight)
+        # Plain attributes, not buffers: they stay out of state_dict and are rebuilt, not moved.
+        self.compact = weight
+        self.packed = kernel.pack(linear.weight) if weight is None else None
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one forward through the kernel reads."""
+        return self.compact.nbytes if self.compact is not None else self.in_features * self.out_features * 4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel() // self.in_features
         if not self.min_rows <= n <= self.rows or not _ENABLED.get() or x.dtype != torch.float32 or x.requires_grad:
             return F.linear(x, self.weight, self.bias)
-        out = self.kernel.linear(x.reshape(n, self.in_features), self.packed, self.out_features, self.bias)
+        flat = x.reshape(n, self.in_features)
+        if self.compact is not None:
+            out = self.kernel.linear_compact(flat, self.compact, self.bias)
+        else:
+            out = self.kernel.linear(flat, self.packed, self.out_features, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, packed_rows={self.min_rows}..{self.rows}"
+        held = f"weights={self.compact.source}" if self.compact is not None else f"packed_rows={self.min_rows}..{self.rows}"
+        return f"{super().extra_repr()}, {held}"
 
 
 @dataclasses.dataclass(frozen=True)
 class PackReport:
     layers: int
     resident_bytes: int | None  # growth of the process's anonymous resident memory while packing (Linux), None elsewhere
+    weights: str = "fp32"  # the --weights format
+    weight_bytes: int = 0  # bytes of linear-layer weights a forward reads through the kernel
+    sources: dict[str, int] = dataclasses.field(default_factory=dict)  # layers per stored type ("Q4_1": 210, ...)
 
 
 def _resident_bytes() -> int | None:
@@ -113,36 +135,77 @@ def _resident_bytes() -> int | None:
     return None
 
 
-def pack_linears(model: torch.nn.Module, rows: int, min_rows: int) -> PackReport:
-    """Swaps every float32 nn.Linear of `model` for a PackedLinear in place; tied weights stay tied."""
+def linear_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the linear layers' weights as the model holds them (a model the kernel does not serve)."""
+    return sum(m.weight.numel() * m.weight.element_size() for _, m in compact.linear_modules(model))
+
+
+def _compact_weights(model: torch.nn.Module, weights: str, source: str | None) -> dict[int, tuple[Compact | None, str]]:
+    """Per linear layer (by id): its compact weight (None: fp32 panels) and the type it came from."""
+    linears = [(name, m) for name, m in compact.linear_modules(model) if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
+    if weights == "fp32":
+        return {id(m): (None, "fp32") for _, m in linears}
+    if weights != "gguf":
+        # q4 keeps the output layer in int8 blocks, as llama.cpp's 4-bit files keep theirs in 6-8 bits:
+        # it decides every token, and 4 bits there cost the most agreement for the fewest bytes saved.
+        head = model.get_output_embeddings() if weights == "q4" and hasattr(model, "get_output_embeddings") else None
+        return {id(m): (compact.quantize(m.weight, "int8"), "int8") if m is head else (compact.quantize(m.weight, weights), weights)
+                for _, m in linears}
+    gguf_path = compact.gguf_source(source) if source else None
+    if gguf_path is None:
+        raise ValueError("--weights gguf uses the blocks of the GGUF file the model was loaded from; this model "
+                         f"({source}) was not loaded from a GGUF file: choose fp32, bf16, f16, int8 or q4")
+    blocks = compact.GGUFWeights(gguf_path, getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    return {id(m): blocks.compact_for(name, m.weight) for name, m in linears}
+
+
+def pack_linears(model: torch.nn.Module, rows: int, min_rows: int, weights: str = "fp32", source: str | None = None) -> PackReport:
+    """Swaps every float32 nn.Linear of `model` for a PackedLinear in place; tied weights stay tied.
+
+    `weights` (compact.FORMATS) chooses what the kernel reads; `source` is the folder the model was
+    loaded from (for "gguf": the GGUF file it was converted from)."""
     if not 1 <= min_rows <= rows <= MAX_ROWS:
         raise ValueError(f"packed rows must satisfy 1 <= min_rows <= rows <= {MAX_ROWS}, got min_rows={min_rows}, rows={rows}")
+    if weights not in compact.FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(compact.FORMATS)}, not {weights!r}")
     kernel = gemm_kernel.load()
     if kernel is None:
         raise RuntimeError("the small-M GEMM kernel could not be built here (see the log); call available() first")
     before = _resident_bytes()
+    held = _compact_weights(model, weights, source)
     swapped: dict[int, PackedLinear] = {}  # a module reachable from two parents is packed once
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is torch.nn.Linear and child.weight.dtype == torch.float32:
                 if id(child) not in swapped:
-                    swapped[id(child)] = PackedLinear(child, rows, min_rows, kernel)
+                    swapped[id(child)] = PackedLinear(child, rows, min_rows, kernel, held[id(child)][0])
                 setattr(parent, name, swapped[id(child)])
     after = _resident_bytes()
-    return PackReport(len(swapped), after - before if before is not None and after is not None else None)
+    sources = collections.Counter(held[key][1] for key in swapped)
+    return PackReport(len(swapped), after - before if before is not None and after is not None else None, weights,
+                      sum(layer.weight_bytes for layer in swapped.values()), dict(sources))
 
 
-def apply(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, rows: int, min_rows: int) -> PackReport | None:
-    """Packs a loaded model's linear layers when asked (rows > 0) and the backend has the kernel."""
-    if rows <= 0:
-        return None
-    if not available(device, dtype):
-        log.info("packed GEMM skipped: it needs float32 on a CPU and a C compiler to build its kernel", device=str(device),
-                 dtype=str(dtype).removeprefix("torch."))
+def apply(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, rows: int, min_rows: int,
+          weights: str = "fp32", source: str | None = None) -> PackReport | None:
+    """Packs a loaded model's linear layers when asked (rows > 0) and the backend has the kernel.
+
+    A compact `weights` format is part of the model served, not a speed option: where the kernel
+    cannot serve it (no C compiler, a GPU, rows 0) this raises instead of quietly serving fp32."""
+    if weights not in compact.FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(compact.FORMATS)}, not {weights!r}")
+    if rows <= 0 or not available(device, dtype):
+        if weights != "fp32":
+            raise ValueError(f"--weights {weights} needs specdec's CPU kernel: float32 on a CPU, a C compiler and "
+                             f"--packed-gemm-rows > 0 (device {device}, dtype {str(dtype).removeprefix('torch.')}, rows {rows})")
+        if rows > 0:
+            log.info("packed GEMM skipped: it needs float32 on a CPU and a C compiler to build its kernel", device=str(device),
+                     dtype=str(dtype).removeprefix("torch."))
         return None
     start = time.perf_counter()
-    report = pack_linears(model, rows, min_rows)
-    log.info("linear layers packed for verification", layers=report.layers, rows=f"{min_rows}-{rows}",
+    report = pack_linears(model, rows, min_rows, weights, source)
+    log.info("linear layers packed", layers=report.layers, rows=f"{min_rows}-{rows}", weights=weights,
+             stored_as=report.sources, weight_mib=round(report.weight_bytes / 2**20),
              resident_mib=None if report.resident_bytes is None else round(report.resident_bytes / 2**20),
              seconds=round(time.perf_counter() - start, 2))
     return report

@@ -1,4 +1,4 @@
-"""Builds, loads and calls the small-M float32 GEMM kernel (specdec/model/csrc/gemm.c) on CPUs.
+"""Builds, loads and calls the small-M GEMM kernel (specdec/model/csrc/gemm.c: float32 and compact weights) on CPUs.
 
 The kernel is compiled on first use with the machine's C compiler (`$CC`, else `cc`) and
 `-O3 -march=native -fopenmp`, into the specdec cache (`$SPECDEC_CACHE_DIR/kernels`, else
@@ -25,6 +25,8 @@ import tempfile
 import structlog
 import torch
 
+from specdec.model.compact import Compact
+
 log = structlog.get_logger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "gemm.c"
@@ -43,7 +45,11 @@ class Kernel:
         self._pack.argtypes, self._pack.restype = [p, i, i, p], None
         self._linear = lib.sg_linear
         self._linear.argtypes, self._linear.restype = [p, i, i, p, i, p, p], ctypes.c_int
+        self._linear_c = lib.sg_linear_c
+        self._linear_c.argtypes, self._linear_c.restype = [i, p, i, i, p, p, p, i, p, p], ctypes.c_int
         self.max_rows: int = lib.sg_max_rows()
+        self._read = lib.sg_read
+        self._read.argtypes, self._read.restype = [p, ctypes.c_size_t], ctypes.c_float
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """[N, K] float32 weight -> its panels, [ceil(N/16) * K * 16] (a copy; the weight is unchanged)."""
@@ -68,6 +74,29 @@ class Kernel:
         if self._linear(x.data_ptr(), m, k, panels.data_ptr(), out_features,
                         None if bias is None else bias.detach().contiguous().data_ptr(), y.data_ptr()):
             raise ValueError(f"the small-M kernel takes 1 to {self.max_rows} rows, got {m}")
+        return y
+
+
+    def read(self, buffer: torch.Tensor) -> float:
+        """Sums a float32 buffer (64-byte aligned, a multiple of 64 values): reads it once at the
+        memory's speed, the kernel's own physical limit."""
+        if buffer.dtype != torch.float32 or buffer.numel() % 64 or buffer.data_ptr() % ALIGNMENT:
+            raise ValueError("read takes a 64-byte aligned float32 buffer of a multiple of 64 values")
+        return self._read(buffer.data_ptr(), buffer.numel())
+
+    def linear_compact(self, x: torch.Tensor, weight: Compact, bias: torch.Tensor | None) -> torch.Tensor:
+        """x: [M, in_features] float32 -> [M, out_features], the weight read in its compact format."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != weight.in_features:
+            raise ValueError(f"the compact kernel takes a 2-D float32 x with {weight.in_features} columns, "
+                             f"got {x.dtype} of shape {tuple(x.shape)}")
+        x = x.contiguous()
+        m, k = x.shape
+        y = torch.empty(m, weight.out_features, dtype=torch.float32)
+        scales = None if weight.scales is None else weight.scales.data_ptr()
+        mins = None if weight.mins is None else weight.mins.data_ptr()
+        if self._linear_c(weight.code, x.data_ptr(), m, k, weight.panels.data_ptr(), scales, mins, weight.out_features,
+                          None if bias is None else bias.detach().contiguous().data_ptr(), y.data_ptr()):
+            raise ValueError(f"the compact kernel takes 1 to {self.max_rows} rows, got {m} (or ran out of memory)")
         return y
 
 

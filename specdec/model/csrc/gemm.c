@@ -35,6 +35,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define LANES 16
 #define SG_MAX_ROWS (1 << 20) /* rows per call: far past any forward's positions */
@@ -105,4 +106,265 @@ int sg_linear(const float *x, int M, int K, const float *wp, int N, const float 
         }
     }
     return 0;
+}
+
+/* ---- Compact weights: bf16, f16, int8 blocks and 4-bit blocks, expanded inside the kernel ----------
+ *
+ * Why: a decode step reads every weight once, so its time is the weights' bytes over the memory's
+ * bandwidth. Held as fp32 that is 4 bytes a weight; as bf16/f16 2, as int8 blocks 1.125 and as 4-bit
+ * blocks 0.75 (a scale and a minimum per 32 weights). The kernel reads the compact panel and expands
+ * each vector of 16 weights in registers, so only the compact bytes cross the memory bus.
+ *
+ * Formats (the layout stays the panel one: 16 output features side by side for each k):
+ *   SG_BF16  wp uint16 [P][K][16]    w = bits << 16
+ *   SG_F16   wp _Float16 [P][K][16]  w = (float) h
+ *   SG_Q8    wp int8 [P][K][16], scale [P][KB][16]                 w = q * d   (GGUF Q8_0, or int8 per 32)
+ *   SG_Q4    wp uint8 [P][ceil(K/2)][16], scale, min [P][KB][16]   w = q * d + m, q in 0..15, the byte of
+ *            pair j holding k = 2j in its low nibble and k = 2j + 1 in its high one  (GGUF Q4_1 and Q4_0)
+ * where KB = ceil(K / 32): one scale (and minimum) per output feature and block of 32 along k.
+ *
+ * Numerics: as in the fp32 kernel, each output is one multiply-add chain in k order, whatever M is;
+ * the weight a row sees is the same expression of the same bytes in every path. Up to 16 rows the
+ * weights are expanded in registers; past 16 rows each panel is expanded once into a buffer in the
+ * core's cache and the rows run through it 16 at a time (the expansion is then paid once per panel,
+ * not once per 16 rows, so a prefill costs what the fp32 kernel's does). These functions contract
+ * a * b + c into fused multiply-adds (the fp32 kernel above does not, to keep its results as they
+ * were): both paths are compiled alike, so a row's result is bit-identical alone or in a batch.
+ *
+ * One output row at a time leaves a single addition chain per panel, which waits on the adder's
+ * latency rather than on memory; 1 and 2 rows therefore run 4 and 2 panels side by side (separate
+ * chains, each output still summed in k order).
+ */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+
+enum { SG_F32 = 0, SG_BF16 = 1, SG_F16 = 2, SG_Q8 = 3, SG_Q4 = 4 };
+#define QK 32 /* weights per scale block along k */
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef _Float16 f16x16 __attribute__((vector_size(32)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+/* 16 bytes -> 16 int32. GCC's __builtin_convertvector does this one byte at a time (GCC 12), so
+ * the CPU's widening loads are named where the compiler has them. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline i32x16 widen_i8(const char *p) { return (i32x16)_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)p)); }
+static inline i32x16 widen_u8(const char *p) { return (i32x16)_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)p)); }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+typedef union { i32x16 v; __m256i h[2]; } i32x16_halves;
+static inline i32x16 widen_i8(const char *p) {
+    i32x16_halves r = {.h = {_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                             _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))}};
+    return r.v;
+}
+static inline i32x16 widen_u8(const char *p) {
+    i32x16_halves r = {.h = {_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
+                             _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))}};
+    return r.v;
+}
+#else
+static inline i32x16 widen_i8(const char *p) { return __builtin_convertvector(*(const i8x16 *)p, i32x16); }
+static inline i32x16 widen_u8(const char *p) { return __builtin_convertvector(*(const u8x16 *)p, i32x16); }
+#endif
+
+/* Bytes of one k step of one panel (Q4: of one pair of k steps). */
+static size_t step_bytes(int fmt) {
+    return fmt == SG_F32 ? 64 : fmt == SG_BF16 || fmt == SG_F16 ? 32 : 16;
+}
+
+/* Bytes of one panel's weights. */
+static size_t panel_bytes(int fmt, int K) {
+    return step_bytes(fmt) * (size_t)(fmt == SG_Q4 ? (K + 1) / 2 : K);
+}
+
+/* The 16 weights of step k (for SG_Q4: of the pair holding k, low nibble when k is even). */
+static inline vec expand(int fmt, const char *restrict w, int k, vec d, vec m) {
+    switch (fmt) {
+    case SG_BF16: {
+        u16x16 h = *(const u16x16 *)(w + (size_t)k * 32);
+        return (vec)(__builtin_convertvector(h, u32x16) << 16);
+    }
+    case SG_F16: return __builtin_convertvector(*(const f16x16 *)(w + (size_t)k * 32), vec);
+    case SG_Q8: return __builtin_convertvector(widen_i8(w + (size_t)k * 16), vec) * d;
+    case SG_Q4: {
+        i32x16 v = widen_u8(w + (size_t)(k >> 1) * 16);
+        v = (k & 1) ? v >> 4 : v & 15;
+        return __builtin_convertvector(v, vec) * d + m;
+    }
+    default: return *(const vec *)(w + (size_t)k * 64);
+    }
+}
+
+/* NP panels (pstride bytes apart, scales sstride floats apart) for MM rows, weights expanded in registers. */
+#define CPANEL(FMT, MM, NP)                                                                                      \
+    static void cpanel_##FMT##_##MM##_##NP(const float *restrict x, int ldx, const char *restrict wp, size_t pstride, \
+                                           const float *restrict sc, const float *restrict mn, size_t sstride, int K,   \
+                                           vec *restrict out) {                                                       \
+        vec acc[NP][MM];                                                                                              \
+        for (int p = 0; p < NP; p++) _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] = (vec){0};     \
+        for (int k0 = 0; k0 < K; k0 += QK) {                                                                           \
+            int k1 = K - k0 < QK ? K : k0 + QK;                                                                        \
+            vec d[NP], mi[NP];                                                                                         \
+            for (int p = 0; p < NP; p++) {                                                                             \
+                d[p] = FMT == SG_Q8 || FMT == SG_Q4 ? *(const vec *)(sc + p * sstride + (size_t)(k0 / QK) * LANES) : (vec){0}; \
+                mi[p] = FMT == SG_Q4 ? *(const vec *)(mn + p * sstride + (size_t)(k0 / QK) * LANES) : (vec){0};       \
+            }                                                                                                          \
+            for (int k = k0; k < k1; k += FMT == SG_Q4 ? 2 : 1) {                                                     \
+                if (MM > 1) __builtin_prefetch(wp + (size_t)k * step_bytes(FMT) / (FMT == SG_Q4 ? 2 : 1) + AHEAD * 64, 0, 0); \
+                _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                                 \
+                    if (FMT == SG_Q4) { /* one load and widening for the pair k, k + 1 */                              \
+                        i32x16 v = widen_u8(wp + p * pstride + (size_t)(k >> 1) * 16);                                  \
+                        vec w = __builtin_convertvector(v & 15, vec) * d[p] + mi[p];                                   \
+                        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + k] * w; \
+                        if (k + 1 < k1) {                                                                              \
+                            w = __builtin_convertvector(v >> 4, vec) * d[p] + mi[p];                                   \
+                            _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + k + 1] * w; \
+                        }                                                                                              \
+                    } else {                                                                                           \
+                        vec w = expand(FMT, wp + p * pstride, k, d[p], mi[p]);                                         \
+                        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + k] * w; \
+                    }                                                                                                  \
+                }                                                                                                      \
+            }                                                                                                          \
+        }                                                                                                              \
+        for (int p = 0; p < NP; p++) _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) out[p * MM + m] = acc[p][m]; \
+    }
+
+#define CPANELS(FMT)                                                                                              \
+    CPANEL(FMT, 1, 4) CPANEL(FMT, 2, 2) CPANEL(FMT, 1, 1) CPANEL(FMT, 2, 1) CPANEL(FMT, 3, 1) CPANEL(FMT, 4, 1)     \
+    CPANEL(FMT, 5, 1) CPANEL(FMT, 6, 1) CPANEL(FMT, 7, 1) CPANEL(FMT, 8, 1) CPANEL(FMT, 9, 1) CPANEL(FMT, 10, 1)   \
+    CPANEL(FMT, 11, 1) CPANEL(FMT, 12, 1) CPANEL(FMT, 13, 1) CPANEL(FMT, 14, 1) CPANEL(FMT, 15, 1) CPANEL(FMT, 16, 1)
+
+/* The macro pastes the format's number into the names: spell the formats as literals. */
+CPANELS(0) CPANELS(1) CPANELS(2) CPANELS(3) CPANELS(4)
+
+typedef void (*cpanel_fn)(const float *, int, const char *, size_t, const float *, const float *, size_t, int, vec *);
+#define CTABLE(FMT)                                                                                               \
+    {0, cpanel_##FMT##_1_1, cpanel_##FMT##_2_1, cpanel_##FMT##_3_1, cpanel_##FMT##_4_1, cpanel_##FMT##_5_1,            \
+     cpanel_##FMT##_6_1, cpanel_##FMT##_7_1, cpanel_##FMT##_8_1, cpanel_##FMT##_9_1, cpanel_##FMT##_10_1,              \
+     cpanel_##FMT##_11_1, cpanel_##FMT##_12_1, cpanel_##FMT##_13_1, cpanel_##FMT##_14_1, cpanel_##FMT##_15_1,          \
+     cpanel_##FMT##_16_1}
+static const cpanel_fn CPANELS1[5][LANES + 1] = {CTABLE(0), CTABLE(1), CTABLE(2), CTABLE(3), CTABLE(4)};
+static const cpanel_fn CPANELS_1x4[5] = {cpanel_0_1_4, cpanel_1_1_4, cpanel_2_1_4, cpanel_3_1_4, cpanel_4_1_4};
+static const cpanel_fn CPANELS_2x2[5] = {cpanel_0_2_2, cpanel_1_2_2, cpanel_2_2_2, cpanel_3_2_2, cpanel_4_2_2};
+
+/* Expands one panel into buf[K][16] floats: the same expression per weight as the register path. */
+static void expand_panel(int fmt, const char *wp, const float *sc, const float *mn, int K, float *buf) {
+    for (int k0 = 0; k0 < K; k0 += QK) {
+        int k1 = K - k0 < QK ? K : k0 + QK;
+        vec d = fmt == SG_Q8 || fmt == SG_Q4 ? *(const vec *)(sc + (size_t)(k0 / QK) * LANES) : (vec){0};
+        vec mi = fmt == SG_Q4 ? *(const vec *)(mn + (size_t)(k0 / QK) * LANES) : (vec){0};
+        for (int k = k0; k < k1; k++) *(vec *)(buf + (size_t)k * LANES) = expand(fmt, wp, k, d, mi);
+    }
+}
+
+static void store_rows(const vec *out, int rows, int width, const float *bias, int p, int N, float *y) {
+    for (int m = 0; m < rows; m++) {
+        float *dst = y + (size_t)m * N + (size_t)p * LANES;
+        if (width == LANES) {
+            vec r = out[m];
+            if (bias) r += *(const vec_u *)(bias + (size_t)p * LANES);
+            *(vec_u *)dst = r;
+        } else {
+            for (int j = 0; j < width; j++) dst[j] = out[m][j] + (bias ? bias[p * LANES + j] : 0.0f);
+        }
+    }
+}
+
+/* y[M][N] = x[M][K] @ w^T + bias with w held in format fmt (layouts above; wp, sc, mn 64-byte aligned;
+ * sc, mn unused, may be NULL, for formats without them). Returns 0, or -1 (writing nothing) for a
+ * format, row count or size outside the kernel's range. */
+int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp_, const float *sc, const float *mn, int N,
+                const float *bias, float *y) {
+    if (fmt < SG_F32 || fmt > SG_Q4 || M < 1 || M > SG_MAX_ROWS || K < 0 || N < 0) return -1;
+    const char *wp = (const char *)wp_;
+    int panels = (N + LANES - 1) / LANES;
+    size_t pstride = panel_bytes(fmt, K), sstride = (size_t)((K + QK - 1) / QK) * LANES;
+    if (M <= 2) {
+        int np = M == 1 ? 4 : 2, groups = (panels + np - 1) / np;
+#pragma omp parallel for schedule(static)
+        for (int g = 0; g < groups; g++) {
+            int p0 = g * np, n = panels - p0 < np ? panels - p0 : np;
+            vec out[4];
+            for (int p = p0; p < p0 + n; p++) {
+                if (n == np) { /* np whole panels side by side */
+                    (M == 1 ? CPANELS_1x4 : CPANELS_2x2)[fmt](x, K, wp + p0 * pstride, pstride, sc ? sc + p0 * sstride : 0,
+                                                               mn ? mn + p0 * sstride : 0, sstride, K, out);
+                    for (int q = 0; q < np; q++) {
+                        int width = N - (p0 + q) * LANES < LANES ? N - (p0 + q) * LANES : LANES;
+                        for (int m = 0; m < M; m++) {
+                            vec one[1] = {out[q * M + m]};
+                            store_rows(one, 1, width, bias, p0 + q, N, y + (size_t)m * N);
+                        }
+                    }
+                    break;
+                }
+                int width = N - p * LANES < LANES ? N - p * LANES : LANES;
+                CPANELS1[fmt][M](x, K, wp + p * pstride, pstride, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0,
+                                 sstride, K, out);
+                store_rows(out, M, width, bias, p, N, y);
+            }
+        }
+        return 0;
+    }
+    if (M <= LANES) {
+#pragma omp parallel for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            int width = N - p * LANES < LANES ? N - p * LANES : LANES;
+            vec out[LANES];
+            CPANELS1[fmt][M](x, K, wp + p * pstride, pstride, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0,
+                             sstride, K, out);
+            store_rows(out, M, width, bias, p, N, y);
+        }
+        return 0;
+    }
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* One expanded panel per thread, reused for every panel the thread takes. */
+        float *buf = fmt == SG_F32 ? 0 : aligned_alloc(64, ((size_t)K * LANES * 4 + 63) / 64 * 64 + 64);
+        if (fmt != SG_F32 && !buf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++) {
+            if (fmt != SG_F32 && !buf) continue;
+            int width = N - p * LANES < LANES ? N - p * LANES : LANES;
+            const char *panel = wp + p * pstride;
+            if (fmt != SG_F32) {
+                expand_panel(fmt, panel, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0, K, buf);
+                panel = (const char *)buf;
+            }
+            for (int g = 0; g < M; g += LANES) {
+                int rows = M - g < LANES ? M - g : LANES;
+                vec out[LANES];
+                CPANELS1[SG_F32][rows](x + (size_t)g * K, K, panel, 0, 0, 0, 0, K, out);
+                store_rows(out, rows, width, bias, p, N, y + (size_t)g * N);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -1 : 0;
+}
+
+#pragma GCC pop_options
+
+/* The machine's read bandwidth as this kernel's loops see it: the sum of n floats (n a multiple of
+ * 64), split over the team like the panels and read with the same vectors. `specdec bench --kernel`
+ * sets the GB/s a decode step reaches against it. */
+float sg_read(const float *a, size_t n) {
+    float total = 0.0f;
+#pragma omp parallel for schedule(static) reduction(+ : total)
+    for (size_t i = 0; i < n; i += 4 * LANES) {
+        vec s = *(const vec *)(a + i) + *(const vec *)(a + i + LANES) + *(const vec *)(a + i + 2 * LANES) +
+                *(const vec *)(a + i + 3 * LANES);
+        for (int j = 0; j < LANES; j++) total += s[j];
+    }
+    return total;
 }

