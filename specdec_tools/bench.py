@@ -503,17 +503,22 @@ def run(opts: Options, argv: list[str]) -> dict:
                     for set_name, items in prompts.items():
                         # V(n) drifts with this shared machine by 20% within minutes: every pass is
                         # predicted from the curves measured right before and right after it.
-                        before = measure_cost_curve(lm, contexts[set_name], ns, repeats=2)
+                        # each weight format's rows are predicted from its own target's curve
+                        curve_lm = {w: lm_f for w, (_, lm_f, _) in formats.items()}
+                        before, before_weights = None, None
                         for config in configs:  # interleaved: every configuration once per repetition
                             progress.update(task, description=f"rep {rep + 1}/{opts.repeats} {set_name} {config.name}")
+                            target_lm = curve_lm.get(config.weights, lm)
+                            if before is None or before_weights != config.weights:
+                                before = measure_cost_curve(target_lm, contexts[set_name], ns, repeats=2)
                             samples = []
                             for _, ids in items:
                                 samples.append(config.runner(ids))
                                 progress.advance(task)
-                            after = measure_cost_curve(lm, contexts[set_name], ns, repeats=2)
+                            after = measure_cost_curve(target_lm, contexts[set_name], ns, repeats=2)
                             results[(set_name, config.name)].samples.append(samples)
                             results[(set_name, config.name)].curves += [before, after]
-                            before = after
+                            before, before_weights = after, config.weights
                             if not progress.console.is_terminal:  # a log file gets one line per pass instead of a bar
                                 rate = sum(len(x.tokens) for x in samples) / sum(x.seconds for x in samples)
                                 print(f"rep {rep + 1}/{opts.repeats} {set_name:<9} {config.name:<28} {rate:7.2f} tok/s",
@@ -600,12 +605,13 @@ def chain_tree_staged(document: dict) -> list[dict]:
     rows = []
     for set_name in document["prompts"]:
         records = [r for r in document["results"] if r["prompt_set"] == set_name and "mean_accepted_length" in r]
-        for drafter in sorted({r["drafter"] for r in records if r["kind"] in ("tree", "staged")}):
-            chains = [r for r in records if r["drafter"] == drafter and r["kind"] == "specdec-local"]
+        for drafter, weights in sorted({(r["drafter"], r.get("weights", "fp32")) for r in records if r["kind"] in ("tree", "staged")}):
+            mine = [r for r in records if r["drafter"] == drafter and r.get("weights", "fp32") == weights]
+            chains = [r for r in mine if r["kind"] == "specdec-local"]
             if not chains:
                 continue
             best = max(chains, key=lambda r: r["mean_accepted_length"])
-            for r in [best] + [r for r in records if r["drafter"] == drafter and r["kind"] in ("tree", "staged")]:
+            for r in [best] + [r for r in mine if r["kind"] in ("tree", "staged")]:
                 rows.append({"prompt_set": set_name, "configuration": r["configuration"], "kind": "chain (best)" if r is best else r["kind"],
                              "tokens_per_step": r["mean_accepted_length"], "tokens_per_second": r["tokens_per_second"]["median"],
                              "tokens_per_step_vs_best_chain": r["mean_accepted_length"] / best["mean_accepted_length"],

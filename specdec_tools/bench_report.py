@@ -148,12 +148,14 @@ def report(results, ctx: dict, opts) -> dict:
             if peer is not None and s["kind"].startswith("specdec"):
                 s["speedup_vs_hf_assisted"] = median / peer["tokens_per_second"]["median"]
         records.extend(summaries)
-    by_set = {name: planlib.median_curve([c for r in results if r.prompt_set == name for c in r.curves]) for name in opts.prompt_sets}
+    # the headline curves are the first weight format's target (each record's prediction used its own format's)
+    first = [r for r in results if r.config.weights == opts.weights[0] or r.config.kind in ("hf", "hf-assisted", "llamacpp")]
+    by_set = {name: planlib.median_curve([c for r in first if r.prompt_set == name for c in r.curves]) for name in opts.prompt_sets}
     document = {
         "command": ctx["command"], "machine": ctx["machine"], "target": ctx["target"], "drafters": ctx["drafters"],
         "options": {k: (str(v) if not isinstance(v, (int, float, bool, list, tuple, str)) else v) for k, v in dataclasses.asdict(opts).items()},
         "prompts": ctx["prompts"],
-        "cost_curve_seconds": {str(n): v for n, v in planlib.median_curve([c for r in results for c in r.curves]).points},
+        "cost_curve_seconds": {str(n): v for n, v in planlib.median_curve([c for r in first for c in r.curves]).points},
         "cost_curve_seconds_by_set": {name: {str(n): v for n, v in c.points} for name, c in by_set.items()},
         "draft_cost_seconds_per_token": {k: v for k, v in ctx["draft_cost"].items()},
         "rtt_seconds": ctx["rtt"], "notes": ctx["notes"], "weights": ctx.get("weights", {}), "results": records,
@@ -171,7 +173,7 @@ def print_table(document: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 200)  # a log file gets every column
+    console = Console(width=None if sys.stdout.isatty() else 260)  # a log file gets every column
     curves = "; ".join(f"{name}: " + ", ".join(f"V({n})={v * 1e3:.1f}" for n, v in points.items())
                        for name, points in document["cost_curve_seconds_by_set"].items())
     console.print(f"[bold]{document['command']}[/bold]\nmachine: {document['machine']['cpu']} x{document['machine']['cores']}, "

@@ -187,3 +187,39 @@ def test_the_embedded_models_own_blocks_serve_it():
             reference = loaded.model(ids).logits[0, -1]
     assert (served - reference).abs().max() < 0.05  # the same weights; only the summation order differs
     assert served.argmax() == reference.argmax()
+
+
+def test_the_services_serve_and_report_their_format(tmp_path):
+    """Through real gRPC services: the target and a model draft report the format in ModelInfo, and
+    greedy speculation gives the target alone's tokens in that format."""
+    from protos import specdec_pb2 as pb
+    from protos import specdec_pb2_grpc as pb_grpc
+    import grpc
+    from specdec.model.loading import load_model
+    from specdec_tools.tinymodels import save, tiny_pair
+    from tests.stack import Stack
+
+    target_model, draft_model = tiny_pair(seed=5, noise=0.02)
+    target_path, draft_path = save(target_model, tmp_path / "target"), save(draft_model, tmp_path / "draft")
+    stack = Stack()
+    try:
+        target = stack.target(target_path, weights="int8")
+        draft = stack.draft(drafter="model", model=draft_path, weights="bf16")
+        with grpc.insecure_channel(target) as channel:
+            info = pb_grpc.TargetServiceStub(channel).GetInfo(pb.TargetServiceGetInfoRequest(), timeout=30).info
+        assert info.weights == "int8" and 0 < info.weight_bytes < gemm.linear_bytes(target_model) / 3
+        with grpc.insecure_channel(draft) as channel:
+            info = pb_grpc.DraftServiceStub(channel).GetInfo(pb.DraftServiceGetInfoRequest(), timeout=30).info
+        assert info.weights == "bf16" and gemm.linear_bytes(draft_model) // 2 <= info.weight_bytes < gemm.linear_bytes(draft_model) * 0.55
+        loaded = load_model(target_path, "cpu")
+        gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, 1, "int8", loaded.path)
+        client = stack.client(stack.coordinator(target, draft, loaded.tokenizer))
+        for prompt in tiny.prompts(3, seed=7):
+            with torch.inference_mode():
+                expected = tiny.reference_greedy(loaded.model, prompt, MAX_NEW)
+            for draft_length in (0, 6):
+                response = client.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=MAX_NEW,
+                                                              speculation=pb.SpeculationParams(draft_length=draft_length)), timeout=60)
+                assert list(response.token_ids) == expected, draft_length
+    finally:
+        stack.stop()

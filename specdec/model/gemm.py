@@ -13,7 +13,7 @@ core's caches, and stayed ahead of the stock kernel at every row count measured 
 1.6-1.9x at 64, 1.3x at 256, 1.2x at 1024), so batched verification and prefills take it too.
 
 Rows `min_rows`..`rows` take the kernel (`min_rows` can keep short forwards on the stock kernel;
-`rows` caps it). A row's result does not depend on the other rows (one fused multiply-add chain
+`rows` caps it). A row's result does not depend on the other rows (one multiply-add chain
 per output, in k order), so a position's logits are the same in a decode step, a verify pass, a
 batch and a prefill.
 

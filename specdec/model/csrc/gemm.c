@@ -24,7 +24,7 @@
  * ms, 32 rows 105.3 / 52.5, 64 rows 138.9-166.2 / 85.6-88.1, 256 rows 419.2 / 321.0, 1024 rows
  * 1576 / 1276: faster than the stock kernel at every row count measured.
  *
- * Numerics: every output y[m][n] is one fused multiply-add chain over k = 0..K-1 in order, whatever
+ * Numerics: every output y[m][n] is one multiply-add chain over k = 0..K-1 in order, whatever
  * M is and whatever the other rows hold, so a row's result is bit-identical whether it is computed
  * alone (a decode step), among the positions of a verification pass or in a prefill. That is what
  * keeps the target's verify logits equal to its own decode logits.
@@ -214,23 +214,28 @@ static inline vec expand(int fmt, const char *restrict w, int k, vec d, vec m) {
                 d[p] = FMT == SG_Q8 || FMT == SG_Q4 ? *(const vec *)(sc + p * sstride + (size_t)(k0 / QK) * LANES) : (vec){0}; \
                 mi[p] = FMT == SG_Q4 ? *(const vec *)(mn + p * sstride + (size_t)(k0 / QK) * LANES) : (vec){0};       \
             }                                                                                                          \
-            for (int k = k0; k < k1; k += FMT == SG_Q4 ? 2 : 1) {                                                     \
+            /* SG_Q4 steps over whole pairs; an odd K's last k (the low nibble of its pair) is taken below */          \
+            int kend = FMT == SG_Q4 ? k1 - ((k1 - k0) & 1) : k1;                                                        \
+            for (int k = k0; k < kend; k += FMT == SG_Q4 ? 2 : 1) {                                                   \
                 if (MM > 1) __builtin_prefetch(wp + (size_t)k * step_bytes(FMT) / (FMT == SG_Q4 ? 2 : 1) + AHEAD * 64, 0, 0); \
                 _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                                 \
                     if (FMT == SG_Q4) { /* one load and widening for the pair k, k + 1 */                              \
                         i32x16 v = widen_u8(wp + p * pstride + (size_t)(k >> 1) * 16);                                  \
                         vec w = __builtin_convertvector(v & 15, vec) * d[p] + mi[p];                                   \
                         _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + k] * w; \
-                        if (k + 1 < k1) {                                                                              \
-                            w = __builtin_convertvector(v >> 4, vec) * d[p] + mi[p];                                   \
-                            _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + k + 1] * w; \
-                        }                                                                                              \
+                        w = __builtin_convertvector(v >> 4, vec) * d[p] + mi[p];                                       \
+                        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + k + 1] * w; \
                     } else {                                                                                           \
                         vec w = expand(FMT, wp + p * pstride, k, d[p], mi[p]);                                         \
                         _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + k] * w; \
                     }                                                                                                  \
                 }                                                                                                      \
             }                                                                                                          \
+            if (kend < k1)                                                                                             \
+                for (int p = 0; p < NP; p++) {                                                                         \
+                    vec w = expand(FMT, wp + p * pstride, kend, d[p], mi[p]);                                          \
+                    _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + kend] * w; \
+                }                                                                                                      \
         }                                                                                                              \
         for (int p = 0; p < NP; p++) _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) out[p * MM + m] = acc[p][m]; \
     }
@@ -360,10 +365,17 @@ int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp_, const fl
  * sets the GB/s a decode step reaches against it. */
 float sg_read(const float *a, size_t n) {
     float total = 0.0f;
-#pragma omp parallel for schedule(static) reduction(+ : total)
-    for (size_t i = 0; i < n; i += 4 * LANES) {
-        vec s = *(const vec *)(a + i) + *(const vec *)(a + i + LANES) + *(const vec *)(a + i + 2 * LANES) +
-                *(const vec *)(a + i + 3 * LANES);
+#pragma omp parallel reduction(+ : total)
+    {
+        vec s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0}; /* four chains: the adds keep up with the loads */
+#pragma omp for schedule(static)
+        for (size_t i = 0; i < n; i += 4 * LANES) {
+            s0 += *(const vec *)(a + i);
+            s1 += *(const vec *)(a + i + LANES);
+            s2 += *(const vec *)(a + i + 2 * LANES);
+            s3 += *(const vec *)(a + i + 3 * LANES);
+        }
+        vec s = s0 + s1 + s2 + s3;
         for (int j = 0; j < LANES; j++) total += s[j];
     }
     return total;
