@@ -344,11 +344,11 @@ def _load_model_drafter(config: DraftConfig):
     loaded = load_model(config.model, config.device, config.dtype)
     lm = CausalLM(loaded.model, loaded.device)
     drafter = ModelDrafter(lm, config.top_k, staged=config.staged)
-    drafter.source = loaded.path  # where --weights gguf finds the file's blocks
     if config.target_tokenizer:
         from draft_service.drafters.other_vocab import build_cross_drafter
 
         drafter = build_cross_drafter(lm, loaded.tokenizer, config.model, config.target_tokenizer, config.top_k) or drafter
+    drafter.source = loaded.path  # where --weights gguf finds the file's blocks
     return drafter, _lm_info(config, drafter, "model", device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."))
 
 
