@@ -18,7 +18,7 @@ tokens agree with fp32's.
 
 A quantized weight is held as codes plus per-block scales in the kernel's panel layout (16 output
 features side by side for each input index, see gemm.c), built here with torch: quantizing happens
-once at load, and its cost (about a second for SmolLM2-135M) is not worth C.
+once at load, where a few vectorised tensor operations per layer cost less than the model's loading.
 """
 
 from __future__ import annotations
