@@ -268,6 +268,9 @@ static void expand_panel(int fmt, const char *wp, const float *sc, const float *
     }
 }
 
+/* Output features of panel p that exist (16, or fewer in the last panel). */
+static int width_of(int p, int N) { return N - p * LANES < LANES ? N - p * LANES : LANES; }
+
 static void store_rows(const vec *out, int rows, int width, const float *bias, int p, int N, float *y) {
     for (int m = 0; m < rows; m++) {
         float *dst = y + (size_t)m * N + (size_t)p * LANES;
@@ -290,41 +293,29 @@ int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp_, const fl
     const char *wp = (const char *)wp_;
     int panels = (N + LANES - 1) / LANES;
     size_t pstride = panel_bytes(fmt, K), sstride = (size_t)((K + QK - 1) / QK) * LANES;
-    if (M <= 2) {
-        int np = M == 1 ? 4 : 2, groups = (panels + np - 1) / np;
+    int first = 0; /* panels from here on are computed one at a time */
+    if (M <= 2) {  /* np whole panels side by side; the remaining (panels % np) go one at a time below */
+        int np = M == 1 ? 4 : 2, groups = panels / np;
 #pragma omp parallel for schedule(static)
         for (int g = 0; g < groups; g++) {
-            int p0 = g * np, n = panels - p0 < np ? panels - p0 : np;
+            int p0 = g * np;
             vec out[4];
-            for (int p = p0; p < p0 + n; p++) {
-                if (n == np) { /* np whole panels side by side */
-                    (M == 1 ? CPANELS_1x4 : CPANELS_2x2)[fmt](x, K, wp + p0 * pstride, pstride, sc ? sc + p0 * sstride : 0,
-                                                               mn ? mn + p0 * sstride : 0, sstride, K, out);
-                    for (int q = 0; q < np; q++) {
-                        int width = N - (p0 + q) * LANES < LANES ? N - (p0 + q) * LANES : LANES;
-                        for (int m = 0; m < M; m++) {
-                            vec one[1] = {out[q * M + m]};
-                            store_rows(one, 1, width, bias, p0 + q, N, y + (size_t)m * N);
-                        }
-                    }
-                    break;
-                }
-                int width = N - p * LANES < LANES ? N - p * LANES : LANES;
-                CPANELS1[fmt][M](x, K, wp + p * pstride, pstride, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0,
-                                 sstride, K, out);
-                store_rows(out, M, width, bias, p, N, y);
-            }
+            (M == 1 ? CPANELS_1x4 : CPANELS_2x2)[fmt](x, K, wp + p0 * pstride, pstride, sc ? sc + p0 * sstride : 0,
+                                                       mn ? mn + p0 * sstride : 0, sstride, K, out);
+            for (int q = 0; q < np; q++)
+                for (int m = 0; m < M; m++) store_rows(&out[q * M + m], 1, width_of(p0 + q, N), bias, p0 + q, N, y + (size_t)m * N);
         }
-        return 0;
+        first = groups * np;
     }
     if (M <= LANES) {
+        if (first < panels) {
 #pragma omp parallel for schedule(static)
-        for (int p = 0; p < panels; p++) {
-            int width = N - p * LANES < LANES ? N - p * LANES : LANES;
-            vec out[LANES];
-            CPANELS1[fmt][M](x, K, wp + p * pstride, pstride, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0,
-                             sstride, K, out);
-            store_rows(out, M, width, bias, p, N, y);
+            for (int p = first; p < panels; p++) {
+                vec out[LANES];
+                CPANELS1[fmt][M](x, K, wp + p * pstride, pstride, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0,
+                                 sstride, K, out);
+                store_rows(out, M, width_of(p, N), bias, p, N, y);
+            }
         }
         return 0;
     }
@@ -340,7 +331,6 @@ int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp_, const fl
 #pragma omp for schedule(static)
         for (int p = 0; p < panels; p++) {
             if (fmt != SG_F32 && !buf) continue;
-            int width = N - p * LANES < LANES ? N - p * LANES : LANES;
             const char *panel = wp + p * pstride;
             if (fmt != SG_F32) {
                 expand_panel(fmt, panel, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0, K, buf);
@@ -350,7 +340,7 @@ int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp_, const fl
                 int rows = M - g < LANES ? M - g : LANES;
                 vec out[LANES];
                 CPANELS1[SG_F32][rows](x + (size_t)g * K, K, panel, 0, 0, 0, 0, K, out);
-                store_rows(out, rows, width, bias, p, N, y + (size_t)g * N);
+                store_rows(out, rows, width_of(p, N), bias, p, N, y + (size_t)g * N);
             }
         }
         free(buf);
