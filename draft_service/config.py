@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specdec.model import compact, gemm
-from specdec.serving.config import event_loop_option, log_format_option, log_level_option, option
+from specdec.model import gemm
+from specdec.serving.config import check_weights, event_loop_option, log_format_option, log_level_option, option, weights_option
 
 ENV_PREFIX = "SPECDEC_DRAFT_"
 
@@ -39,14 +39,7 @@ class DraftConfig:
         "CPU float32 model drafts: forwards over 1..N positions use specdec's GEMM kernel, compiled on first "
         "use (small forwards cost less than with the stock kernel); 0 turns it off.",
     )
-    weights: str = option(
-        "fp32",
-        "What the CPU GEMM kernel reads the linear layers' weights as: fp32; bf16 or f16; int8 or q4 (blocks of "
-        "32 with their own scales, quantized at load); gguf (the blocks of the GGUF file the model came from, as "
-        "they are). Fewer bytes a weight decode faster; the model served is the model in that format, and "
-        "`specdec bench --weights` prints each format's agreement with fp32.",
-        choices=compact.FORMATS,
-    )
+    weights: str = weights_option()
     batch_window_ms: float = option(
         2.0,
         "How long a drafting step waits for the other streams' steps to share its forward pass (continuous "
@@ -73,8 +66,7 @@ class DraftConfig:
     log_level: str = log_level_option()
 
     def __post_init__(self):
-        if self.weights != "fp32" and not self.packed_gemm_rows:
-            raise ValueError(f"--weights {self.weights} is read by specdec's GEMM kernel: it needs --packed-gemm-rows > 0")
+        check_weights(self.weights, self.packed_gemm_rows)
         if not 0 <= self.packed_gemm_rows <= gemm.MAX_ROWS:
             raise ValueError(f"--packed-gemm-rows must be in [0, {gemm.MAX_ROWS}], got {self.packed_gemm_rows}")
         if not self.batch_window_ms >= 0:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specdec.model import compact, gemm
-from specdec.serving.config import event_loop_option, log_format_option, log_level_option, option
+from specdec.model import gemm
+from specdec.serving.config import check_weights, event_loop_option, log_format_option, log_level_option, option, weights_option
 from specdec.model.loading import DEFAULT_TARGET
 
 ENV_PREFIX = "SPECDEC_TARGET_"
@@ -33,14 +33,7 @@ class TargetConfig:
         "Fewest positions that take the small-M kernel; shorter forwards keep the stock kernel (1: decode "
         "steps take it too).",
     )
-    weights: str = option(
-        "fp32",
-        "What the CPU GEMM kernel reads the linear layers' weights as: fp32; bf16 or f16; int8 or q4 (blocks of "
-        "32 with their own scales, quantized at load); gguf (the blocks of the GGUF file the model came from, as "
-        "they are). Fewer bytes a weight decode faster; the model served is the model in that format, and "
-        "`specdec bench --weights` prints each format's agreement with fp32.",
-        choices=compact.FORMATS,
-    )
+    weights: str = weights_option()
     max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted (and re-filled on demand).")
     idle_timeout_s: float = option(600.0, "Free a sequence untouched this long (a coordinator that vanished); 0 disables.")
     batch_window_ms: float = option(
@@ -64,8 +57,7 @@ class TargetConfig:
     log_level: str = log_level_option()
 
     def __post_init__(self):
-        if self.weights != "fp32" and not self.packed_gemm_rows:
-            raise ValueError(f"--weights {self.weights} is read by specdec's GEMM kernel: it needs --packed-gemm-rows > 0")
+        check_weights(self.weights, self.packed_gemm_rows)
         if not 0 <= self.packed_gemm_rows <= gemm.MAX_ROWS:
             raise ValueError(f"--packed-gemm-rows must be in [0, {gemm.MAX_ROWS}], got {self.packed_gemm_rows}")
         if self.packed_gemm_rows and not 1 <= self.packed_gemm_min_rows <= self.packed_gemm_rows:

@@ -15,6 +15,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from specdec.model.formats import FORMATS
+
 T = TypeVar("T")
 
 
@@ -34,6 +36,24 @@ def event_loop_option() -> Any:
         "or asyncio (the standard library's, also used where uvloop is not installed).",
         choices=EVENT_LOOPS,
     )
+
+
+def weights_option() -> Any:
+    """The model services' `weights` field (specdec/model/compact.py says what each format is)."""
+    return option(
+        "fp32",
+        "What the CPU GEMM kernel reads the linear layers' weights as: fp32; bf16 or f16; int8 or q4 (blocks of "
+        "32 with their own scales, quantized at load); gguf (the blocks of the GGUF file the model came from, as "
+        "they are). Fewer bytes a weight decode faster; the model served is the model in that format, and "
+        "`specdec bench --weights` prints each format's agreement with fp32.",
+        choices=FORMATS,
+    )
+
+
+def check_weights(weights: str, packed_gemm_rows: int) -> None:
+    """A compact format is read by the kernel alone: with the kernel off it could only be served as fp32."""
+    if weights != "fp32" and not packed_gemm_rows:
+        raise ValueError(f"--weights {weights} is read by specdec's GEMM kernel: it needs --packed-gemm-rows > 0")
 
 
 LOG_FORMATS = ("auto", "json", "console")
