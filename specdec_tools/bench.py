@@ -289,7 +289,8 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
     """Every configuration with its runner; also the draft engines (for measuring their cost).
 
     `weights`: the format `lm`'s target reads; with several formats in one run each builds its own
-    specdec rows (named name@format), the transformers rows only with the first (they run fp32)."""
+    specdec rows (named name@format); the caller asks for the transformers rows (opts.hf) with the
+    first format only, as they run fp32 whatever the format."""
     configs, engines = _build_configurations(opts, target_spec, target_loaded, lm, drafters, stack, notes, engines or {})
     several = len(opts.weights) > 1 or opts.weights != ("fp32",)
     for config in configs:
@@ -297,8 +298,6 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
             config.weights = weights
             if several:
                 config.name = f"{config.name}@{weights}"
-    if weights != opts.weights[0]:
-        configs = [c for c in configs if c.kind not in ("hf", "hf-assisted")]
     return configs, engines
 
 
