@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import pathlib
 import threading
 
 import grpc
@@ -15,6 +16,7 @@ from draft_service.servicer import serve as serve_draft
 from protos import specdec_pb2_grpc as pb_grpc
 from target_service.config import TargetConfig
 from target_service.servicer import serve as serve_target
+from tests import tiny
 
 
 class Stack:
@@ -51,6 +53,16 @@ class Stack:
     def coordinator(self, target: str, draft: str, tokenizer, **overrides) -> str:
         config = dataclasses.replace(CoordinatorConfig(port=0, http_port=-1, target=target, draft=draft, startup_timeout_s=60), **overrides)
         return self._start(serve_coordinator, config, tokenizer=tokenizer)
+
+    def tiny_speculative(self, folder: pathlib.Path, **coordinator_overrides):
+        """tests.tiny's target and noisy draft saved under `folder`, served as a target, a model draft
+        and a coordinator with the HTTP API on a free port, on the byte tokenizer.
+        Returns (the coordinator's gRPC address, its HTTP base URL, the target model)."""
+        target, draft = tiny.tiny_pair(seed=0)
+        target_addr = self.target(tiny.save(target, folder / "target"))
+        draft_addr = self.draft(drafter="model", model=tiny.save(draft, folder / "draft"))
+        address = self.coordinator(target_addr, draft_addr, tiny.byte_tokenizer(), http_port=0, **coordinator_overrides)
+        return address, f"http://127.0.0.1:{self.servers[-1].http.port}", target
 
     def client(self, address: str) -> pb_grpc.CoordinatorServiceStub:
         channel = grpc.insecure_channel(address)

@@ -36,16 +36,11 @@ LONG = 500  # tokens an abandoned request asks for (ignore_eos): prompt + LONG f
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    target, draft = tiny.tiny_pair(seed=0)
-    folder = tmp_path_factory.mktemp("hardening")
     stack = Stack()
-    target_addr = stack.target(tiny.save(target, folder / "target"))
-    draft_addr = stack.draft(drafter="model", model=tiny.save(draft, folder / "draft"))
-    stack.coordinator(target_addr, draft_addr, tiny.byte_tokenizer(), http_port=0, served_model_name="tiny",
-                      max_body_bytes=BIG_CAP, max_concurrent_requests=RUNNING, max_queue=64,
-                      max_streams_per_client=64)  # every test client is one peer (127.0.0.1): no per-client cap here
+    _, base, _ = stack.tiny_speculative(tmp_path_factory.mktemp("hardening"), served_model_name="tiny", max_body_bytes=BIG_CAP,
+                                        max_concurrent_requests=RUNNING, max_queue=64,
+                                        max_streams_per_client=64)  # every test client is one peer (127.0.0.1): no per-client cap here
     server = stack.servers[-1]
-    base = f"http://127.0.0.1:{server.http.port}"
     # This process runs the servers and the test clients: what holds its GIL stalls them all. A client's
     # set-up (its TLS context) is done here, not while /health is timed, and the objects already made
     # (torch's, transformers', the models') are frozen out of the collector: a full collection of them

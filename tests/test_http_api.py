@@ -23,15 +23,8 @@ TOKEN = "test-token"
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    target, draft = tiny.tiny_pair(seed=0)
-    folder = tmp_path_factory.mktemp("tiny-http")
     stack = Stack()
-    target_addr = stack.target(tiny.save(target, folder / "target"))
-    draft_addr = stack.draft(drafter="model", model=tiny.save(draft, folder / "draft"))
-    grpc_addr = stack.coordinator(target_addr, draft_addr, tiny.byte_tokenizer(), http_port=0, api_token=TOKEN,
-                                 served_model_name="tiny")
-    http_port = stack.servers[-1].http.port
-    base = f"http://127.0.0.1:{http_port}"
+    grpc_addr, base, target = stack.tiny_speculative(tmp_path_factory.mktemp("tiny-http"), api_token=TOKEN, served_model_name="tiny")
     client = openai.OpenAI(base_url=f"{base}/v1", api_key=TOKEN, max_retries=0, timeout=60)
     yield {"base": base, "client": client, "grpc": grpc_addr, "target": target, "stack": stack}
     stack.stop()

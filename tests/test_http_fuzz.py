@@ -36,14 +36,10 @@ STATUS: dict[str, collections.Counter] = collections.defaultdict(collections.Cou
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    target, draft = tiny.tiny_pair(seed=0)
-    folder = tmp_path_factory.mktemp("http-fuzz")
     stack = Stack()
-    target_addr = stack.target(tiny.save(target, folder / "target"))
-    draft_addr = stack.draft(drafter="model", model=tiny.save(draft, folder / "draft"))
-    stack.coordinator(target_addr, draft_addr, tiny.byte_tokenizer(), http_port=0, served_model_name="tiny",
-                      max_new_tokens=MAX_NEW, default_max_new_tokens=MAX_NEW)
-    client = httpx2.Client(base_url=f"http://127.0.0.1:{stack.servers[-1].http.port}", timeout=60)  # one kept-alive connection
+    _, base, _ = stack.tiny_speculative(tmp_path_factory.mktemp("http-fuzz"), served_model_name="tiny", max_new_tokens=MAX_NEW,
+                                        default_max_new_tokens=MAX_NEW)
+    client = httpx2.Client(base_url=base, timeout=60)  # one kept-alive connection
     yield {"client": client, "stack": stack}
     client.close()
     stack.stop()

@@ -9,6 +9,7 @@ instead of after 64 KiB or more; one message per token (no decoding ahead) makes
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
@@ -46,6 +47,26 @@ def long_stream(address: str, client_id: str = "", authorization: str = "", time
     return call, channel
 
 
+@contextlib.contextmanager
+def stack_with_streams():
+    """A Stack, and `open_stream(address, **long_stream's flags) -> call` for streams nobody reads on
+    it; on the way out every stream is cancelled, its channel closed and the stack stopped."""
+    stack, opened = Stack(), []
+
+    def open_stream(address: str, **kwargs):
+        call, channel = long_stream(address, **kwargs)
+        opened.append((call, channel))
+        return call
+
+    try:
+        yield stack, open_stream
+    finally:
+        for call, channel in opened:
+            call.cancel()
+            channel.close()
+        stack.stop()
+
+
 def short(client_id: str = "", authorization: str = "") -> tuple[pb.GenerateRequest, list]:
     metadata = [(k, v) for k, v in (("x-client-id", client_id), ("authorization", authorization)) if v]
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), max_new_tokens=8), metadata
@@ -70,18 +91,12 @@ def outcome(call) -> tuple[grpc.StatusCode, str, int]:
 
 
 def test_streams_whose_clients_stopped_reading_give_their_slots_back(target_path):
-    stack = Stack()
-    channels = []
-    try:
+    with stack_with_streams() as (stack, open_stream):
         target = stack.target(target_path)
         coordinator = stack.coordinator(target, "", tiny.byte_tokenizer(), max_concurrent_requests=2, decode_ahead=0,
                                         stream_stall_timeout_s=1.0, client_id_header="x-client-id")
         held = stack.servers[0].servicer.engine.store
-        stalled = []
-        for i in range(2):
-            call, channel = long_stream(coordinator, client_id=f"stopped-reading-{i}")
-            stalled.append(call)
-            channels.append(channel)
+        stalled = [open_stream(coordinator, client_id=f"stopped-reading-{i}") for i in range(2)]
         assert wait_for(lambda: len(held) == 2, 10), "the two streams never ran"
         started = time.monotonic()
         request, metadata = short(client_id="reads-its-answers")
@@ -95,19 +110,13 @@ def test_streams_whose_clients_stopped_reading_give_their_slots_back(target_path
             assert code == grpc.StatusCode.CANCELLED and "stopped reading" in details
             assert received < LONG, "the stream was never stalled"
         assert wait_for(lambda: len(held) == 0, 10), "the stalled streams' sequences were not released"
-    finally:
-        for channel in channels:
-            channel.close()
-        stack.stop()
 
 
 def test_the_per_client_cap_counts_clients_not_bearer_tokens(target_path):
     """Keyed by the Authorization header, every client of --api-token shared one cap, and without
     a token any made-up value was a client of its own. The streams held here stall (no reading, no
     stall timeout), so each holds its place for as long as the test needs."""
-    stack = Stack()
-    channels, calls = [], []
-    try:
+    with stack_with_streams() as (stack, open_stream):
         target = stack.target(target_path)
         by_peer = stack.coordinator(target, "", tiny.byte_tokenizer(), max_streams_per_client=1, decode_ahead=0,
                                     stream_stall_timeout_s=0)
@@ -115,18 +124,14 @@ def test_the_per_client_cap_counts_clients_not_bearer_tokens(target_path):
                                       stream_stall_timeout_s=0, client_id_header="X-Client-Id")
         running = [server.servicer.admission for server in stack.servers[1:]]
 
-        call, channel = long_stream(by_peer, authorization="Bearer made-up-1")
-        calls.append(call)
-        channels.append(channel)
+        open_stream(by_peer, authorization="Bearer made-up-1")
         assert wait_for(lambda: running[0].running == 1, 10)
         request, metadata = short(authorization="Bearer made-up-2")
         with pytest.raises(grpc.RpcError) as refused:
             stack.client(by_peer).Generate(request, timeout=15, metadata=metadata)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, "another made-up token bypassed the cap"
 
-        call, channel = long_stream(by_header, client_id="alice")
-        calls.append(call)
-        channels.append(channel)
+        open_stream(by_header, client_id="alice")
         assert wait_for(lambda: running[1].running == 1, 10)
         request, metadata = short(client_id="bob")
         assert len(stack.client(by_header).Generate(request, timeout=15, metadata=metadata).token_ids) == 8
@@ -134,12 +139,6 @@ def test_the_per_client_cap_counts_clients_not_bearer_tokens(target_path):
         with pytest.raises(grpc.RpcError) as refused:
             stack.client(by_header).Generate(request, timeout=15, metadata=metadata)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    finally:
-        for call in calls:
-            call.cancel()
-        for channel in channels:
-            channel.close()
-        stack.stop()
 
 
 def post(url: str, client_id: str) -> int:
@@ -157,26 +156,16 @@ def post(url: str, client_id: str) -> int:
 def test_http_requests_count_against_the_same_clients(target_path):
     """The HTTP API names clients with the same function: a made-up Authorization header is no
     new client there either, and --client-id-header separates clients."""
-    stack = Stack()
-    channels, calls = [], []
-    try:
+    with stack_with_streams() as (stack, open_stream):
         target = stack.target(target_path)
         stack.coordinator(target, "", tiny.byte_tokenizer(), max_streams_per_client=1, decode_ahead=0,
                           stream_stall_timeout_s=0, client_id_header="x-client-id", http_port=0)
         server = stack.servers[-1]
         address, url = f"127.0.0.1:{server.port}", f"http://127.0.0.1:{server.http.port}/v1/completions"
-        call, channel = long_stream(address, client_id="alice", authorization="Bearer made-up-1")
-        calls.append(call)
-        channels.append(channel)
+        open_stream(address, client_id="alice", authorization="Bearer made-up-1")
         assert wait_for(lambda: server.servicer.admission.running == 1, 10)
         assert post(url, client_id="alice") == 429
         assert post(url, client_id="bob") == 200
-    finally:
-        for call in calls:
-            call.cancel()
-        for channel in channels:
-            channel.close()
-        stack.stop()
 
 
 def test_one_client_holds_no_more_than_the_running_slots_by_default():
