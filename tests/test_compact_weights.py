@@ -48,18 +48,99 @@ def test_the_kernel_computes_the_formats_weight_for_every_row_count(kind, out_fe
         assert torch.allclose(y.double(), expected, atol=1e-4), (kind, rows)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("int8a8", "q4a8"))
 def test_a_rows_result_does_not_depend_on_the_other_rows(kind):
     """Bit for bit: decode steps (1 row), verifies (2-16, weights expanded in registers) and batches
-    and prefills (> 16, each panel expanded once into a buffer) all compute the same expression."""
+    and prefills (> 16, each panel expanded once into a buffer; the integer path: 8 rows at a time)
+    all compute the same expression."""
     torch.manual_seed(1)
-    held = compact.quantize(torch.randn(100, 96) * 0.1, kind)
+    weight = torch.randn(100, 96) * 0.1
+    held = compact.to_a8(compact.quantize(weight, kind.removesuffix("a8"))) if kind.endswith("a8") else compact.quantize(weight, kind)
     kernel = gemm_kernel.load()
     x = torch.randn(40, 96)
     whole = kernel.linear_compact(x, held, None)
-    for rows in (1, 2, 3, 16, 17):
+    for rows in (1, 2, 3, 8, 9, 16, 17):
         part = torch.cat([kernel.linear_compact(x[i:i + rows], held, None) for i in range(0, 40 - rows + 1, rows)])
         assert torch.equal(part, whole[: len(part)]), (kind, rows)
+
+
+A8_KINDS = ("int8a8", "q4a8")
+
+
+def _a8(weight: torch.Tensor, kind: str) -> compact.Compact:
+    return compact.to_a8(compact.quantize(weight, kind.removesuffix("a8")))
+
+
+def _rounded_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the integer-dot kernel multiplies it: each row rounded to int8 per block of 32 (dx = max|x| / 127)."""
+    rows, k = x.shape
+    blocks = torch.zeros(rows, -(-k // 32) * 32)
+    blocks[:, :k] = x
+    blocks = blocks.reshape(rows, -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inverse).clamp(-127, 127) * d).reshape(rows, -1)[:, :k]
+
+
+@pytest.mark.parametrize("kind", A8_KINDS)
+@pytest.mark.parametrize("out_features, in_features", [(80, 64), (37, 70), (16, 31), (3, 100)])
+def test_integer_dot_products_compute_the_rounded_activations(kind, out_features, in_features):
+    """The -a8 formats: the same weights against activations rounded to int8 per block of 32, with
+    exact integer sums; the result is the float64 product of the two up to float32 rounding."""
+    torch.manual_seed(0)
+    weight, bias = torch.randn(out_features, in_features) * 0.1, torch.randn(out_features)
+    held = _a8(weight, kind)
+    assert torch.equal(held.dequantize(), compact.quantize(weight, kind.removesuffix("a8")).dequantize())
+    w = held.dequantize().double()
+    kernel = gemm_kernel.load()
+    for rows in (1, 2, 3, 5, 8, 9, 17, 40):
+        x = torch.randn(rows, in_features)
+        y = kernel.linear_compact(x, held, bias)
+        expected = _rounded_activations(x).double() @ w.T + bias.double()
+        assert torch.allclose(y.double(), expected, atol=1e-4), (kind, rows)
+        # and not the float-activation product: the rounding is real, so a test of it can fail
+        assert not torch.allclose(y.double(), x.double() @ w.T + bias.double(), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", A8_KINDS)
+def test_the_portable_integer_loop_computes_the_same_bits(kind, tmp_path):
+    """CPUs without VNNI run the portable loop (gemm.c, SG_PORTABLE): the same integers, the same floats."""
+    import ctypes
+    import subprocess
+
+    path = tmp_path / "portable.so"
+    subprocess.run(["cc", *gemm_kernel.FLAGS, "-DSG_PORTABLE", str(gemm_kernel.SOURCE), str(gemm_kernel.ATTENTION_SOURCE), "-o",
+                    str(path)], check=True)
+    portable, native = gemm_kernel.Kernel(ctypes.CDLL(str(path)), path), gemm_kernel.load()
+    torch.manual_seed(4)
+    held = _a8(torch.randn(50, 96) * 0.1, kind)
+    for rows in (1, 2, 5, 17):
+        x = torch.randn(rows, 96)
+        assert torch.equal(portable.linear_compact(x, held, None), native.linear_compact(x, held, None)), rows
+
+
+def test_siblings_are_computed_in_one_call_with_their_own_results(pair):
+    """q/k/v and gate/up run as one kernel call (LinearGroup): each output equals its layer's own
+    call bit for bit, and a sibling called on another input computes afresh (never a stale output)."""
+    model = copy.deepcopy(pair[0])
+    gemm.pack_linears(model, gemm.DEFAULT_ROWS, 1, "q4-a8")
+    attention = next(m for m in model.modules() if hasattr(m, "q_proj"))
+    q, k, v = attention.q_proj, attention.k_proj, attention.v_proj
+    assert q.group is not None and q.group is k.group is v.group
+    mlp = next(m for m in model.modules() if hasattr(m, "gate_proj"))
+    assert mlp.gate_proj.group is mlp.up_proj.group is not None
+    x1, x2 = torch.randn(3, q.in_features), torch.randn(3, q.in_features)
+
+    def alone(layer, x):
+        return layer.kernel.linear_compact(x, layer.compact, layer.bias)
+
+    with torch.inference_mode():
+        together = [q(x1), k(x1), v(x1)]
+        assert all(torch.equal(a, alone(layer, x1)) for a, layer in zip(together, (q, k, v)))
+        q(x1)
+        assert torch.equal(k(x2), alone(k, x2))  # not the output waiting for x1
+        assert torch.equal(v(x1), alone(v, x1))
+        assert torch.equal(v(x1), alone(v, x1))  # a second call computes again
 
 
 def test_quantization_error_is_within_half_a_step():
@@ -103,7 +184,7 @@ def test_gguf_blocks_are_read_as_the_file_holds_them(type_name):
     assert torch.allclose(kernel.linear_compact(x, held, None), x @ expected.T, atol=1e-4)
 
 
-@pytest.mark.parametrize("weights", KINDS)
+@pytest.mark.parametrize("weights", KINDS + ("int8-a8", "q4-a8"))
 def test_speculative_output_equals_the_same_format_alone(pair, weights):
     """The guarantee is against the target as served: greedy speculation gives the compact model's
     own tokens (its decoding alone, with transformers' generate() on the packed model), not fp32's."""

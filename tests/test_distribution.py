@@ -269,11 +269,13 @@ def test_model_chain_draft(models):
     check_case("model chain", models, ModelDrafter(CausalLM(models["draft"], CPU)))
 
 
-def test_compact_weights_target(models):
-    """--weights q4: the served target is the 4-bit model, and speculation samples from its distribution."""
+@pytest.mark.parametrize("weights", ["q4", "q4-a8"])
+def test_compact_weights_target(models, weights):
+    """--weights q4 (q4-a8: with activations rounded to 8 bits and row-exact attention): the served
+    target is that model, and speculation samples from its distribution."""
     target = copy.deepcopy(models["target"])
-    gemm.pack_linears(target, gemm.DEFAULT_ROWS, 1, "q4")
-    check_case("q4 target", {"target": target, "draft": models["draft"]}, ModelDrafter(CausalLM(models["draft"], CPU)))
+    gemm.pack_linears(target, gemm.DEFAULT_ROWS, 1, weights)
+    check_case(f"{weights} target", {"target": target, "draft": models["draft"]}, ModelDrafter(CausalLM(models["draft"], CPU)))
 
 
 def test_sparse_top_k_draft(models):

@@ -10,7 +10,13 @@ read them as bf16/f16 (2 bytes), int8 blocks (1.125: one fp32 scale per 32 weigh
   int8   symmetric blocks of 32 along the input dimension: w = q * d, q in -127..127 (as GGUF's Q8_0)
   q4     asymmetric blocks of 32: w = q * d + m, q in 0..15 (as GGUF's Q4_1), quantized here from fp32
   gguf   the blocks of the GGUF file the model was loaded from, used as they are (Q4_0, Q4_1, Q8_0,
-         F16, BF16; F32 tensors stay fp32): no second quantization, the model llama.cpp runs
+         F16, BF16; F32 tensors stay fp32): no second quantization, the weights llama.cpp runs
+  int8-a8, q4-a8, gguf-a8
+         the same weights, multiplied with integer dot products against the activations rounded to
+         int8 per block of 32 (one scale each), as llama.cpp computes its 4- and 8-bit layers: the
+         CPU's 8-bit multiply-add instructions read the codes without expanding them to floats, so
+         a decode step comes close to the memory's speed. Rounding the activations makes it another
+         model than the float-activation formats; bf16/f16/F32 layers keep float activations.
 
 The served model is the model in the chosen format: speculation is exact against that model (the
 target with speculation off, same format), and `specdec bench` reports how often each format's greedy
@@ -33,8 +39,10 @@ import torch
 
 from specdec.model.formats import FORMATS
 
-# The kernel's format numbers (enum in gemm.c).
-KERNEL_FORMAT = {"bf16": 1, "f16": 2, "int8": 3, "q4": 4}
+# The kernel's format numbers (enums in gemm.c). int8a8 / q4a8: the same codes laid out for integer dot
+# products against activations rounded to 8 bits per block of 32 (the `-a8` --weights values).
+KERNEL_FORMAT = {"bf16": 1, "f16": 2, "int8": 3, "q4": 4, "int8a8": 5, "q4a8": 6}
+A8 = "-a8"  # suffix of the --weights values whose activations are rounded to 8 bits
 BLOCK = 32  # weights per scale along the input dimension
 LANES = 16  # output features per panel
 ALIGNMENT = 64  # bytes: the kernel reads panels and scales with aligned 64-byte loads
@@ -65,6 +73,12 @@ class Compact:
         """The [out, in] float32 weight this format computes with (tests, agreement checks)."""
         n, k = self.out_features, self.in_features
         p = self.panels
+        if self.kind in ("int8a8", "q4a8"):
+            q = _a8_codes(self).float()
+            rows = q.shape[0]
+            d = self.scales.permute(0, 2, 1).reshape(rows, -1).repeat_interleave(BLOCK, dim=1)[:, :k]
+            m = 0 if self.mins is None else self.mins.permute(0, 2, 1).reshape(rows, -1).repeat_interleave(BLOCK, dim=1)[:, :k]
+            return (q * d + m)[:n].contiguous()
         if self.kind in ("bf16", "f16"):
             dtype = torch.bfloat16 if self.kind == "bf16" else torch.float16
             w = p.view(dtype).reshape(-1, k, LANES).permute(0, 2, 1).reshape(-1, k).float()
@@ -122,11 +136,97 @@ def from_codes(kind: str, source: str, codes: torch.Tensor, scales: torch.Tensor
         if k % 2:
             c = torch.cat([c, torch.zeros(n, 1, dtype=torch.uint8)], dim=1)
         panels = _panels(c[:, 0::2] | (c[:, 1::2] << 4))
+    elif kind in ("int8a8", "q4a8"):
+        panels = _a8_panels(kind, codes)
     else:
         raise ValueError(f"no kernel format {kind!r}")
     return Compact(kind, source, n, k, _aligned(panels).view(torch.uint8).reshape(-1),
                    None if scales is None else _aligned(_panels(scales.float())),
                    None if mins is None else _aligned(_panels(mins.float())))
+
+
+def _a8_panels(kind: str, codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes -> the integer-dot layout of gemm.c (SG_Q8A8 / SG_Q4A8): per panel and block of 32,
+    chunks of 64 bytes holding 4 consecutive k (q4: 8, in two nibbles) of each of the 16 features."""
+    n, k = codes.shape
+    kb = -(-k // BLOCK)
+    np_ = -(-n // LANES) * LANES
+    if kind == "int8a8":
+        u = torch.full((np_, kb * BLOCK), 128, dtype=torch.uint8)  # q + 128; padding is q = 0
+        u[:n, :k] = (codes.to(torch.int16) + 128).to(torch.uint8)
+        # [P, 16, KB, 8, 4] -> [P, KB, 8, 16, 4]
+        return u.reshape(-1, LANES, kb, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    c = torch.zeros((np_, kb * BLOCK), dtype=torch.uint8)
+    c[:n, :k] = codes.to(torch.uint8)
+    c = c.reshape(-1, LANES, kb, 4, 2, 4)  # chunk, nibble (k 8c+t low, 8c+4+t high), t
+    return (c[..., 0, :] | (c[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _a8_codes(c: Compact) -> torch.Tensor:
+    """The [N padded to 16, K] codes of an integer-dot layout (int8: signed q; q4: 0..15)."""
+    k, kb = c.in_features, -(-c.in_features // BLOCK)
+    if c.kind == "int8a8":
+        u = c.panels.reshape(-1, kb, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(-1, kb * BLOCK)
+        return (u.to(torch.int16) - 128)[:, :k]
+    v = c.panels.reshape(-1, kb, 4, LANES, 4).permute(0, 3, 1, 2, 4)  # [P, 16, KB, chunk, t]
+    return torch.stack([v & 15, v >> 4], dim=-2).reshape(-1, kb * BLOCK)[:, :k]
+
+
+def to_a8(c: Compact) -> Compact:
+    """The same int8 or 4-bit codes and scales in the integer-dot layout (other kinds are returned as they are)."""
+    if c.kind not in ("int8", "q4"):
+        return c
+    n, k = c.out_features, c.in_features
+    if c.kind == "int8":
+        codes = c.panels.view(torch.int8).reshape(-1, k, LANES).permute(0, 2, 1).reshape(-1, k)[:n]
+    else:
+        pairs = c.panels.reshape(-1, (k + 1) // 2, LANES).permute(0, 2, 1).reshape(-1, (k + 1) // 2)
+        codes = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)[:n, :k]
+    kb = -(-k // BLOCK)
+
+    def per_block(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.permute(0, 2, 1).reshape(-1, kb)[:n]
+
+    return from_codes(c.kind + "a8", c.source, codes, per_block(c.scales), per_block(c.mins))
+
+
+def _panel_count(c: Compact) -> int:
+    return -(-c.out_features // LANES)
+
+
+def joinable(parts: list[Compact]) -> bool:
+    """Can `concatenate` join these, keeping every part's views 64-byte aligned for `split`?"""
+    if len({(c.kind, c.in_features, c.scales is None, c.mins is None) for c in parts}) != 1:
+        return False
+    return all(c.out_features % LANES == 0 and c.panels.numel() % ALIGNMENT == 0 for c in parts[:-1])
+
+
+def concatenate(parts: list[Compact]) -> Compact:
+    """One weight holding `parts` one after another along the output dimension (their panels and
+    scales concatenated): the kernel computes them in one call (specdec.model.gemm.LinearGroup)."""
+    if not joinable(parts):
+        raise ValueError("only parts of one kind and input size, whole panels and aligned sizes can be joined")
+
+    def cat(ts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        return None if ts[0] is None else _aligned(torch.cat(ts))
+
+    first = parts[0]
+    return Compact(first.kind, "+".join(dict.fromkeys(c.source for c in parts)), sum(c.out_features for c in parts),
+                   first.in_features, cat([c.panels for c in parts]), cat([c.scales for c in parts]), cat([c.mins for c in parts]))
+
+
+def split(joined: Compact, parts: list[Compact]) -> list[Compact]:
+    """`parts` again, each now holding views of `joined`'s memory (one copy of the weights)."""
+    out, panel, byte = [], 0, 0
+    for c in parts:
+        count = _panel_count(c)
+        views = dataclasses.replace(
+            c, panels=joined.panels[byte: byte + c.panels.numel()],
+            scales=None if c.scales is None else joined.scales[panel: panel + count],
+            mins=None if c.mins is None else joined.mins[panel: panel + count])
+        out.append(views)
+        panel, byte = panel + count, byte + c.panels.numel()
+    return out
 
 
 def quantize(weight: torch.Tensor, kind: str) -> Compact:

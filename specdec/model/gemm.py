@@ -30,6 +30,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import threading
 import time
 from collections.abc import Iterator
 
@@ -37,7 +38,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from specdec.model import compact, gemm_kernel
+from specdec.model import attention, compact, gemm_kernel
 from specdec.model.compact import Compact
 
 log = structlog.get_logger(__name__)
@@ -91,6 +92,18 @@ class PackedLinear(torch.nn.Linear):
         # Plain attributes, not buffers: they stay out of state_dict and are rebuilt, not moved.
         self.compact = weight
         self.packed = kernel.pack(linear.weight) if weight is None else None
+        self.group: LinearGroup | None = None  # set by LinearGroup: siblings computed in one call
+        self._bias = None if linear.bias is None else linear.bias.detach().contiguous()
+        self._bind()
+
+    def _bind(self) -> None:
+        # A decode step makes ~200 of these calls: the pointers are taken once (weights never change
+        # while serving) so a call is one ctypes call and one allocation.
+        c = self.compact
+        self._pointers = None if c is None else (
+            c.panels.data_ptr(), None if c.scales is None else c.scales.data_ptr(),
+            None if c.mins is None else c.mins.data_ptr(), self.out_features,
+            None if self._bias is None else self._bias.data_ptr())
 
     @property
     def weight_bytes(self) -> int:
@@ -99,18 +112,91 @@ class PackedLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.numel() // self.in_features
-        if not self.min_rows <= n <= self.rows or not _ENABLED.get() or x.dtype != torch.float32 or x.requires_grad:
+        if (not self.min_rows <= n <= self.rows or not _ENABLED.get() or x.dtype != torch.float32 or x.requires_grad
+                or x.shape[-1] != self.in_features):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(n, self.in_features)
-        if self.compact is not None:
-            out = self.kernel.linear_compact(flat, self.compact, self.bias)
-        else:
+        if self.compact is None:
             out = self.kernel.linear(flat, self.packed, self.out_features, self.bias)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        else:
+            if not flat.is_contiguous():
+                flat = flat.contiguous()
+            if self.group is not None:
+                out = self.group.output(self, x, flat)
+            else:
+                out = torch.empty(n, self.out_features)
+                wp, sc, mn, width, bias = self._pointers
+                if self.kernel._linear_c(self.compact.code, flat.data_ptr(), n, self.in_features, wp, sc, mn, width, bias,
+                                         out.data_ptr()):
+                    raise ValueError(f"the compact kernel failed on {n} rows (out of memory?)")
+        return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         held = f"weights={self.compact.source}" if self.compact is not None else f"packed_rows={self.min_rows}..{self.rows}"
         return f"{super().extra_repr()}, {held}"
+
+
+class LinearGroup:
+    """Sibling layers that read the same input (q/k/v projections, an MLP's gate and up) computed in
+    one kernel call over their concatenated panels.
+
+    Why: a decode step of a small model makes ~200 layer calls, and each pays a fixed cost (the
+    Python call, the threads' fork and join, the first cache misses of a small weight) that is large
+    next to a small layer's bytes. The first sibling called computes every sibling's output; the
+    others, called next on the same input tensor, take theirs. Each output feature is computed by
+    the same instructions as in its own layer's call, so the results are bit-identical.
+
+    The outputs wait per thread (forwards of several sequences may run on several threads), keyed
+    by the input tensor itself: the siblings of the architectures grouped here (see `group_siblings`)
+    are called back to back on one unmodified tensor. A sibling called on another input, or twice,
+    computes the whole group again: never a stale output.
+    """
+
+    def __init__(self, members: list[PackedLinear]):
+        parts = [m.compact for m in members]
+        self.weight = compact.concatenate(parts)
+        self.members = members
+        self.parts = gemm_kernel.Parts([(m.out_features, m._bias) for m in members])
+        self._waiting = threading.local()
+        # The members keep views of the joined panels (one copy in memory) for calls on their own.
+        for index, (member, part) in enumerate(zip(members, compact.split(self.weight, parts))):
+            member.compact, member.group, member.index = part, self, index
+            member._bind()
+
+    def output(self, member: PackedLinear, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+        waiting = getattr(self._waiting, "outputs", None)
+        if waiting is not None and waiting[0] is x and member.index in waiting[1]:
+            out = waiting[1].pop(member.index)
+            if not waiting[1]:
+                self._waiting.outputs = None
+            return out
+        ys = self.members[0].kernel.linear_parts(flat, self.weight, self.parts)
+        mine = ys[member.index]
+        self._waiting.outputs = (x, {i: y for i, y in enumerate(ys) if i != member.index})
+        return mine
+
+
+# Sibling names that read one input in the architectures transformers ships (Llama, Mistral, Qwen2/3,
+# Gemma 1-3, SmolLM, Granite, ...): attention's projections and the gated MLP's two input layers.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def group_siblings(model: torch.nn.Module) -> int:
+    """Joins each parent's compact sibling layers (SIBLINGS) into a LinearGroup; returns how many groups.
+    Siblings are joined when they are all compact in one kernel format, take the same input size,
+    and all but the last have a whole number of panels (16 output features, compact.joinable)."""
+    groups = 0
+    for parent in model.modules():
+        children = dict(parent.named_children())
+        for names in SIBLINGS:
+            members = [children.get(name) for name in names]
+            if not all(isinstance(m, PackedLinear) and m.compact is not None and m.group is None for m in members):
+                continue
+            if not compact.joinable([m.compact for m in members]):
+                continue
+            LinearGroup(members)
+            groups += 1
+    return groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +231,9 @@ def _compact_weights(model: torch.nn.Module, weights: str, source: str | None) -
     linears = [(name, m) for name, m in compact.linear_modules(model) if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32]
     if weights == "fp32":
         return {id(m): (None, "fp32") for _, m in linears}
+    if weights.endswith(compact.A8):
+        held = _compact_weights(model, weights.removesuffix(compact.A8), source)
+        return {key: (None if c is None else compact.to_a8(c), kind) for key, (c, kind) in held.items()}
     if weights != "gguf":
         # q4 keeps the output layer in int8 blocks, as llama.cpp's 4-bit files keep theirs in 6-8 bits:
         # it decides every token, and 4 bits there cost the most agreement for the fewest bytes saved.
@@ -180,6 +269,12 @@ def pack_linears(model: torch.nn.Module, rows: int, min_rows: int, weights: str 
                 if id(child) not in swapped:
                     swapped[id(child)] = PackedLinear(child, rows, min_rows, kernel, held[id(child)][0])
                 setattr(parent, name, swapped[id(child)])
+    group_siblings(model)
+    if weights != "fp32":
+        # The compact model is specdec's to define: its attention is row-exact too, so a position computes
+        # the same in a decode step and a verify (specdec/model/attention.py). fp32 keeps SDPA, the
+        # attention transformers' generate() runs, which the benchmark checks fp32 against.
+        attention.use(model)
     after = _resident_bytes()
     sources = collections.Counter(held[key][1] for key in swapped)
     return PackReport(len(swapped), after - before if before is not None and after is not None else None, weights,
@@ -204,6 +299,7 @@ def apply(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, rows
         return None
     start = time.perf_counter()
     report = pack_linears(model, rows, min_rows, weights, source)
+
     log.info("linear layers packed", layers=report.layers, rows=f"{min_rows}-{rows}", weights=weights,
              stored_as=report.sources, weight_mib=round(report.weight_bytes / 2**20),
              resident_mib=None if report.resident_bytes is None else round(report.resident_bytes / 2**20),

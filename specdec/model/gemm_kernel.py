@@ -30,6 +30,7 @@ from specdec.model.compact import Compact
 log = structlog.get_logger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "gemm.c"
+ATTENTION_SOURCE = SOURCE.with_name("attention.c")  # built into the same library
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 ALIGNMENT = 64  # bytes: the kernel reads packed panels with aligned 64-byte vector loads
 
@@ -47,6 +48,12 @@ class Kernel:
         self._linear.argtypes, self._linear.restype = [p, i, i, p, i, p, p], ctypes.c_int
         self._linear_c = lib.sg_linear_c
         self._linear_c.argtypes, self._linear_c.restype = [i, p, i, i, p, p, p, i, p, p], ctypes.c_int
+        self._parts = lib.sg_linear_parts
+        self._parts.argtypes, self._parts.restype = [i, p, i, i, p, p, p, i, p, p, p], ctypes.c_int
+        self.attention = lib.sg_attention  # specdec/model/attention.py calls it
+        L = ctypes.c_long
+        self.attention.argtypes = [p, L, L, L, p, L, L, L, p, L, L, L, p, L, L, L, i, i, i, i, i, i, ctypes.c_float, p]
+        self.attention.restype = ctypes.c_int
         self.max_rows: int = lib.sg_max_rows()
         self._read = lib.sg_read
         self._read.argtypes, self._read.restype = [p, ctypes.c_size_t], ctypes.c_float
@@ -100,6 +107,37 @@ class Kernel:
         return y
 
 
+    def linear_parts(self, x: torch.Tensor, weight: Compact, parts: "Parts") -> list[torch.Tensor]:
+        """x: [M, in_features] -> one [M, n] output per part, from `weight`, the parts' compact weights
+        concatenated along the output dimension (every part but the last a multiple of 16 features):
+        several layers of one input in one pass. Each output equals its layer's own call."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != weight.in_features or not x.is_contiguous():
+            raise ValueError(f"the compact kernel takes a contiguous 2-D float32 x with {weight.in_features} columns, "
+                             f"got {x.dtype} of shape {tuple(x.shape)}")
+        m = x.shape[0]
+        out = torch.empty(m * parts.total)
+        scales = None if weight.scales is None else weight.scales.data_ptr()
+        mins = None if weight.mins is None else weight.mins.data_ptr()
+        if self._parts(weight.code, x.data_ptr(), m, weight.in_features, weight.panels.data_ptr(), scales, mins,
+                       parts.count, parts.sizes, out.data_ptr(), parts.biases):
+            raise ValueError(f"the compact kernel takes 1 to {self.max_rows} rows and parts of whole panels, got {m} rows, "
+                             f"parts {list(parts.sizes)} (or ran out of memory)")
+        return [out[m * start: m * (start + n)].view(m, n) for start, n in parts.spans]
+
+
+class Parts:
+    """The fixed arguments of `Kernel.linear_parts` for one group of layers, built once."""
+
+    def __init__(self, outputs: list[tuple[int, torch.Tensor | None]]):
+        self.count = len(outputs)
+        self.total = sum(n for n, _ in outputs)
+        self.sizes = (ctypes.c_int * self.count)(*(n for n, _ in outputs))
+        self._biases = [None if b is None else b.detach().contiguous() for _, b in outputs]  # kept alive
+        self.biases = (ctypes.c_void_p * self.count)(*(None if b is None else b.data_ptr() for b in self._biases))
+        starts = [sum(n for n, _ in outputs[:i]) for i in range(self.count)]
+        self.spans = [(start, n) for start, (n, _) in zip(starts, outputs)]
+
+
 def _cpu_signature() -> str:
     # -march=native compiles for this CPU: the model name and feature flags say which one it is.
     try:
@@ -123,7 +161,7 @@ def _build(compiler: str, target: pathlib.Path) -> None:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = pathlib.Path(tmp.name)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)], check=True, capture_output=True, text=True,
+        subprocess.run([compiler, *FLAGS, str(SOURCE), str(ATTENTION_SOURCE), "-o", str(partial)], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(partial, target)
     finally:
@@ -139,7 +177,8 @@ def load() -> Kernel | None:
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        digest = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), version, _cpu_signature()]).encode())
+        digest = hashlib.sha256("\0".join([SOURCE.read_text(), ATTENTION_SOURCE.read_text(), " ".join(FLAGS), version,
+                                           _cpu_signature()]).encode())
         target = _cache_dir() / f"gemm-{digest.hexdigest()[:16]}.so"
         if not target.is_file():
             _build(compiler, target)

@@ -284,14 +284,36 @@ static void store_rows(const vec *out, int rows, int width, const float *bias, i
     }
 }
 
-/* y[M][N] = x[M][K] @ w^T + bias with w held in format fmt (layouts above; wp, sc, mn 64-byte aligned;
- * sc, mn unused, may be NULL, for formats without them). Returns 0, or -1 (writing nothing) for a
+/* Where a call's panels go: one output, or several (q, k and v, or gate and up, computed in one pass
+ * over their concatenated panels; every part but the last a whole number of panels). Each output
+ * feature's result is the same whichever call computes it. */
+#define SG_MAX_PARTS 4
+typedef struct {
+    int parts;
+    int first[SG_MAX_PARTS + 1]; /* first panel of each part; first[parts] = panels */
+    int N[SG_MAX_PARTS];
+    float *y[SG_MAX_PARTS];
+    const float *bias[SG_MAX_PARTS];
+} outputs;
+
+/* rows results of panel p (of the concatenation), for rows row0.. of the call. */
+static void put(const outputs *o, const vec *out, int rows, int p, int row0) {
+    int i = 0;
+    while (p >= o->first[i + 1]) i++;
+    int q = p - o->first[i];
+    store_rows(out, rows, width_of(q, o->N[i]), o->bias[i], q, o->N[i], o->y[i] + (size_t)row0 * o->N[i]);
+}
+
+static int linear_a8(int fmt, const float *x, int M, int K, const char *wp, const float *sc, const float *mn,
+                     const outputs *o);
+
+/* The panels of a call, in format fmt (layouts above; wp, sc, mn 64-byte aligned; sc, mn unused, may be
+ * NULL, for formats without them), into the outputs o. Returns 0, or -1 (writing nothing) for a
  * format, row count or size outside the kernel's range. */
-int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp_, const float *sc, const float *mn, int N,
-                const float *bias, float *y) {
-    if (fmt < SG_F32 || fmt > SG_Q4 || M < 1 || M > SG_MAX_ROWS || K < 0 || N < 0) return -1;
-    const char *wp = (const char *)wp_;
-    int panels = (N + LANES - 1) / LANES;
+static int linear_parts(int fmt, const float *x, int M, int K, const char *wp, const float *sc, const float *mn,
+                        const outputs *o) {
+    if (fmt > SG_Q4) return linear_a8(fmt, x, M, K, wp, sc, mn, o);
+    int panels = o->first[o->parts];
     size_t pstride = panel_bytes(fmt, K), sstride = (size_t)((K + QK - 1) / QK) * LANES;
     int first = 0; /* panels from here on are computed one at a time */
     if (M <= 2) {  /* np whole panels side by side; the remaining (panels % np) go one at a time below */
@@ -303,7 +325,7 @@ int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp_, const fl
             (M == 1 ? CPANELS_1x4 : CPANELS_2x2)[fmt](x, K, wp + p0 * pstride, pstride, sc ? sc + p0 * sstride : 0,
                                                        mn ? mn + p0 * sstride : 0, sstride, K, out);
             for (int q = 0; q < np; q++)
-                for (int m = 0; m < M; m++) store_rows(&out[q * M + m], 1, width_of(p0 + q, N), bias, p0 + q, N, y + (size_t)m * N);
+                for (int m = 0; m < M; m++) put(o, &out[q * M + m], 1, p0 + q, m);
         }
         first = groups * np;
     }
@@ -314,7 +336,7 @@ int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp_, const fl
                 vec out[LANES];
                 CPANELS1[fmt][M](x, K, wp + p * pstride, pstride, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0,
                                  sstride, K, out);
-                store_rows(out, M, width_of(p, N), bias, p, N, y);
+                put(o, out, M, p, 0);
             }
         }
         return 0;
@@ -340,12 +362,253 @@ int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp_, const fl
                 int rows = M - g < LANES ? M - g : LANES;
                 vec out[LANES];
                 CPANELS1[SG_F32][rows](x + (size_t)g * K, K, panel, 0, 0, 0, 0, K, out);
-                store_rows(out, rows, width_of(p, N), bias, p, N, y + (size_t)g * N);
+                put(o, out, rows, p, g);
             }
         }
         free(buf);
     }
     return failed ? -1 : 0;
+}
+
+/* y[M][N] = x[M][K] @ w^T + bias with w held in format fmt (bias may be NULL). */
+int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp, const float *sc, const float *mn, int N,
+                const float *bias, float *y) {
+    if (fmt < SG_F32 || fmt > 6 || M < 1 || M > SG_MAX_ROWS || K < 0 || N < 0) return -1;
+    outputs o = {.parts = 1, .first = {0, (N + LANES - 1) / LANES}, .N = {N}, .y = {y}, .bias = {bias}};
+    return linear_parts(fmt, x, M, K, (const char *)wp, sc, mn, &o);
+}
+
+/* Several layers of one input in one call: their panels (and scales) concatenated in wp (sc, mn); part
+ * i's output [M][Ns[i]] is written at y + M * (Ns[0] + ... + Ns[i-1]), one block after another
+ * (biases[i] may be NULL). Every part but the last must be a whole number of panels (Ns[i] % 16 == 0);
+ * returns -1 (writing nothing) otherwise. */
+int sg_linear_parts(int fmt, const float *x, int M, int K, const void *wp, const float *sc, const float *mn, int parts,
+                    const int *Ns, float *y, const float *const *biases) {
+    if (fmt < SG_F32 || fmt > 6 || M < 1 || M > SG_MAX_ROWS || K < 0 || parts < 1 || parts > SG_MAX_PARTS) return -1;
+    outputs o = {.parts = parts};
+    for (int i = 0; i < parts; i++) {
+        if (Ns[i] < 0 || (i < parts - 1 && Ns[i] % LANES)) return -1;
+        o.first[i + 1] = o.first[i] + (Ns[i] + LANES - 1) / LANES;
+        o.N[i] = Ns[i];
+        o.y[i] = i ? o.y[i - 1] + (size_t)M * Ns[i - 1] : y;
+        o.bias[i] = biases ? biases[i] : 0;
+    }
+    return linear_parts(fmt, x, M, K, (const char *)wp, sc, mn, &o);
+}
+
+#pragma GCC pop_options
+
+/* ---- Integer dot products: 4- and 8-bit codes against activations rounded to 8 bits -----------------
+ *
+ * Why: the paths above expand every weight to a float and spend about nine vector operations per 32
+ * weights of a 4-bit panel, so one decode step is bound by arithmetic (about 40% of the memory's
+ * speed), not by the bytes it reads. Rounding each row of x to int8 per block of 32 (one scale per
+ * block, as llama.cpp does for its Q4/Q8 dot products) lets the CPU multiply 64 code bytes by 64
+ * activation bytes and add them in fours into 16 int32 lanes in one instruction (AVX512-VNNI
+ * vpdpbusd, AVX-VNNI's 256-bit one, or the portable loop below that computes the same integers).
+ * It is another model than the float paths (the activations are rounded), offered as its own
+ * --weights value; its agreement with fp32 is reported beside theirs.
+ *
+ * Formats (codes held as unsigned bytes; 32 k per block, KB = ceil(K / 32), K padded with code 0 /
+ * 128 and activation 0, which add nothing):
+ *   SG_Q8A8  [P][KB][8][16][4] u8 = q + 128 (q the signed int8 code): chunk c holds k = 4c..4c+3 of
+ *            each of the panel's 16 output features, 4 bytes per feature   w = q * d
+ *   SG_Q4A8  [P][KB][4][16][4] u8 pairs: chunk c holds, per feature, k = 8c+t in the low nibble of byte
+ *            t and k = 8c+4+t in its high nibble (t = 0..3)                   w = q * d + m
+ * with scales (and minimums) [P][KB][16] floats as in the float paths.
+ *
+ * Per row and block: qx = round(x / dx), dx = max|x| / 127, sq = sum of qx. Per output and block:
+ *   Q8A8: acc += (float)(sum(u * qx) - 128 * sq) * (d * dx)
+ *   Q4A8: acc += (float)sum(u * qx) * (d * dx);  acc += m * (dx * sq)
+ * The integer sums are exact, so their order is free (the CPU may add in any grouping); the float
+ * steps are written out one operation at a time, in block order, and compiled without contraction:
+ * every output is the same sequence of IEEE operations whatever M is and whatever path computes it,
+ * so a row's result is bit-identical alone, in a verify and in a prefill.
+ */
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+enum { SG_Q8A8 = 5, SG_Q4A8 = 6 };
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+
+/* acc + per lane: the 4 bytes of w (unsigned) times the 4 signed bytes of x4, summed. */
+static inline i32x16 dot4(i32x16 acc, i32x16 w, int32_t x4) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__) && !defined(SG_PORTABLE)
+    return (i32x16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x4));
+#elif defined(__AVXVNNI__) && !defined(SG_PORTABLE)
+    union { i32x16 v; __m256i h[2]; } a = {.v = acc}, b = {.v = w};
+    __m256i xb = _mm256_set1_epi32(x4);
+    a.h[0] = _mm256_dpbusd_avx_epi32(a.h[0], b.h[0], xb);
+    a.h[1] = _mm256_dpbusd_avx_epi32(a.h[1], b.h[1], xb);
+    return a.v;
+#else
+    u32x16 u = (u32x16)w;
+    for (int t = 0; t < 4; t++) acc += (i32x16)((u >> (8 * t)) & 255) * (int32_t)(int8_t)(x4 >> (8 * t));
+    return acc;
+#endif
+}
+
+static inline int32_t load4(const int8_t *p) {
+    int32_t v;
+    __builtin_memcpy(&v, p, 4);
+    return v;
+}
+
+/* Rounds rows of x to int8 per block of 32: qx [M][KB * 32], dx and sq [M][KB], dxsq = dx * sq.
+ * q = round-half-even(x * (1 / dx)) (adding and subtracting 1.5 * 2^23 rounds |v| <= 127 to the nearest
+ * integer in the default rounding mode, as nearbyintf would, 16 lanes at a time). */
+static void quantize_rows(const float *x, int M, int K, int8_t *qx, float *dx, int32_t *sq, float *dxsq) {
+    int KB = (K + QK - 1) / QK;
+    const vec magic = (vec){0} + 12582912.0f;
+    for (int r = 0; r < M; r++)
+        for (int b = 0; b < KB; b++) {
+            const float *xb = x + (size_t)r * K + b * QK;
+            int n = K - b * QK < QK ? K - b * QK : QK;
+            vec v[2];
+            if (n == QK) {
+                v[0] = *(const vec_u *)xb;
+                v[1] = *(const vec_u *)(xb + LANES);
+            } else {
+                float tail[QK] = {0};
+                for (int i = 0; i < n; i++) tail[i] = xb[i];
+                v[0] = *(const vec_u *)tail;
+                v[1] = *(const vec_u *)(tail + LANES);
+            }
+            vec a0 = (vec)((i32x16)v[0] & 0x7fffffff), a1 = (vec)((i32x16)v[1] & 0x7fffffff); /* |v| */
+            i32x16 gt = a0 > a1; /* C has no vector ?: : select with the comparison's mask */
+            vec mx = (vec)(((i32x16)a0 & gt) | ((i32x16)a1 & ~gt));
+            float amax = 0.0f;
+            for (int i = 0; i < LANES; i++) amax = mx[i] > amax ? mx[i] : amax;
+            float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+            int8_t *q = qx + (size_t)r * KB * QK + b * QK;
+            i32x16 total = {0};
+            for (int h = 0; h < 2; h++) {
+                vec t = v[h] * id;
+                t = (t + magic) - magic;
+                i32x16 qi = __builtin_convertvector(t, i32x16);
+                i32x16 hi = qi > 127, lo = qi < -127;
+                qi = (qi & ~hi) | (127 & hi);
+                qi = (qi & ~lo) | (-127 & lo);
+                total += qi;
+                for (int i = 0; i < LANES; i++) q[h * LANES + i] = (int8_t)qi[i];
+            }
+            int32_t s = 0;
+            for (int i = 0; i < LANES; i++) s += total[i];
+            dx[(size_t)r * KB + b] = d;
+            sq[(size_t)r * KB + b] = s;
+            dxsq[(size_t)r * KB + b] = d * (float)s;
+        }
+}
+
+typedef struct {
+    const int8_t *qx;
+    const float *dx, *dxsq;
+    const int32_t *sq;
+    int KB;
+} qrows;
+
+/* NP panels side by side (pstride bytes apart, scales sstride floats apart) for R rows of qx. */
+#define APANEL(FMT, R, NP)                                                                                          \
+    static void apanel_##FMT##_##R##_##NP(qrows q, const char *restrict wp, size_t pstride, const float *restrict sc, \
+                                          const float *restrict mn, size_t sstride, vec *restrict out) {             \
+        vec acc[NP][R];                                                                                               \
+        for (int p = 0; p < NP; p++) _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[p][r] = (vec){0};      \
+        const size_t blk = FMT == SG_Q8A8 ? 512 : 256, lq = (size_t)q.KB * QK;                                       \
+        for (int b = 0; b < q.KB; b++) {                                                                              \
+            i32x16 s[NP][R];                                                                                          \
+            for (int p = 0; p < NP; p++) _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s[p][r] = (i32x16){0};  \
+            const int8_t *xq = q.qx + (size_t)b * QK;                                                                 \
+            if (FMT == SG_Q8A8) {                                                                                     \
+                _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) { \
+                    i32x16 w = *(const i32x16 *)(wp + p * pstride + b * blk + c * 64);                               \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s[p][r] = dot4(s[p][r], w, load4(xq + r * lq + 4 * c)); \
+                }                                                                                                     \
+            } else {                                                                                                  \
+                _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) { \
+                    u8x64 v = *(const u8x64 *)(wp + p * pstride + b * blk + c * 64);                                 \
+                    i32x16 lo = (i32x16)(v & 15), hi = (i32x16)(v >> 4);                                              \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                             \
+                        s[p][r] = dot4(s[p][r], lo, load4(xq + r * lq + 8 * c));                                      \
+                        s[p][r] = dot4(s[p][r], hi, load4(xq + r * lq + 8 * c + 4));                                  \
+                    }                                                                                                 \
+                }                                                                                                     \
+            }                                                                                                         \
+            for (int p = 0; p < NP; p++) {                                                                            \
+                vec d = *(const vec *)(sc + p * sstride + (size_t)b * LANES);                                         \
+                vec m = FMT == SG_Q4A8 ? *(const vec *)(mn + p * sstride + (size_t)b * LANES) : (vec){0};           \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                 \
+                    const size_t rb = (size_t)r * q.KB + b;                                                           \
+                    i32x16 si = FMT == SG_Q8A8 ? s[p][r] - 128 * q.sq[rb] : s[p][r];                                 \
+                    vec dd = d * q.dx[rb];                                                                            \
+                    vec t = __builtin_convertvector(si, vec) * dd;                                                    \
+                    acc[p][r] = acc[p][r] + t;                                                                        \
+                    if (FMT == SG_Q4A8) {                                                                             \
+                        vec u = m * q.dxsq[rb];                                                                       \
+                        acc[p][r] = acc[p][r] + u;                                                                    \
+                    }                                                                                                 \
+                }                                                                                                     \
+            }                                                                                                         \
+        }                                                                                                             \
+        for (int p = 0; p < NP; p++) _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) out[p * R + r] = acc[p][r]; \
+    }
+
+#define AROWS 8 /* rows per pass over a panel past 2 rows: 2 x 8 accumulators stay in registers */
+#define APANELS(FMT)                                                                                            \
+    APANEL(FMT, 1, 4) APANEL(FMT, 2, 2) APANEL(FMT, 1, 1) APANEL(FMT, 2, 1) APANEL(FMT, 3, 1) APANEL(FMT, 4, 1)   \
+    APANEL(FMT, 5, 1) APANEL(FMT, 6, 1) APANEL(FMT, 7, 1) APANEL(FMT, 8, 1)
+APANELS(5) APANELS(6)
+
+typedef void (*apanel_fn)(qrows, const char *, size_t, const float *, const float *, size_t, vec *);
+#define ATABLE(FMT)                                                                                                  \
+    {0, apanel_##FMT##_1_1, apanel_##FMT##_2_1, apanel_##FMT##_3_1, apanel_##FMT##_4_1, apanel_##FMT##_5_1,           \
+     apanel_##FMT##_6_1, apanel_##FMT##_7_1, apanel_##FMT##_8_1}
+static const apanel_fn APANELS1[2][AROWS + 1] = {ATABLE(5), ATABLE(6)};
+static const apanel_fn APANELS_1x4[2] = {apanel_5_1_4, apanel_6_1_4};
+static const apanel_fn APANELS_2x2[2] = {apanel_5_2_2, apanel_6_2_2};
+
+static qrows rows_from(qrows q, int r) {
+    q.qx += (size_t)r * q.KB * QK;
+    q.dx += (size_t)r * q.KB;
+    q.dxsq += (size_t)r * q.KB;
+    q.sq += (size_t)r * q.KB;
+    return q;
+}
+
+static int linear_a8(int fmt, const float *x, int M, int K, const char *wp, const float *sc, const float *mn,
+                     const outputs *o) {
+    int KB = (K + QK - 1) / QK, f = fmt - SG_Q8A8;
+    /* One allocation for the rounded rows: M * KB * (32 + 12) bytes. */
+    char *work = malloc((size_t)M * KB * (QK + 12) + 64);
+    if (!work) return -1;
+    qrows q = {(const int8_t *)work, (const float *)(work + (size_t)M * KB * QK),
+               (const float *)(work + (size_t)M * KB * (QK + 4)), (const int32_t *)(work + (size_t)M * KB * (QK + 8)), KB};
+    quantize_rows(x, M, K, (int8_t *)q.qx, (float *)q.dx, (int32_t *)q.sq, (float *)q.dxsq);
+    int panels = o->first[o->parts], first = 0;
+    size_t pstride = (size_t)KB * (fmt == SG_Q8A8 ? 512 : 256), sstride = (size_t)KB * LANES;
+    if (M <= 2) {
+        int np = M == 1 ? 4 : 2, groups = panels / np;
+#pragma omp parallel for schedule(static)
+        for (int g = 0; g < groups; g++) {
+            int p0 = g * np;
+            vec out[4];
+            (M == 1 ? APANELS_1x4 : APANELS_2x2)[f](q, wp + p0 * pstride, pstride, sc + p0 * sstride,
+                                                     mn ? mn + p0 * sstride : 0, sstride, out);
+            for (int j = 0; j < np; j++)
+                for (int m = 0; m < M; m++) put(o, &out[j * M + m], 1, p0 + j, m);
+        }
+        first = groups * np;
+    }
+#pragma omp parallel for schedule(static)
+    for (int p = first; p < panels; p++)
+        for (int g = 0; g < M; g += AROWS) {
+            int rows = M - g < AROWS ? M - g : AROWS;
+            vec out[AROWS];
+            APANELS1[f][rows](rows_from(q, g), wp + p * pstride, pstride, sc + p * sstride, mn ? mn + p * sstride : 0,
+                              sstride, out);
+            put(o, out, rows, p, g);
+        }
+    free(work);
+    return 0;
 }
 
 #pragma GCC pop_options
