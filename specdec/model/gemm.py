@@ -163,6 +163,10 @@ class LinearGroup:
             member.compact, member.group, member.index = part, self, index
             member._bind()
 
+    def compute(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's output for contiguous [M, in_features] rows, in member order."""
+        return self.members[0].kernel.linear_parts(flat, self.weight, self.parts)
+
     def output(self, member: PackedLinear, x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         waiting = getattr(self._waiting, "outputs", None)
         if waiting is not None and waiting[0] is x and member.index in waiting[1]:
@@ -275,6 +279,9 @@ def pack_linears(model: torch.nn.Module, rows: int, min_rows: int, weights: str 
         # the same in a decode step and a verify (specdec/model/attention.py). fp32 keeps SDPA, the
         # attention transformers' generate() runs, which the benchmark checks fp32 against.
         attention.use(model)
+        from specdec.model import decoder  # it builds on this module
+
+        decoder.use(model)
     after = _resident_bytes()
     sources = collections.Counter(held[key][1] for key in swapped)
     return PackReport(len(swapped), after - before if before is not None and after is not None else None, weights,

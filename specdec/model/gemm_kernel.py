@@ -54,6 +54,8 @@ class Kernel:
         L = ctypes.c_long
         self.attention.argtypes = [p, L, L, L, p, L, L, L, p, L, L, L, p, L, L, L, i, i, i, i, i, i, ctypes.c_float, p]
         self.attention.restype = ctypes.c_int
+        self.rmsnorm = lib.sg_rmsnorm  # specdec/model/decoder.py calls it
+        self.rmsnorm.argtypes, self.rmsnorm.restype = [p, i, i, p, ctypes.c_float, p], None
         self.max_rows: int = lib.sg_max_rows()
         self._read = lib.sg_read
         self._read.argtypes, self._read.restype = [p, ctypes.c_size_t], ctypes.c_float

@@ -138,3 +138,20 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
     }
     return failed ? -1 : 0;
 }
+
+/* RMS normalisation of M rows of K floats (transformers' LlamaRMSNorm, one call instead of eight
+ * tensor operations): y = w * (x * (1 / sqrt(mean(x^2) + eps))); each row alone, sums in one fixed
+ * order, so a row's result does not depend on the others either. */
+void sg_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *y) {
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + (size_t)m * K;
+        float *ym = y + (size_t)m * K;
+        fvec s = {0};
+        int d = 0;
+        for (; d + VL <= K; d += VL) s = s + *(const fvec *)(xm + d) * *(const fvec *)(xm + d);
+        float ss = lanes_sum(s);
+        for (; d < K; d++) ss += xm[d] * xm[d];
+        float r = 1.0f / sqrtf(ss / (float)K + eps);
+        for (d = 0; d < K; d++) ym[d] = w[d] * (xm[d] * r);
+    }
+}
