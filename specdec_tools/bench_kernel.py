@@ -1,12 +1,13 @@
 """`specdec bench --kernel`: how close each weight format's decode step comes to the memory's speed.
 
 A decode step reads every linear layer's weights once; its floor is those bytes over the machine's
-read bandwidth. This times the target's own linear layers (every one, in order, as a forward calls
-them; attention and the rest of the model left out) at 1 row (a decode step) and at a verify's
-and a batch's row counts, for each format, and sets the GB/s of weights read against the
-bandwidth the same kernel's vector loop reaches summing a buffer far larger than the caches
-(`Kernel.read`). Medians of interleaved repetitions: drift on a shared machine hits every format
-alike.
+read bandwidth. This times the kernel calls of the target's own linear layers (every one, in
+order, as a forward makes them: one call per group of siblings; attention and the rest of the model
+left out) at 1 row (a decode step) and at a verify's and a batch's row counts, for each format,
+and sets the GB/s of weights read against the bandwidth the same kernel's vector loop reaches
+summing a buffer far larger than the caches (`Kernel.read`). The same layers called through their
+modules (the Python around each call included) are timed beside. Medians of interleaved
+repetitions: drift on a shared machine hits every format alike.
 """
 
 from __future__ import annotations
@@ -50,6 +51,48 @@ def layers_of(target: str, weights: str) -> tuple[list[gemm.PackedLinear], gemm.
     return list(seen.values()), report
 
 
+def kernel_calls(layers: list[gemm.PackedLinear], rows: int) -> list:
+    """The kernel calls one forward's linear layers make, bound to fixed inputs and outputs: one per
+    layer, or per group of siblings (gemm.LinearGroup). Timing them alone measures what reading the
+    weights costs, without the Python around each call."""
+    kernel = layers[0].kernel
+    held: list[torch.Tensor] = []  # inputs and outputs stay alive while the calls run
+
+    def tensor(*shape: int) -> torch.Tensor:
+        held.append(torch.randn(*shape))
+        return held[-1]
+
+    calls, seen = [], set()
+    for layer in layers:
+        x = tensor(rows, layer.in_features)
+        if layer.group is not None:
+            if id(layer.group) in seen:
+                continue
+            seen.add(id(layer.group))
+            w, parts = layer.group.weight, layer.group.parts
+            calls.append((kernel._parts, (w.code, x.data_ptr(), rows, w.in_features, w.panels.data_ptr(),
+                                          None if w.scales is None else w.scales.data_ptr(),
+                                          None if w.mins is None else w.mins.data_ptr(), parts.count, parts.sizes,
+                                          tensor(rows * parts.total).data_ptr(), parts.biases)))
+        elif layer.compact is not None:
+            w = layer.compact
+            calls.append((kernel._linear_c, (w.code, x.data_ptr(), rows, w.in_features, w.panels.data_ptr(),
+                                             None if w.scales is None else w.scales.data_ptr(),
+                                             None if w.mins is None else w.mins.data_ptr(), w.out_features, None,
+                                             tensor(rows, w.out_features).data_ptr())))
+        else:
+            calls.append((kernel._linear, (x.data_ptr(), rows, layer.in_features, layer.packed.data_ptr(),
+                                           layer.out_features, None, tensor(rows, layer.out_features).data_ptr())))
+    return [calls, held]
+
+
+def time_calls(calls: list) -> float:
+    start = time.perf_counter()
+    for fn, args in calls[0]:
+        fn(*args)
+    return time.perf_counter() - start
+
+
 def time_layers(layers: list[gemm.PackedLinear], rows: int) -> float:
     inputs = {k: torch.randn(rows, k) for k in {layer.in_features for layer in layers}}
     start = time.perf_counter()
@@ -63,7 +106,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="specdec bench --kernel", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", action="store_true", help="This comparison (the flag that selects it).")
     parser.add_argument("--target-model", default="smollm2-135m-instruct", help="Target model: alias, folder, .gguf or hub id.")
-    parser.add_argument("--weights", default="fp32,bf16,int8,q4,gguf", help=f"Comma-separated formats from {', '.join(FORMATS)}.")
+    parser.add_argument("--weights", default="fp32,bf16,int8,q4,gguf,gguf-a8", help=f"Comma-separated formats from {', '.join(FORMATS)}.")
     parser.add_argument("--rows", default="1,2,4,9,16,64", help="Row counts to time (1: a decode step).")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--out", default=None, help=f"Folder for kernel.json; default: a new {flags.RESULTS_ROOT}/kernel-TIMESTAMP/.")
@@ -90,19 +133,24 @@ def main(argv: list[str]) -> int:
         except ValueError as exc:
             print(f"  skipped: {exc}", file=sys.stderr)
     times: dict[tuple[str, int], list[float]] = {(w, r): [] for w in held for r in row_counts}
+    layer_times: dict[tuple[str, int], list[float]] = {(w, r): [] for w in held for r in row_counts}
+    bound = {(w, r): kernel_calls(layers, r) for w, (layers, _) in held.items() for r in row_counts}
     for rep in range(args.repeats + 1):
         for rows in row_counts:
             for weights, (layers, _) in held.items():
-                elapsed = time_layers(layers, rows)
+                elapsed, through_layers = time_calls(bound[(weights, rows)]), time_layers(layers, rows)
                 if rep:
                     times[(weights, rows)].append(elapsed)
+                    layer_times[(weights, rows)].append(through_layers)
     records = []
     for weights, (layers, report) in held.items():
         for rows in row_counts:
             seconds = statistics.median(times[(weights, rows)])
-            records.append({"weights": weights, "rows": rows, "layers": len(layers), "weight_bytes": report.weight_bytes,
-                            "stored_as": report.sources, "seconds": seconds, "gb_per_s": report.weight_bytes / seconds / 1e9,
-                            "share_of_bandwidth": report.weight_bytes / seconds / bandwidth})
+            records.append({"weights": weights, "rows": rows, "layers": len(layers), "kernel_calls": len(bound[(weights, rows)][0]),
+                            "weight_bytes": report.weight_bytes, "stored_as": report.sources, "seconds": seconds,
+                            "gb_per_s": report.weight_bytes / seconds / 1e9,
+                            "share_of_bandwidth": report.weight_bytes / seconds / bandwidth,
+                            "seconds_through_layers": statistics.median(layer_times[(weights, rows)])})
     document = {"command": "specdec bench " + " ".join(argv), "target": args.target_model,
                 "read_bandwidth_gb_per_s": bandwidth / 1e9, "results": records}
     out = pathlib.Path(args.out or flags.fresh_out("kernel"))
@@ -121,7 +169,8 @@ def print_table(document: dict) -> None:
     console.print(f"[bold]{document['command']}[/bold]\n{document['target']}: the kernel's read loop reaches "
                   f"{document['read_bandwidth_gb_per_s']:.1f} GB/s on this machine")
     rows = sorted({r["rows"] for r in document["results"]})
-    table = Table(title="all linear layers of one forward: ms (GB/s of weights read, share of the read bandwidth)")
+    table = Table(title="the kernel calls of one forward's linear layers: ms (GB/s of weights read, share of the read "
+                        "bandwidth); below it, through the layers' Python calls")
     table.add_column("weights")
     table.add_column("MiB read", justify="right")
     for n in rows:
@@ -134,6 +183,7 @@ def print_table(document: dict) -> None:
         cells = []
         for r in sorted(records, key=lambda r: r["rows"]):
             ratio = f", {fp32[r['rows']] / r['seconds']:.2f}x fp32" if fp32 and weights != "fp32" else ""
-            cells.append(f"{r['seconds'] * 1e3:.1f} ({r['gb_per_s']:.1f} GB/s, {r['share_of_bandwidth']:.0%}{ratio})")
+            cells.append(f"{r['seconds'] * 1e3:.1f} ({r['gb_per_s']:.1f} GB/s, {r['share_of_bandwidth']:.0%}{ratio})\n"
+                         f"{r.get('seconds_through_layers', float('nan')) * 1e3:.1f}")
         table.add_row(weights, f"{records[0]['weight_bytes'] / 2**20:.0f}", *cells)
     console.print(table)

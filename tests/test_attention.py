@@ -85,7 +85,7 @@ def test_the_compact_model_computes_a_position_alike_in_one_pass_or_several(weig
     gemm.pack_linears(model, gemm.DEFAULT_ROWS, 1, weights)
     assert model.config._attn_implementation == attention.NAME
     lean = [layer for layer in model.model.layers if hasattr(layer, "_specdec_kernel")]  # specdec/model/decoder.py
-    assert len(lean) == len(model.model.layers) if weights.endswith("a8") or weights == "int8" else True
+    assert len(lean) == len(model.model.layers)
     ids = torch.tensor([tiny.prompts(1, seed=6)[0] * 3])[:, :30]
     with torch.inference_mode():
         whole = model(input_ids=ids).logits[0]

@@ -44,8 +44,10 @@ def weights_option() -> Any:
         "fp32",
         "What the CPU GEMM kernel reads the linear layers' weights as: fp32; bf16 or f16; int8 or q4 (blocks of "
         "32 with their own scales, quantized at load); gguf (the blocks of the GGUF file the model came from, as "
-        "they are). Fewer bytes a weight decode faster; the model served is the model in that format, and "
-        "`specdec bench --weights` prints each format's agreement with fp32.",
+        "they are); int8-a8, q4-a8, gguf-a8 (the same weights against activations rounded to int8 per block of 32, "
+        "multiplied with the CPU's 8-bit dot-product instructions, as llama.cpp computes). Fewer bytes a weight and "
+        "fewer operations decode faster; the model served is the model in that format, and `specdec bench "
+        "--weights` prints each format's agreement with fp32.",
         choices=FORMATS,
     )
 
