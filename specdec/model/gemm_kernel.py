@@ -163,8 +163,8 @@ def _build(compiler: str, target: pathlib.Path) -> None:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = pathlib.Path(tmp.name)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), str(ATTENTION_SOURCE), "-o", str(partial)], check=True, capture_output=True, text=True,
-                       timeout=120)
+        subprocess.run([compiler, *FLAGS, str(SOURCE), str(ATTENTION_SOURCE), "-o", str(partial)], check=True,
+                       capture_output=True, text=True, timeout=120)
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
