@@ -1,4 +1,5 @@
-"""Builds, loads and calls the small-M GEMM kernel (specdec/model/csrc/gemm.c: float32 and compact weights) on CPUs.
+"""Builds, loads and calls specdec's CPU kernels on CPUs: the small-M GEMM (specdec/model/csrc/gemm.c: float32
+and compact weights) and, in the same library, row-exact attention and RMS norm (csrc/attention.c).
 
 The kernel is compiled on first use with the machine's C compiler (`$CC`, else `cc`) and
 `-O3 -march=native -fopenmp`, into the specdec cache (`$SPECDEC_CACHE_DIR/kernels`, else
