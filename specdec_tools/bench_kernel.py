@@ -74,12 +74,9 @@ def kernel_calls(layers: list[gemm.PackedLinear], rows: int) -> list:
                                           None if w.scales is None else w.scales.data_ptr(),
                                           None if w.mins is None else w.mins.data_ptr(), parts.count, parts.sizes,
                                           tensor(rows * parts.total).data_ptr(), parts.biases)))
-        elif layer.compact is not None:
-            w = layer.compact
-            calls.append((kernel._linear_c, (w.code, x.data_ptr(), rows, w.in_features, w.panels.data_ptr(),
-                                             None if w.scales is None else w.scales.data_ptr(),
-                                             None if w.mins is None else w.mins.data_ptr(), w.out_features, None,
-                                             tensor(rows, w.out_features).data_ptr())))
+        elif layer.compact is not None:  # the call PackedLinear.forward makes, with its bound pointers
+            calls.append((kernel._linear_c, (layer.compact.code, x.data_ptr(), rows, layer.in_features, *layer._pointers,
+                                             tensor(rows, layer.out_features).data_ptr())))
         else:
             calls.append((kernel._linear, (x.data_ptr(), rows, layer.in_features, layer.packed.data_ptr(),
                                            layer.out_features, None, tensor(rows, layer.out_features).data_ptr())))

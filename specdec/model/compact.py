@@ -72,28 +72,30 @@ class Compact:
     def dequantize(self) -> torch.Tensor:
         """The [out, in] float32 weight this format computes with (tests, agreement checks)."""
         n, k = self.out_features, self.in_features
-        p = self.panels
-        if self.kind in ("int8a8", "q4a8"):
-            q = _a8_codes(self).float()
-            rows = q.shape[0]
-            d = self.scales.permute(0, 2, 1).reshape(rows, -1).repeat_interleave(BLOCK, dim=1)[:, :k]
-            m = 0 if self.mins is None else self.mins.permute(0, 2, 1).reshape(rows, -1).repeat_interleave(BLOCK, dim=1)[:, :k]
-            return (q * d + m)[:n].contiguous()
         if self.kind in ("bf16", "f16"):
-            dtype = torch.bfloat16 if self.kind == "bf16" else torch.float16
-            w = p.view(dtype).reshape(-1, k, LANES).permute(0, 2, 1).reshape(-1, k).float()
+            w = _rows(self.panels.view(torch.bfloat16 if self.kind == "bf16" else torch.float16), k).float()
         else:
-            if self.kind == "int8":
-                q = p.view(torch.int8).reshape(-1, k, LANES).permute(0, 2, 1).reshape(-1, k).float()
-            else:
-                pairs = p.reshape(-1, (k + 1) // 2, LANES).permute(0, 2, 1).reshape(-1, (k + 1) // 2)
-                q = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)[:, :k].float()
-            rows = q.shape[0]
-            d = self.scales.permute(0, 2, 1).reshape(rows, -1).repeat_interleave(BLOCK, dim=1)[:, :k]
-            w = q * d
+            kb = -(-k // BLOCK)
+            w = _codes(self).float() * _rows(self.scales, kb).repeat_interleave(BLOCK, dim=1)[:, :k]
             if self.mins is not None:
-                w = w + self.mins.permute(0, 2, 1).reshape(rows, -1).repeat_interleave(BLOCK, dim=1)[:, :k]
+                w = w + _rows(self.mins, kb).repeat_interleave(BLOCK, dim=1)[:, :k]
         return w[:n].contiguous()
+
+
+def _rows(t: torch.Tensor, per_row: int) -> torch.Tensor:
+    """Panel-laid data ([P, per_row, 16]) back to one row per output feature: [P * 16, per_row]."""
+    return t.reshape(-1, per_row, LANES).permute(0, 2, 1).reshape(-1, per_row)
+
+
+def _codes(c: Compact) -> torch.Tensor:
+    """The [N padded to 16, K] codes of an int8 or 4-bit weight (int8: signed q; 4-bit: 0..15), either layout."""
+    k = c.in_features
+    if c.kind in ("int8a8", "q4a8"):
+        return _a8_codes(c)
+    if c.kind == "int8":
+        return _rows(c.panels.view(torch.int8), k)
+    pairs = _rows(c.panels, (k + 1) // 2)
+    return torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)[:, :k]
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -176,18 +178,12 @@ def to_a8(c: Compact) -> Compact:
     """The same int8 or 4-bit codes and scales in the integer-dot layout (other kinds are returned as they are)."""
     if c.kind not in ("int8", "q4"):
         return c
-    n, k = c.out_features, c.in_features
-    if c.kind == "int8":
-        codes = c.panels.view(torch.int8).reshape(-1, k, LANES).permute(0, 2, 1).reshape(-1, k)[:n]
-    else:
-        pairs = c.panels.reshape(-1, (k + 1) // 2, LANES).permute(0, 2, 1).reshape(-1, (k + 1) // 2)
-        codes = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(pairs.shape[0], -1)[:n, :k]
-    kb = -(-k // BLOCK)
+    n, kb = c.out_features, -(-c.in_features // BLOCK)
 
     def per_block(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.permute(0, 2, 1).reshape(-1, kb)[:n]
+        return None if t is None else _rows(t, kb)[:n]
 
-    return from_codes(c.kind + "a8", c.source, codes, per_block(c.scales), per_block(c.mins))
+    return from_codes(c.kind + "a8", c.source, _codes(c)[:n], per_block(c.scales), per_block(c.mins))
 
 
 def _panel_count(c: Compact) -> int:
@@ -367,8 +363,7 @@ def _reorder(c: Compact, order: list[int]) -> tuple[torch.Tensor, torch.Tensor |
     idx = torch.tensor(order)
 
     def rows_of(t: torch.Tensor, per_row: int, dtype: torch.dtype) -> torch.Tensor:
-        as_rows = t.view(dtype).reshape(-1, per_row, LANES).transpose(1, 2).reshape(-1, per_row)[:n]
-        return _aligned(_panels(as_rows[idx]))
+        return _aligned(_panels(_rows(t.view(dtype), per_row)[:n][idx]))
 
     width = {"bf16": (k, torch.int16), "f16": (k, torch.int16), "int8": (k, torch.int8), "q4": ((k + 1) // 2, torch.uint8)}[c.kind]
     panels = rows_of(c.panels, *width).view(torch.uint8).reshape(-1)

@@ -146,12 +146,7 @@ void sg_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *
     for (int m = 0; m < M; m++) {
         const float *xm = x + (size_t)m * K;
         float *ym = y + (size_t)m * K;
-        fvec s = {0};
-        int d = 0;
-        for (; d + VL <= K; d += VL) s = s + *(const fvec *)(xm + d) * *(const fvec *)(xm + d);
-        float ss = lanes_sum(s);
-        for (; d < K; d++) ss += xm[d] * xm[d];
-        float r = 1.0f / sqrtf(ss / (float)K + eps);
-        for (d = 0; d < K; d++) ym[d] = w[d] * (xm[d] * r);
+        float r = 1.0f / sqrtf(dot(xm, xm, K) / (float)K + eps);
+        for (int d = 0; d < K; d++) ym[d] = w[d] * (xm[d] * r);
     }
 }
