@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specdec.model import gemm
-from specdec.serving.config import check_weights, event_loop_option, log_format_option, log_level_option, option, weights_option
+from specdec.serving.config import check_static, check_weights, event_loop_option, numerics_option, static_options, log_format_option, log_level_option, option, weights_option
 
 ENV_PREFIX = "SPECDEC_DRAFT_"
 
@@ -40,6 +40,10 @@ class DraftConfig:
         "use (small forwards cost less than with the stock kernel); 0 turns it off.",
     )
     weights: str = weights_option()
+    numerics: str = numerics_option()
+    pass_rows: int = static_options()[0]
+    static_slots: int = static_options()[1]
+    static_context: int = static_options()[2]
     batch_window_ms: float = option(
         2.0,
         "How long a drafting step waits for the other streams' steps to share its forward pass (continuous "
@@ -67,6 +71,7 @@ class DraftConfig:
 
     def __post_init__(self):
         check_weights(self.weights, self.packed_gemm_rows)
+        check_static(self.numerics, self.pass_rows, self.static_slots, self.static_context)
         if not 0 <= self.packed_gemm_rows <= gemm.MAX_ROWS:
             raise ValueError(f"--packed-gemm-rows must be in [0, {gemm.MAX_ROWS}], got {self.packed_gemm_rows}")
         if not self.batch_window_ms >= 0:

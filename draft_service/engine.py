@@ -341,8 +341,11 @@ def _load_model_drafter(config: DraftConfig):
         raise ValueError("--drafter model needs --model (alias, hub id, folder or .gguf)")
     from specdec.model.loading import load_model
 
+    from specdec.model.static import exact_lm
+
     loaded = load_model(config.model, config.device, config.dtype)
-    lm = CausalLM(loaded.model, loaded.device)
+    # On a GPU the draft runs the same fixed-shape passes for their speed (one CUDA graph a step).
+    lm = exact_lm(loaded.model, loaded.device, config.numerics, config.pass_rows, config.static_slots, config.static_context)
     drafter = ModelDrafter(lm, config.top_k, staged=config.staged)
     if config.target_tokenizer:
         from draft_service.drafters.other_vocab import build_cross_drafter
@@ -384,6 +387,7 @@ def build_engine(config: DraftConfig) -> tuple[DraftEngine, DrafterInfo]:
                             config.weights, getattr(drafter, "source", None))
         info = dataclasses.replace(info, weights=packed.weights if packed else str(parameter.dtype).removeprefix("torch."),
                                    weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(model))
-    engine = DraftEngine(drafter, config.max_sequences, config.idle_timeout_s)
+    engine = DraftEngine(drafter, min(config.max_sequences, getattr(getattr(drafter, "lm", None), "max_sequences", config.max_sequences)),
+                         config.idle_timeout_s)
     engine.warm_up()
     return engine, info

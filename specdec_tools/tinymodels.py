@@ -60,3 +60,26 @@ def save(model: LlamaForCausalLM, folder: pathlib.Path) -> str:
     model.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)
     return str(folder)
+
+
+# The shapes of real checkpoints, for exactness and speed on a GPU without carrying their weights.
+REAL_SHAPES = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2),
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                     tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+                     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 8192}),
+}
+
+
+def real_shape(name: str, seed: int = 0, initializer_range: float = 0.02) -> LlamaForCausalLM:
+    """A model of a real checkpoint's shape (REAL_SHAPES: SmolLM2-135M, a Llama-3.2-1B) with seeded
+    random weights. Its logits are nearly flat, so greedy decoding meets near-ties at every step: a
+    hard case for exactness. The weights are drawn on the CPU, so a seed gives the same model on
+    every machine."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(initializer_range=initializer_range, **REAL_SHAPES[name])
+    return LlamaForCausalLM(config).eval()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specdec.model import gemm
-from specdec.serving.config import check_weights, event_loop_option, log_format_option, log_level_option, option, weights_option
+from specdec.serving.config import check_static, check_weights, event_loop_option, numerics_option, static_options, log_format_option, log_level_option, option, weights_option
 from specdec.model.loading import DEFAULT_TARGET
 
 ENV_PREFIX = "SPECDEC_TARGET_"
@@ -34,6 +34,10 @@ class TargetConfig:
         "steps take it too).",
     )
     weights: str = weights_option()
+    numerics: str = numerics_option()
+    pass_rows: int = static_options()[0]
+    static_slots: int = static_options()[1]
+    static_context: int = static_options()[2]
     max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted (and re-filled on demand).")
     idle_timeout_s: float = option(600.0, "Free a sequence untouched this long (a coordinator that vanished); 0 disables.")
     batch_window_ms: float = option(
@@ -58,6 +62,7 @@ class TargetConfig:
 
     def __post_init__(self):
         check_weights(self.weights, self.packed_gemm_rows)
+        check_static(self.numerics, self.pass_rows, self.static_slots, self.static_context)
         if not 0 <= self.packed_gemm_rows <= gemm.MAX_ROWS:
             raise ValueError(f"--packed-gemm-rows must be in [0, {gemm.MAX_ROWS}], got {self.packed_gemm_rows}")
         if self.packed_gemm_rows and not 1 <= self.packed_gemm_min_rows <= self.packed_gemm_rows:

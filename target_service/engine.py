@@ -86,7 +86,8 @@ class TargetEngine:
 
     def __init__(self, lm: CausalLM, max_sequences: int = 256, idle_timeout_s: float = 600.0):
         self.lm = lm
-        self.store = SequenceStore(max_sequences, idle_timeout_s)
+        # a static GPU cache (specdec/model/static.py) holds a fixed number of sequences: evict past it
+        self.store = SequenceStore(min(max_sequences, getattr(lm, "max_sequences", max_sequences)), idle_timeout_s)
         self.batchable = batchable(lm)
         self.trees = supports_trees(lm)
 

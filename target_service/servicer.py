@@ -109,8 +109,8 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     `ready` (tests, `specdec up` in-process) receives the Server once it is serving.
     """
     from specdec.model import gemm
-    from specdec.model.lm import CausalLM
     from specdec.model.loading import load_model
+    from specdec.model.static import exact_lm
 
     servicer = TargetServicer(config.batch_window_ms, config.max_batch_size, config.max_batch_tokens)
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
@@ -126,7 +126,8 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     loaded = await server.loading(servicer.host.run(load_model, config.model, config.device, config.dtype))  # on the compute thread
     packed = await server.loading(servicer.host.run(gemm.apply, loaded.model, loaded.device, loaded.dtype, config.packed_gemm_rows,
                                                     config.packed_gemm_min_rows, config.weights, loaded.path))
-    engine = TargetEngine(CausalLM(loaded.model, loaded.device), config.max_sequences, config.idle_timeout_s)
+    lm = exact_lm(loaded.model, loaded.device, config.numerics, config.pass_rows, config.static_slots, config.static_context)
+    engine = TargetEngine(lm, config.max_sequences, config.idle_timeout_s)
     await server.loading(servicer.host.run(engine.warm_up))
     info = pb.ModelInfo(
         model=config.model, vocab_size=engine.lm.vocab_size, max_context=engine.lm.max_context,

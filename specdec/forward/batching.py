@@ -49,6 +49,8 @@ from specdec.spec.tree import depths
 def batchable(lm: CausalLM) -> bool:
     """Only full-attention caches line up position by position; sliding-window layers (Gemma 3)
     keep a trimmed window, so such models verify row by row (still one worker call per batch)."""
+    if getattr(lm, "static", False):  # fixed-shape passes (specdec/model/static.py) batch anything
+        return True
     return all(full_attention(layer) for layer in lm.new_cache().layers)
 
 
@@ -69,6 +71,8 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
     Returns the float32 logits of each row's last keeps[i] positions ([keeps[i], V] each) and the
     batch's cache, from which `BatchState.write_back` gives each sequence its own cache again.
     """
+    if getattr(lm, "static", False):
+        return lm.forward_batch(seqs, extras, keeps, trees)
     pending = [seq.tokens[seq.cached:] + list(extra) for seq, extra in zip(seqs, extras)]
     for tokens, keep in zip(pending, keeps):
         if not tokens or keep > len(tokens):

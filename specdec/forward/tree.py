@@ -27,6 +27,8 @@ from specdec.spec.tree import ancestor_mask
 
 def supports_trees(lm) -> bool:
     """Sliding-window layers (Gemma 3) keep a trimmed window that a gather by index would break."""
+    if getattr(lm, "static", False):
+        return True
     return all(full_attention(layer) for layer in lm.new_cache().layers)
 
 
@@ -77,6 +79,8 @@ def forward_tree(lm, seq: Sequence, tree_tokens: list[int], parents: list[int]) 
     canonical tokens (len(seq.tokens) positions) followed by the N nodes; `keep_positions` trims it
     to the canonical tokens and the accepted path.
     """
+    if getattr(lm, "static", False):
+        return lm.forward_tree(seq, list(tree_tokens), list(parents))
     cached, length = seq.cached, len(seq.tokens)
     pending = seq.tokens[cached:]
     if not pending:
@@ -90,6 +94,10 @@ def forward_tree(lm, seq: Sequence, tree_tokens: list[int], parents: list[int]) 
 
 def keep_positions(seq: Sequence, prefix: int, extra: list[int]) -> None:
     """Keeps cache positions [0, prefix) followed by the positions `extra` (in that order)."""
+    if hasattr(seq.cache, "keep"):  # a slot of the static cache (specdec/model/static.py)
+        seq.cache.keep(prefix, list(extra))
+        seq.cached = prefix + len(extra)
+        return
     index = torch.cat([torch.arange(prefix), torch.tensor(extra, dtype=torch.long)])
     for layer in seq.cache.layers:
         idx = index.to(layer.keys.device)

@@ -52,6 +52,46 @@ def weights_option() -> Any:
     )
 
 
+NUMERICS = ("exact", "fast")
+
+
+def numerics_option() -> Any:
+    """The model services' `numerics` field (specdec/model/static.py says how exact is kept)."""
+    return option(
+        "exact",
+        "GPU only. exact: every forward of a Llama-family model runs as passes of --pass-rows rows over a static "
+        "KV cache, replayed as one CUDA graph, with attention over each query's keys in a fixed order, so a "
+        "position's logits are the same bits decoded alone, verified in a draft or batched with other sequences, "
+        "and greedy speculation returns exactly the target's own tokens. fast: transformers' own forward "
+        "(cuBLAS and SDPA choose kernels by shape), which can flip a greedy near-tie, so speculative output may "
+        "differ from decoding alone. CPUs are row-exact with either.",
+        choices=NUMERICS,
+    )
+
+
+def static_options() -> tuple[Any, Any, Any]:
+    """--pass-rows, --static-slots, --static-context: the shape of --numerics exact on a GPU."""
+    return (
+        option(64, "GPU, --numerics exact: token rows in every forward pass (a prompt goes in chunks of this "
+                   "many; a decode step pads to it). One shape is what makes rows exact and one CUDA graph serve all."),
+        option(32, "GPU, --numerics exact: sequences whose KV caches the GPU holds at once (one static slot "
+                   "each); past it the least recently used is evicted and re-filled on demand."),
+        option(0, "GPU, --numerics exact: positions each slot holds (0: the model's context, at most 8192). "
+                  "Memory: slots x positions x layers x 2 x kv heads x head dim x 2 bytes."),
+    )
+
+
+def check_static(numerics: str, pass_rows: int, static_slots: int, static_context: int) -> None:
+    if numerics not in NUMERICS:
+        raise ValueError(f"--numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
+    if not 1 <= pass_rows <= 4096:
+        raise ValueError(f"--pass-rows must be in [1, 4096], got {pass_rows}")
+    if static_slots < 1:
+        raise ValueError(f"--static-slots must be >= 1, got {static_slots}")
+    if static_context < 0:
+        raise ValueError(f"--static-context must be >= 0, got {static_context}")
+
+
 def check_weights(weights: str, packed_gemm_rows: int) -> None:
     """A compact format is read by the kernel alone: with the kernel off it could only be served as fp32."""
     if weights != "fp32" and not packed_gemm_rows:

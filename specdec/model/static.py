@@ -1,0 +1,499 @@
+"""Passes of one shape over a static KV cache: exact speculation on GPUs, and CUDA graphs.
+
+Why this exists. Greedy speculation is exact only if the target computes the same bits for a
+position whether it is decoded alone or verified among k other positions and other sequences. GPU
+libraries do not promise that: cuBLAS picks its tiling and split-K by the number of rows, attention
+kernels split the keys by length and batch, reductions in norms change with the row count. So on
+the GPU every forward of a Llama-family model runs here, as passes of ONE shape:
+
+- every pass holds exactly `pass_rows` token rows (T), padded with rows that write a scratch slot;
+  a long prompt is fed in chunks of T rows. The matrix products therefore always have T rows, the
+  library always picks the same kernel, and a row's result never depends on the others (checked on
+  the GPU by tests/test_cuda.py). One shape is also what a CUDA graph replays: one capture serves
+  prefill, decode and verification, and a decode step is one graph launch, not ~450 kernel launches.
+- keys and values live in a static cache [layers, slots + 1, kv heads, capacity, head dim]; a
+  sequence owns a slot (`SlotCache`), position p at index p, so rollback is moving an integer.
+- attention walks each query's LOGICAL key list: the first `prefix` indices of its slot, then up to
+  MAX_TAIL explicit indices (a draft tree's ancestors), in blocks of BLOCK keys with an online
+  softmax, in that order. A query at position p sees the keys of positions 0..p in the same blocks
+  whether it is decoded alone, verified in a chain, or a tree node whose ancestors sit elsewhere in
+  the slot, so its bits are the same. Keys past a query's list are never read.
+
+The attention kernel is Triton on CUDA (`_attention_triton`) and a torch loop with the same blocks
+elsewhere (`attention_reference`, also the oracle of the tests); each is exact against itself.
+
+Supported: decoder stacks shaped like Llama (Llama 2/3, SmolLM, Mistral without sliding windows,
+Qwen2): RMS norms, rotary positions, grouped-query attention, gated SiLU MLP, optional q/k/v bias.
+Other models keep transformers' forward (`static_supported` says why not).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+import weakref
+
+import torch
+
+from specdec.errors import Overloaded
+from specdec.kv.store import Sequence
+from specdec.model.lm import CausalLM
+
+try:  # Triton ships with CUDA builds of torch; CPU builds run the torch loop
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the torch build
+    triton = None
+
+BLOCK = 64  # keys per block of the online softmax: part of the numerics, never changes with the pass
+MAX_TAIL = 65  # explicit key indices per query: a tree node's ancestors and itself (MAX_TREE_NODES + 1)
+_FIELDS = 6  # token, position, slot, slot index, prefix, tail length; then MAX_TAIL tail indices
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+
+def static_supported(model: torch.nn.Module) -> str | None:
+    """None if the model can run here, else why not (the caller logs it and keeps transformers')."""
+    config = model.config
+    kind = getattr(config, "model_type", "")
+    if kind not in SUPPORTED_TYPES:
+        return f"model type {kind!r} is not one of {', '.join(SUPPORTED_TYPES)}"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", kind != "qwen2"):
+        return "sliding-window attention"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r}"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers or not hasattr(layers[0], "self_attn") or not hasattr(layers[0].mlp, "gate_proj"):
+        return "not a Llama-shaped decoder stack"
+    if any(type(m).__name__ != "Linear" for layer in layers for m in (layer.self_attn.q_proj, layer.mlp.down_proj)):
+        return "its linear layers are not plain torch Linear (compact --weights)"
+    return None
+
+
+class _Pool:
+    """Free slot numbers; a slot comes back when its SlotCache is garbage (weakref.finalize)."""
+
+    def __init__(self, slots: int):
+        self._free = list(range(slots - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise Overloaded("every KV slot of the GPU cache is in use (raise --static-slots)")
+            return self._free.pop()
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            self._free.append(slot)
+
+
+class SlotCache:
+    """A sequence's keys and values: slot `slot` of the static cache, its first `length` indices.
+
+    Implements the part of transformers' cache interface the engines use (crop, get_seq_length), so
+    `Sequence.crop_cache` rolls it back as it rolls back any cache."""
+
+    def __init__(self, lm: StaticLM, slot: int):
+        self.lm, self.slot, self.length = lm, slot, 0
+        weakref.finalize(self, lm._pool.give, slot)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of positions to drop, got {tokens_to_remove}")
+        self.length = max(0, self.length + tokens_to_remove)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    def keep(self, prefix: int, extra: list[int]) -> None:
+        """Keeps indices [0, prefix) followed by the indices `extra` (a tree's accepted path),
+        moved down so that the cache is the chain that path would have left."""
+        if extra:
+            self.lm._move(self.slot, list(extra), prefix)
+        self.length = prefix + len(extra)
+
+
+@dataclasses.dataclass
+class _Row:
+    slot: int
+    token: int
+    position: int  # rotary position
+    index: int  # where its key and value go in the slot
+    prefix: int  # its logical key list: indices [0, prefix) of the slot ...
+    tail: tuple[int, ...] = ()  # ... then these indices
+
+
+class StaticLM(CausalLM):
+    """CausalLM whose forwards are passes of `pass_rows` rows over a static cache (module docstring).
+
+    Engines use it as they use CausalLM (forward, forward_rows via specdec/forward/*); what differs is
+    the cache (`SlotCache`) and that every result is row-exact. Not thread-safe, as CausalLM.
+    """
+
+    static = True
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, pass_rows: int = 64, slots: int = 32,
+                 max_context: int = 0, graphs: bool | None = None):
+        super().__init__(model, device)
+        why = static_supported(model)
+        if why:
+            raise ValueError(f"this model cannot run in fixed-shape passes: {why}")
+        config = model.config
+        self.pass_rows, self.slots = pass_rows, slots
+        limit = self.max_context or 8192
+        self.max_context = min(max_context, limit) if max_context else limit
+        self.capacity = self.max_context + MAX_TAIL  # a tree's nodes sit past the canonical tokens
+        self.max_sequences = slots
+        self._pool = _Pool(slots)
+        self.dtype = next(model.parameters()).dtype
+        decoder = model.model
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = self.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.embed = decoder.embed_tokens.weight
+        self.layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # one product, not three
+            bias = None
+            if attn.q_proj.bias is not None:
+                bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
+            self.layers.append((layer.input_layernorm.weight, qkv, bias, attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight))
+        self.norm = decoder.norm.weight
+        self.head = model.get_output_embeddings().weight
+        # cos/sin of every position, from the model's own rotary module (its scaling included)
+        positions = torch.arange(self.capacity, device=device)[None]
+        probe = torch.zeros(1, 1, self.head_dim, device=device, dtype=self.dtype)
+        cos, sin = decoder.rotary_emb(probe, positions)
+        self.cos, self.sin = cos[0].to(self.dtype), sin[0].to(self.dtype)  # [capacity, D]
+        # slot `slots` is the scratch slot that padding rows write
+        self.cache = torch.zeros(len(self.layers), 2, slots + 1, self.kv_heads, self.capacity, self.head_dim,
+                                 dtype=self.dtype, device=device)
+        T = pass_rows
+        self._host = torch.zeros(T, _FIELDS + MAX_TAIL, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self._inputs = torch.zeros(T, _FIELDS + MAX_TAIL, dtype=torch.int32, device=device)
+        self._logits = torch.empty(T, self.head.shape[0], dtype=self.dtype, device=device)
+        self._hidden = torch.empty(T, config.hidden_size, dtype=self.dtype, device=device)
+        self._use_triton = device.type == "cuda" and triton is not None
+        self._graphs = (device.type == "cuda") if graphs is None else graphs
+        self._graph = None
+
+    # -- the cache --------------------------------------------------------------------------------
+
+    def new_cache(self) -> SlotCache:
+        return SlotCache(self, self._pool.take())
+
+    @torch.inference_mode()
+    def _move(self, slot: int, source: list[int], start: int) -> None:
+        index = torch.tensor(source, device=self.device)
+        self.cache[:, :, slot, :, start:start + len(source)] = self.cache[:, :, slot, :, index]
+
+    # -- one pass ---------------------------------------------------------------------------------
+
+    def _compute(self) -> None:
+        """The pass over the rows in self._inputs: fills self._logits [T, V] and self._hidden [T, H]."""
+        fields = self._inputs.long()
+        tokens, positions, slots, index = fields[:, 0], fields[:, 1], fields[:, 2], fields[:, 3]
+        prefix, tail_len, tail = fields[:, 4], fields[:, 5], fields[:, _FIELDS:]
+        T, H, G, D = self.pass_rows, self.heads, self.kv_heads, self.head_dim
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, D]
+        h = self.embed[tokens]  # [T, hidden]
+        for number, (norm_in, qkv_w, qkv_b, o_w, norm_post, gate_up_w, down_w) in enumerate(self.layers):
+            x = _rms_norm(h, norm_in, self.eps)
+            qkv = torch.nn.functional.linear(x, qkv_w, qkv_b)  # [T, (H + 2G) D]
+            q = qkv[:, :H * D].view(T, H, D)
+            k = qkv[:, H * D:(H + G) * D].view(T, G, D)
+            v = qkv[:, (H + G) * D:].view(T, G, D)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            keys, values = self.cache[number, 0], self.cache[number, 1]  # [S + 1, G, C, D]
+            keys[slots, :, index] = k
+            values[slots, :, index] = v
+            if self._use_triton:
+                a = _attention_triton(q, keys, values, slots, prefix, tail, tail_len, self.scale)
+            else:
+                a = attention_reference(q, keys, values, slots, prefix, tail, tail_len, self.scale)
+            h = h + torch.nn.functional.linear(a.reshape(T, H * D), o_w)
+            x = _rms_norm(h, norm_post, self.eps)
+            gate, up = torch.nn.functional.linear(x, gate_up_w).chunk(2, dim=-1)
+            h = h + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_w)
+        h = _rms_norm(h, self.norm, self.eps)
+        self._hidden.copy_(h)
+        self._logits.copy_(torch.nn.functional.linear(h, self.head))
+
+    def _run(self, rows: list[_Row]) -> None:
+        """One pass over at most pass_rows rows; the rest of the pass is padding."""
+        host = self._host
+        host.zero_()
+        array = host.numpy()
+        array[:, 2] = self.slots  # padding rows: the scratch slot, index 0, one key
+        array[:, 4] = 1
+        for i, row in enumerate(rows):
+            array[i, :_FIELDS] = (row.token, row.position, row.slot, row.index, row.prefix, len(row.tail))
+            if row.tail:
+                array[i, _FIELDS:_FIELDS + len(row.tail)] = row.tail
+        self._inputs.copy_(host, non_blocking=True)
+        if not self._graphs:
+            self._compute()
+            return
+        if self._graph is None:
+            self._record()
+        self._graph.replay()
+
+    def _record(self) -> None:
+        """Records the pass once (after warm-up runs that compile the kernels), on a side stream."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._compute()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._compute()
+        self._graph = graph
+
+    @torch.inference_mode()
+    def run_rows(self, rows: list[_Row], wanted: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Runs `rows` in passes of pass_rows; returns the float32 CPU logits of the rows `wanted`
+        [W, V] and, while features are being captured, every row's final hidden state [R, H]."""
+        logits, hidden = [], []
+        capture = self._captured is not None
+        T = self.pass_rows
+        for start in range(0, len(rows), T):
+            self._run(rows[start:start + T])
+            here = [i - start for i in wanted if start <= i < start + T]
+            if here:
+                logits.append(self._logits.index_select(0, torch.tensor(here, device=self.device)).float())
+            if capture:
+                hidden.append(self._hidden[:min(T, len(rows) - start)].clone())
+        out = torch.cat(logits).cpu() if logits else torch.empty(0, self.vocab_size)
+        return out, (torch.cat(hidden) if hidden else None)
+
+    # -- what the engines call --------------------------------------------------------------------
+
+    def _chain_rows(self, seq: Sequence, extra: list[int]) -> list[_Row]:
+        """The pending tokens as a chain: position p at index p, seeing indices [0, p]."""
+        if seq.cache is None:
+            seq.cache = self.new_cache()
+            seq.cached = 0
+        pending = seq.tokens[seq.cached:] + list(extra)
+        if seq.cached + len(pending) > self.max_context:
+            raise ValueError(f"{seq.cached + len(pending)} positions exceed the static cache's {self.max_context}")
+        slot = seq.cache.slot
+        return [_Row(slot, t, p, p, p + 1) for p, t in enumerate(pending, start=seq.cached)]
+
+    def forward(self, seq: Sequence, extra: list[int] | tuple[int, ...] = (), keep: int = 1) -> torch.Tensor:
+        """As CausalLM.forward: feeds seq.tokens[seq.cached:] + extra; returns [keep, V] float32."""
+        rows = self._chain_rows(seq, list(extra))
+        if not rows:
+            raise ValueError("nothing to feed: the store keeps at least one pending token")
+        if keep > len(rows):
+            raise ValueError(f"cannot keep {keep} logits from {len(rows)} new positions")
+        logits, hidden = self.run_rows(rows, list(range(len(rows) - keep, len(rows))))
+        self._finish(seq, len(rows))
+        if hidden is not None:
+            self._captured.append(hidden[None])  # [1, n, H], as the norm's hook would see it
+        return self._to_vocab(logits)
+
+    def forward_batch(self, seqs: list[Sequence], extras: list[list[int]], keeps: list[int],
+                      trees: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], StaticBatch]:
+        """As specdec.forward.batching.forward_batch: every row's pending tokens (a chain or a tree)
+        in shared passes; returns each row's last keeps[i] logits and the state to write back."""
+        rows, spans, pending_counts, lengths = [], [], [], []
+        for i, (seq, extra, keep) in enumerate(zip(seqs, extras, keeps)):
+            tree = trees[i] if trees is not None else None
+            if tree is not None:
+                these = self._tree_rows(seq, list(extra), tree)
+            else:
+                these = self._chain_rows(seq, list(extra))
+            if not these or keep > len(these):
+                raise ValueError(f"cannot keep {keep} logits from {len(these)} new positions")
+            spans.append((len(rows) + len(these) - keep, len(rows) + len(these)))
+            lengths.append(len(seq.tokens))
+            pending_counts.append(len(these))
+            rows.extend(these)
+        wanted = [i for a, b in spans for i in range(a, b)]
+        logits, hidden = self.run_rows(rows, wanted)
+        if hidden is not None:  # [B, N, H] as the norm's hook sees a padded batch
+            batch = hidden.new_zeros(len(seqs), max(pending_counts), hidden.shape[-1])
+            at = 0
+            for i, n in enumerate(pending_counts):
+                batch[i, :n] = hidden[at:at + n]
+                at += n
+            self._captured.append(batch)
+        out, at = [], 0
+        for seq, (a, b), n in zip(seqs, spans, pending_counts):
+            out.append(self._to_vocab(logits[at:at + (b - a)]))
+            at += b - a
+            self._finish(seq, n)
+        return out, StaticBatch(self)
+
+    def forward_tree(self, seq: Sequence, tree_tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """As specdec.forward.tree.forward_tree: root and node logits [N + 1, V]."""
+        rows = self._tree_rows(seq, list(tree_tokens), parents)
+        logits, _ = self.run_rows(rows, list(range(len(rows) - len(tree_tokens) - 1, len(rows))))
+        self._finish(seq, len(rows))
+        return self._to_vocab(logits)
+
+    def _tree_rows(self, seq: Sequence, tree_tokens: list[int], parents: list[int]) -> list[_Row]:
+        """The pending canonical tokens as a chain, then the nodes: node i sits at index L + i, at
+        position L - 1 + depth, and sees indices [0, L) then its ancestors' indices and its own."""
+        rows = self._chain_rows(seq, [])
+        length = len(seq.tokens)
+        if length + len(tree_tokens) > self.capacity:
+            raise ValueError("the tree does not fit the static cache")
+        slot = seq.cache.slot
+        chains: list[tuple[int, ...]] = []
+        for i, (token, parent) in enumerate(zip(tree_tokens, parents)):
+            chain = (chains[parent] if parent >= 0 else ()) + (length + i,)
+            if len(chain) > MAX_TAIL:
+                raise ValueError(f"a tree deeper than {MAX_TAIL} nodes")
+            chains.append(chain)
+            rows.append(_Row(slot, token, length - 1 + len(chain), length + i, length, chain))
+        return rows
+
+    def _finish(self, seq: Sequence, fed: int) -> None:
+        seq.cached += fed
+        seq.cache.length = seq.cached
+
+    def _to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        to_vocab = getattr(self.model, "to_target_logits", None)  # a pruned draft scores only its kept ids
+        return to_vocab(logits) if to_vocab is not None else logits
+
+
+class StaticBatch:
+    """forward_batch's state: rows already hold their keys in their own slots, so writing back is
+    cutting each sequence to its accepted positions (and moving a tree's accepted path down)."""
+
+    def __init__(self, lm: StaticLM):
+        self.lm = lm
+
+    def write_back(self, i: int, seq: Sequence, lm, length: int, extra: list[int] = ()) -> None:
+        if length <= 0 and not extra:
+            seq.cache, seq.cached = None, 0
+            return
+        seq.cache.keep(length, list(extra))
+        seq.cached = seq.cache.length
+
+
+# -- the pieces of a pass -----------------------------------------------------------------------------
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' LlamaRMSNorm: in float32 per row, scaled back in the model's dtype."""
+    f = x.float()
+    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * f.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions as transformers applies them (rotate_half)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                        prefix: torch.Tensor, tail: torch.Tensor, tail_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each query over its logical key list in blocks of BLOCK, online softmax in float32.
+
+    q [T, H, D]; keys/values [S, G, C, D]; slots, prefix, tail_len [T]; tail [T, MAX_TAIL].
+    Returns [T, H, D] in q's dtype. A block past a query's list changes nothing (its scores are
+    -inf: the running maximum stays, the rescale factor is exactly 1, the added terms exactly 0), so
+    the number of blocks a pass runs does not enter a row's bits."""
+    T, H, D = q.shape
+    group = H // keys.shape[1]
+    n = prefix + tail_len  # [T]
+    qf = q.float()
+    m = torch.full((T, H), -math.inf, device=q.device)
+    total = torch.zeros(T, H, device=q.device)
+    acc = torch.zeros(T, H, D, device=q.device)
+    for start in range(0, int(n.max()), BLOCK):
+        j = start + torch.arange(BLOCK, device=q.device)[None]  # [1, BLOCK]
+        valid = j < n[:, None]  # [T, BLOCK]
+        in_tail = j >= prefix[:, None]
+        at = (j - prefix[:, None]).clamp(0, tail.shape[1] - 1)
+        index = torch.where(in_tail, tail.gather(1, at), j).clamp(0, keys.shape[2] - 1)
+        index = torch.where(valid, index, 0)
+        k = keys[slots[:, None], :, index].float().repeat_interleave(group, dim=2)  # [T, BLOCK, H, D]
+        v = values[slots[:, None], :, index].float().repeat_interleave(group, dim=2)
+        s = (k * qf[:, None]).sum(-1) * scale  # [T, BLOCK, H]
+        s = s.masked_fill(~valid[:, :, None], -math.inf)
+        m_new = torch.maximum(m, s.amax(1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[:, None])
+        total = total * alpha + p.sum(1)
+        acc = acc * alpha[..., None] + (p[..., None] * v).sum(1)
+        m = m_new
+    return (acc / total[..., None]).to(q.dtype)
+
+
+if triton is not None:
+    @triton.jit
+    def _attention_kernel(Q, K, V, O, SLOT, PREFIX, TAIL, TAIL_LEN, stride_qt, stride_qh, stride_ks, stride_kg, stride_kc,
+                          stride_ot, stride_oh, stride_tail, scale, GROUP: tl.constexpr, D: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+        """One (query row, head): its logical key list in blocks of BLOCK_N, online softmax."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        g = h // GROUP
+        slot = tl.load(SLOT + t).to(tl.int64)
+        prefix = tl.load(PREFIX + t)
+        n = prefix + tl.load(TAIL_LEN + t)
+        d = tl.arange(0, D)
+        q = tl.load(Q + t * stride_qt + h * stride_qh + d).to(tl.float32)
+        m = tl.full((), float("-inf"), tl.float32)
+        total = tl.zeros((), tl.float32)
+        acc = tl.zeros((D,), tl.float32)
+        base_k = K + slot * stride_ks + g * stride_kg
+        base_v = V + slot * stride_ks + g * stride_kg
+        for start in range(0, n, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            valid = j < n
+            in_tail = j >= prefix
+            tail_at = tl.where(in_tail & valid, j - prefix, 0)
+            tail_index = tl.load(TAIL + t * stride_tail + tail_at, mask=in_tail & valid, other=0)
+            index = tl.where(in_tail, tail_index, j).to(tl.int64)
+            index = tl.where(valid, index, 0)
+            k = tl.load(base_k + index[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(k * q[None, :], axis=1) * scale
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=0))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new)
+            total = total * alpha + tl.sum(p, axis=0)
+            v = tl.load(base_v + index[:, None] * stride_kc + d[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+            m = m_new
+        out = acc / total
+        tl.store(O + t * stride_ot + h * stride_oh + d, out.to(O.dtype.element_ty))
+
+
+def _attention_triton(q, keys, values, slots, prefix, tail, tail_len, scale):
+    """attention_reference's blocks as one Triton kernel: one program per (row, head)."""
+    T, H, D = q.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    assert keys.stride() == values.stride() and keys.stride(-1) == 1 and D & (D - 1) == 0
+    _attention_kernel[(T, H)](q, keys, values, out, slots, prefix, tail, tail_len, q.stride(0), q.stride(1), keys.stride(0),
+                              keys.stride(1), keys.stride(2), out.stride(0), out.stride(1), tail.stride(0), scale,
+                              GROUP=H // keys.shape[1], D=D, BLOCK_N=BLOCK)
+    return out
+
+
+def exact_lm(model: torch.nn.Module, device: torch.device, numerics: str = "exact", pass_rows: int = 64, slots: int = 32,
+             max_context: int = 0) -> CausalLM:
+    """The LM an engine serves with: fixed-shape passes on CUDA when numerics is 'exact' and the
+    model is supported, else transformers' forward (CausalLM), which on a GPU is not row-exact."""
+    if device.type == "cuda" and numerics == "exact":
+        why = static_supported(model)
+        if why is None:
+            return StaticLM(model, device, pass_rows, slots, max_context)
+        import structlog
+        structlog.get_logger(__name__).warning("greedy speculation is not bit-exact for this model on the GPU", reason=why)
+    return CausalLM(model, device)
+
+
