@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from specdec.model import gemm
-from specdec.serving.config import check_static, check_weights, event_loop_option, numerics_option, static_options, log_format_option, log_level_option, option, weights_option
+from specdec.serving.config import (check_static, check_weights, event_loop_option, log_format_option, log_level_option, numerics_option,
+                                    option, static_options, weights_option)
 
 ENV_PREFIX = "SPECDEC_DRAFT_"
 

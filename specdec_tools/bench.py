@@ -70,6 +70,7 @@ class Options:
     tree_top_k: int = 8
     staged: bool = True
     weights: tuple[str, ...] = ("fp32",)  # --weights formats of the target; the first one also serves the gRPC rows
+    device: str = "cpu"  # every model and service of the run; on CUDA the target serves with --numerics exact
     llamacpp: bool = True  # llama.cpp rows on the target's GGUF, where llama-cpp-python is installed
 
 
@@ -318,9 +319,15 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
         configs.append(Configuration("hf", "hf", runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos)))
     off_loop = SpeculativeLoop(verifier, None, None, NGRAM_DRAFT_PRIOR)
     configs.append(Configuration("specdec-off", "specdec-off", runner=local_runner(off_loop, opts.max_new_tokens, eos, 0, False)))
+    if getattr(lm, "static", False):  # on a GPU: what the exact passes cost against transformers' forward
+        from specdec.model.lm import CausalLM
+
+        fast = SpeculativeLoop(LocalVerifier(TargetEngine(CausalLM(target_loaded.model, lm.device))), None, None, NGRAM_DRAFT_PRIOR)
+        configs.append(Configuration("specdec-off[numerics=fast]", "specdec-off", runner=local_runner(fast, opts.max_new_tokens, eos, 0, False),
+                                     note="transformers' forward on the GPU: not row-exact"))
     for drafter in drafters:
         name = short_name(drafter)
-        config = draft_config(drafter, target_spec)  # as the gRPC stack's draft service runs it
+        config = draft_config(drafter, target_spec, opts.device)  # as the gRPC stack's draft service runs it
         if drafter not in engines:  # one engine per draft, shared by every weight format's rows
             engines[drafter] = build_engine(config)[0]
         engine = engines[drafter]
@@ -341,7 +348,7 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
                     if pruned is not None:  # a distilled pruned-head draft, wrapped as a transformers model
                         assistant = hf_assistant(pruned, target_spec)
                     else:
-                        assistant_loaded = load_model(drafter, "cpu")
+                        assistant_loaded = load_model(drafter, opts.device)
                         theirs, ours = assistant_loaded.tokenizer, target_loaded.tokenizer
                         if theirs is not None and ours is not None and theirs.get_vocab() != ours.get_vocab():
                             raise ValueError("its vocabulary differs from the target's (specdec maps it; transformers would "
@@ -444,6 +451,7 @@ def run(opts: Options, argv: list[str]) -> dict:
     from specdec_tools.bench_report import report
     from specdec.model.lm import CausalLM
     from specdec.model.loading import load_model, load_tokenizer
+    from specdec.model.static import exact_lm
 
     torch.manual_seed(0)
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -453,13 +461,13 @@ def run(opts: Options, argv: list[str]) -> dict:
             target, draft = quick_models(pathlib.Path(tmp))
             drafters = ("ngram", draft)
         print(f"specdec bench: loading {target}", file=sys.stderr, flush=True)
-        loaded = load_model(target, "cpu")
+        loaded = load_model(target, opts.device)
         tokenizer = loaded.tokenizer or load_tokenizer(target)
         # specdec's own configurations run the target as its service does; hf_runner switches it off
         # (and computes with the fp32 weights whatever the format: the reference every format is held to)
         packed = gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS,
                             opts.weights[0], loaded.path)
-        lm = CausalLM(loaded.model, loaded.device)
+        lm = exact_lm(loaded.model, loaded.device)  # as the target service serves it (--numerics exact)
         formats = {opts.weights[0]: (loaded, lm, packed)}
         for weights in opts.weights[1:]:  # a model of its own per format: each layer holds one compact weight
             other = load_model(target, "cpu")
@@ -472,7 +480,7 @@ def run(opts: Options, argv: list[str]) -> dict:
             prompts = {k: [(pid, ids[-room:]) for pid, ids in v] for k, v in prompts.items()}
         notes: dict[str, str] = {}
         tree = (opts.tree_budgets[0], opts.tree_top_k) if opts.tree_budgets else None
-        stack = GrpcStack(target, drafters, opts.out / "logs", tree=tree, weights=opts.weights[0]) if opts.grpc else None
+        stack = GrpcStack(target, drafters, opts.out / "logs", opts.device, tree=tree, weights=opts.weights[0]) if opts.grpc else None
         try:
             configs, engines = [], {}
             for i, (weights, (model_f, lm_f, _)) in enumerate(formats.items()):
@@ -558,6 +566,8 @@ def parse(argv: list[str]) -> Options:
                         help=f"Comma-separated formats the target's kernel reads its weights as ({', '.join(FORMATS)}): each "
                              "gets its own specdec rows, checked against the same format with speculation off and "
                              "compared with fp32's greedy tokens; the first also serves the gRPC rows.")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: where every model of the run computes (services "
+                        "included). On CUDA a specdec-off row with --numerics fast runs beside the exact one.")
     parser.add_argument("--no-llamacpp", action="store_true",
                         help="Skip llama.cpp's rows (run where llama-cpp-python is installed and the target comes from a GGUF file).")
     parser.add_argument("--out", default=None,
@@ -592,7 +602,9 @@ def parse(argv: list[str]) -> Options:
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats, max_draft=args.max_draft, draft_lengths=lengths,
                    grpc=not args.no_grpc, hf=not args.no_hf, out=pathlib.Path(args.out or flags.fresh_out("bench")), quick=args.quick,
                    prompt_lookup=args.prompt_lookup, tree_budgets=budgets, tree_top_k=args.tree_top_k, staged=not args.no_staged,
-                   weights=weights, llamacpp=not args.no_llamacpp)
+                   weights=weights, llamacpp=not args.no_llamacpp, device=args.device)
+    if opts.device != "cpu" and (len(weights) > 1 or weights[0] != "fp32"):
+        parser.error("--weights formats other than fp32 are for the CPU kernel; on a GPU the model's own dtype serves")
     if opts.quick:
         opts = dataclasses.replace(opts, limit=opts.limit or 2, max_new_tokens=min(opts.max_new_tokens, 16), repeats=1,
                                    draft_lengths=lengths[:1], tree_budgets=budgets[:1])

@@ -324,8 +324,8 @@ class LocalStack(Stack):
     `api_token`: the token its coordinator requires (empty: none, whatever this environment says)."""
 
     def __init__(self, target: str, drafter: str, logs: pathlib.Path, coordinator_flags: list[str], target_flags: list[str],
-                 api_token: str = ""):
-        super().__init__(target, logs, "cpu", log_level="warning")
+                 api_token: str = "", device: str = "cpu"):
+        super().__init__(target, logs, device, log_level="warning")
         self.start_target(*target_flags)
         draft = self.start_draft(drafter)
         with _environment(SPECDEC_COORDINATOR_API_TOKEN=api_token):  # in its environment, not on a command line `ps` shows
@@ -390,6 +390,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="Finally offer 4x (max-concurrent-requests + max-queue) concurrent requests: expect prompt RESOURCE_EXHAUSTED.")
     parser.add_argument("--max-concurrent-requests", type=int, default=32, help="Local coordinator's cap (see `specdec serve coordinator`).")
     parser.add_argument("--max-queue", type=int, default=64, help="Local coordinator's queue bound.")
+    parser.add_argument("--device", default="cpu", help="Where the local stack's services compute: cpu, cuda or cuda:N "
+                        "(the reference outputs too).")
     parser.add_argument("--target-flags", default="", help="Extra flags for the local target, e.g. '--max-batch-size 1'.")
     parser.add_argument("--weights", default="fp32",
                         help=f"What the local target reads its weights as ({', '.join(FORMATS)}); several, comma-separated: one "
@@ -487,7 +489,7 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
         caps = ["--max-concurrent-requests", str(args.max_concurrent_requests), "--max-queue", str(args.max_queue),
                 "--max-streams-per-client", str(args.max_concurrent_requests + args.max_queue)]
         stack = LocalStack(target, args.drafter, workdir / f"logs-{weights}", caps, ["--weights", weights, *args.target_flags.split()],
-                           api_token=args.api_token.strip())
+                           api_token=args.api_token.strip(), device=args.device)
     try:
         if stack:
             stack.wait()
@@ -531,7 +533,7 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
                                       "max_queue": args.max_queue, **summarise(results, duration), "stack_alive": stack.alive(),
                                       "_results": results}
         if args.check:
-            reference = reference_outputs(target, prompts, args.max_new_tokens, weights)
+            reference = reference_outputs(target, prompts, args.max_new_tokens, weights, args.device)
             same = _same_as(reference, tokenizer, text=bool(args.http), prefix=args.ignore_eos)
             for entry in [*(r for r in report["runs"] if r["weights"] == weights),
                           *([report["overload"]] if "overload" in report and overload else [])]:

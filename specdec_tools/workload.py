@@ -51,20 +51,25 @@ def greedy_generate(model, prompt: list[int], max_new: int, eos: list[int], pack
 
     from specdec.model import gemm
 
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode(), contextlib.nullcontext() if packed else gemm.disabled():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                              eos_token_id=eos, pad_token_id=eos[0] if eos else None, **generate_kwargs)
     return out[0, len(prompt):].tolist()
 
 
-def reference_outputs(target: str, prompts: list[list[int]], max_new: int, weights: str = "fp32") -> list[list[int]]:
+def reference_outputs(target: str, prompts: list[list[int]], max_new: int, weights: str = "fp32",
+                      device: str = "cpu") -> list[list[int]]:
     """The target decoding alone on every prompt, up to its first end-of-sequence token: the ground
-    truth. `weights`: the format the target serves (the reference is the model in that format)."""
+    truth. `weights`: the format the target serves (the reference is the model in that format).
+    On a GPU the reference is the target engine with speculation off, in the exact numerics the
+    service runs (transformers' generate() computes other bits there: specdec/model/static.py)."""
     from specdec.model import gemm
     from specdec.model.lm import CausalLM
     from specdec.model.loading import load_model
 
+    if device != "cpu":
+        return engine_outputs(target, prompts, max_new, device)
     loaded = load_model(target, "cpu", "auto")
     if weights != "fp32":
         gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, weights, loaded.path)
@@ -74,4 +79,26 @@ def reference_outputs(target: str, prompts: list[list[int]], max_new: int, weigh
         new = greedy_generate(loaded.model, prompt, max_new, eos, packed=weights != "fp32")
         cut = next((i for i, t in enumerate(new) if t in eos), None)
         out.append(new[: cut + 1] if cut is not None else new)
+    return out
+
+
+def engine_outputs(target: str, prompts: list[list[int]], max_new: int, device: str) -> list[list[int]]:
+    """The target service's engine decoding alone (one Verify without draft tokens per token), as
+    `specdec serve target --device DEVICE` computes it; cut after the first end-of-sequence token."""
+    from specdec.model.loading import load_model
+    from specdec.model.static import exact_lm
+    from specdec.spec.sampling import SamplingConfig
+    from target_service.engine import TargetEngine
+
+    loaded = load_model(target, device, "auto")
+    engine = TargetEngine(exact_lm(loaded.model, loaded.device))
+    out = []
+    for number, prompt in enumerate(prompts):
+        tokens, known, name = list(prompt), 0, f"reference-{number}"
+        while len(tokens) - len(prompt) < max_new and not (len(tokens) > len(prompt) and tokens[-1] in engine.lm.eos_token_ids):
+            result = engine.verify(name, known, tokens[known:], [], [], SamplingConfig())
+            tokens.append(result.next_token)
+            known = result.cached_len
+        engine.store.release(name)
+        out.append(tokens[len(prompt):])
     return out

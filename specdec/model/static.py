@@ -179,7 +179,8 @@ class StaticLM(CausalLM):
         self._logits = torch.empty(T, self.head.shape[0], dtype=self.dtype, device=device)
         self._hidden = torch.empty(T, config.hidden_size, dtype=self.dtype, device=device)
         self._use_triton = device.type == "cuda" and triton is not None
-        self._graphs = (device.type == "cuda") if graphs is None else graphs
+        # the torch loop reads the longest key list on the host, which a graph cannot capture
+        self._graphs = self._use_triton if graphs is None else graphs
         self._graph = None
 
     # -- the cache --------------------------------------------------------------------------------
@@ -475,7 +476,7 @@ if triton is not None:
 def _attention_triton(q, keys, values, slots, prefix, tail, tail_len, scale):
     """attention_reference's blocks as one Triton kernel: one program per (row, head)."""
     T, H, D = q.shape
-    q = q.contiguous()
+    q, slots, prefix, tail_len = q.contiguous(), slots.contiguous(), prefix.contiguous(), tail_len.contiguous()
     out = torch.empty_like(q)
     assert keys.stride() == values.stride() and keys.stride(-1) == 1 and D & (D - 1) == 0
     _attention_kernel[(T, H)](q, keys, values, out, slots, prefix, tail, tail_len, q.stride(0), q.stride(1), keys.stride(0),
