@@ -236,7 +236,8 @@ class StaticLM(CausalLM):
             array[i, :_FIELDS] = (row.token, row.position, row.slot, row.index, row.prefix, len(row.tail))
             if row.tail:
                 array[i, _FIELDS:_FIELDS + len(row.tail)] = row.tail
-        self._inputs.copy_(host, non_blocking=True)
+        # a blocking copy: the next pass rewrites `host`, which an asynchronous copy might still read
+        self._inputs.copy_(host)
         if not self._graphs:
             self._compute()
             return
