@@ -11,6 +11,7 @@
 #   3. specdec bench --device cuda; 4. specdec loadtest --device cuda (1 and 8 streams, identity checked)
 set -u
 wheels=${1:-.whl}; tok=${2:-.gpu/tokenizer}; o=${OUT:-/tmp/out}; mkdir -p "$o"
+steps=${STEPS:-1234}  # which of the steps below to run
 if ls "$wheels"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$wheels"/*.whl || exit 1
   rm -rf /tmp/site/huggingface_hub /tmp/site/huggingface_hub-*
@@ -20,13 +21,13 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 SPECDEC_COO
   python3 -c "import torch, triton, transformers, grpc; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'grpc', grpc.__version__)"
   date -u; } 2>&1 | tee "$o/env.txt"
 
-echo "== 1. exactness on CUDA"
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_static.py 2>&1 | tail -25 | tee "$o/pytest.txt"
+if [[ $steps == *1* ]]; then echo "== 1. exactness on CUDA"
+timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_static.py 2>&1 | tail -25 | tee "$o/pytest.txt"; fi
 
-echo "== 2. step costs"
-timeout 150 python3 benchmarks/cuda_step.py --device cuda --out /tmp/step 2>&1 | grep -v "sequence started" | tee "$o/step.txt" | grep '^{'
+if [[ $steps == *2* ]]; then echo "== 2. step costs"
+timeout 150 python3 benchmarks/cuda_step.py --device cuda --out /tmp/step 2>&1 | grep -v "sequence started" | tee "$o/step.txt" | grep '^{'; fi
 
-echo "== 3. bench"
+if [[ $steps == *3* ]]; then echo "== 3. bench"
 python3 - "$tok" <<'EOF'
 import shutil, sys, pathlib, torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,10 +41,10 @@ for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "
 EOF
 timeout 200 python3 -m specdec_tools.cli bench --device cuda --target-model /tmp/rs --drafter ngram --prompts chat,grounded --limit 4 \
   --max-new-tokens 64 --repeats 2 --draft-lengths 4 --tree-budgets '' --no-staged --no-llamacpp --out /tmp/bench > "$o/bench.txt" 2>&1
-grep -v "sequence started\|^{" "$o/bench.txt" | tail -40
+grep -v "sequence started\|^{" "$o/bench.txt" | tail -40; fi
 
-echo "== 4. loadtest"
+if [[ $steps == *4* ]]; then echo "== 4. loadtest"
 timeout 150 python3 -m specdec_tools.cli loadtest --device cuda --target-model /tmp/rs --concurrency 1,8 --num-requests 16 \
   --max-new-tokens 64 --prompts grounded --speculation both --out /tmp/lt > "$o/loadtest.txt" 2>&1
-grep -v "sequence started\|^{" "$o/loadtest.txt" | tail -16
+grep -v "sequence started\|^{" "$o/loadtest.txt" | tail -16; fi
 cp /tmp/step/profile-smollm2-135m.txt /tmp/bench/results.json "$o/" 2>/dev/null; cp /tmp/lt/loadtest.json "$o/" 2>/dev/null; ls "$o"

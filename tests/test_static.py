@@ -89,9 +89,9 @@ class Speculator:
 
 
 def speculate(engine: TargetEngine, prompts: list[list[int]], references: list[list[int]], batched: bool, tree: bool,
-              seed: int = 0) -> list[list[int]]:
+              seed: int = 0, name: str = "s") -> list[list[int]]:
     rng = random.Random(seed)
-    decoders = [Speculator(f"s{i}", p, r, rng, engine.lm.vocab_size) for i, (p, r) in enumerate(zip(prompts, references))]
+    decoders = [Speculator(f"{name}{i}", p, r, rng, engine.lm.vocab_size) for i, (p, r) in enumerate(zip(prompts, references))]
     while not all(d.done for d in decoders):
         active = [d for d in decoders if not d.done]
         calls = [d.call(tree and i % 2 == 0) for i, d in enumerate(active)]
@@ -235,4 +235,4 @@ def test_real_shape_greedy_speculation_equals_decoding_alone_on_cuda(dtype):
     prompts = prompts_for(lm.vocab_size, 8, seed=2)
     references = [decode_alone(engine, f"r{i}", p, 32) for i, p in enumerate(prompts)]
     assert speculate(engine, prompts, references, batched=True, tree=True) == references
-    assert speculate(engine, prompts[:2], references[:2], batched=False, tree=False) == references[:2]
+    assert speculate(engine, prompts[:2], references[:2], batched=False, tree=False, name="alone") == references[:2]

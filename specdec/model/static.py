@@ -198,18 +198,18 @@ class StaticLM(CausalLM):
     def _compute(self) -> None:
         """The pass over the rows in self._inputs: fills self._logits [T, V] and self._hidden [T, H]."""
         fields = self._inputs.long()
-        tokens, positions, slots, index = fields[:, 0], fields[:, 1], fields[:, 2], fields[:, 3]
-        prefix, tail_len, tail = fields[:, 4], fields[:, 5], fields[:, _FIELDS:]
+        columns = fields[:, :_FIELDS].t().contiguous()  # [6, T]: each field contiguous, for the kernel
+        tokens, positions, slots, index, prefix, tail_len = columns
+        tail = fields[:, _FIELDS:]  # [T, MAX_TAIL]
         T, H, G, D = self.pass_rows, self.heads, self.kv_heads, self.head_dim
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, D]
         h = self.embed[tokens]  # [T, hidden]
         for number, (norm_in, qkv_w, qkv_b, o_w, norm_post, gate_up_w, down_w) in enumerate(self.layers):
             x = _rms_norm(h, norm_in, self.eps)
             qkv = torch.nn.functional.linear(x, qkv_w, qkv_b)  # [T, (H + 2G) D]
-            q = qkv[:, :H * D].view(T, H, D)
-            k = qkv[:, H * D:(H + G) * D].view(T, G, D)
+            qk = _rotate(qkv[:, :(H + G) * D].view(T, H + G, D), cos, sin)  # queries and keys in one go
+            q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + G) * D:].view(T, G, D)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             keys, values = self.cache[number, 0], self.cache[number, 1]  # [S + 1, G, C, D]
             keys[slots, :, index] = k
             values[slots, :, index] = v
@@ -385,9 +385,9 @@ class StaticBatch:
 # -- the pieces of a pass -----------------------------------------------------------------------------
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As transformers' LlamaRMSNorm: in float32 per row, scaled back in the model's dtype."""
-    f = x.float()
-    f = f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + eps)
+    """As transformers' LlamaRMSNorm (float32 per row, scaled back in the model's dtype), with
+    torch's fused kernel for the normalisation: a pass is launch-bound, so kernels count."""
+    f = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps)
     return weight * f.to(x.dtype)
 
 
@@ -477,9 +477,10 @@ if triton is not None:
 def _attention_triton(q, keys, values, slots, prefix, tail, tail_len, scale):
     """attention_reference's blocks as one Triton kernel: one program per (row, head)."""
     T, H, D = q.shape
-    q, slots, prefix, tail_len = q.contiguous(), slots.contiguous(), prefix.contiguous(), tail_len.contiguous()
-    out = torch.empty_like(q)
-    assert keys.stride() == values.stride() and keys.stride(-1) == 1 and D & (D - 1) == 0
+    out = q.new_empty(T, H, D)
+    # strided q is fine (its last dim contiguous); the per-row fields are read at stride 1
+    assert keys.stride() == values.stride() and keys.stride(-1) == 1 and q.stride(-1) == 1 and D & (D - 1) == 0
+    assert slots.is_contiguous() and prefix.is_contiguous() and tail_len.is_contiguous() and tail.stride(1) == 1
     _attention_kernel[(T, H)](q, keys, values, out, slots, prefix, tail, tail_len, q.stride(0), q.stride(1), keys.stride(0),
                               keys.stride(1), keys.stride(2), out.stride(0), out.stride(1), tail.stride(0), scale,
                               GROUP=H // keys.shape[1], D=D, BLOCK_N=BLOCK)
