@@ -18,8 +18,10 @@ llama.cpp (plain and prompt lookup, on the target's GGUF file) joins where llama
 After the main table, "chain vs tree vs staged" puts each model draft's best chain (the most tokens
 per target pass of its fixed-length and adaptive chains) beside its trees and staged runs.
 Repetitions are interleaved (rep 1 of every configuration, then rep 2, ...) so drift on a shared
-machine hits every configuration alike. Every configuration's tokens are checked against the
-baseline's: greedy speculation that changes the output is a bug, and the report says so.
+machine hits every configuration alike. Every specdec configuration's tokens are checked against
+specdec-off in the same format (the target engine decoding alone; its tokens agree with generate()'s,
+shown beside, but its row-exact attention and, on a GPU, its fixed-shape passes compute other last
+bits): greedy speculation that changes the output is a bug, and the report says so.
 
 Beside each measurement sits the analytic model's prediction (specdec_tools.plan) from the run's own
 acceptance, the draft's measured cost and the target's measured cost curve V(n), and the efficiency

@@ -71,12 +71,12 @@ def reference_outputs(target: str, prompts: list[list[int]], max_new: int, weigh
     if device != "cpu":
         return engine_outputs(target, prompts, max_new, device)
     loaded = load_model(target, "cpu", "auto")
-    if weights != "fp32":
-        gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, weights, loaded.path)
+    # the model as the target service computes it (its kernel and row-exact attention, fp32 included)
+    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, weights, loaded.path)
     eos = CausalLM(loaded.model, loaded.device).eos_token_ids
     out = []
     for prompt in prompts:
-        new = greedy_generate(loaded.model, prompt, max_new, eos, packed=weights != "fp32")
+        new = greedy_generate(loaded.model, prompt, max_new, eos, packed=True)
         cut = next((i for i, t in enumerate(new) if t in eos), None)
         out.append(new[: cut + 1] if cut is not None else new)
     return out

@@ -96,8 +96,19 @@ def test_the_compact_model_computes_a_position_alike_in_one_pass_or_several(weig
             assert torch.equal(last, whole[-tail:]), tail
 
 
-def test_fp32_keeps_sdpa():
+def test_fp32_is_row_exact_too():
+    """fp32 serves with the row-exact attention as well (it agrees with SDPA, the attention of
+    transformers' generate(), up to rounding): a position's logits are the same bits in one pass or
+    after a prefix, which with SDPA they are not."""
     target, _ = tiny.tiny_pair(seed=5)
     model = copy.deepcopy(target)
     gemm.pack_linears(model, gemm.DEFAULT_ROWS, 1, "fp32")
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == attention.NAME
+    ids = torch.tensor([tiny.prompts(1, seed=6)[0] * 3])[:, :30]
+    with torch.inference_mode():
+        whole = model(input_ids=ids).logits[0]
+        for tail in (1, 3, 6):
+            cache = new_cache(model.config)
+            model(input_ids=ids[:, :-tail], past_key_values=cache, use_cache=True)
+            assert torch.equal(model(input_ids=ids[:, -tail:], past_key_values=cache, use_cache=True).logits[0], whole[-tail:])
+        torch.testing.assert_close(whole, target(input_ids=ids).logits[0], rtol=1e-4, atol=1e-4)

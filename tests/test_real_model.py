@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from protos import specdec_pb2 as pb
+from specdec.model import gemm
 from specdec.model.loading import DEFAULT_TARGET, load_model
 from tests.stack import Stack
 
@@ -30,6 +31,8 @@ MAX_NEW = 40
 @pytest.fixture(scope="module")
 def real():
     loaded = load_model(DEFAULT_TARGET, device="cpu")
+    # the target alone as the service computes it: specdec's kernel and row-exact attention
+    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, "fp32", loaded.path)
     stack = Stack()
     target = stack.target(DEFAULT_TARGET)
     draft = stack.draft(drafter="ngram")

@@ -21,7 +21,7 @@ from target_service.engine import DraftTree, TargetEngine, VerifyCall
 from specdec_tools.tinymodels import real_shape
 
 GREEDY = SamplingConfig()
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=CUDA)]
 
 
@@ -225,7 +225,8 @@ def test_what_runs_fixed_shape_passes():
 
 # -- real shapes on a GPU ------------------------------------------------------------------------------
 
-@CUDA
+@CUDA[0]
+@CUDA[1]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 def test_real_shape_greedy_speculation_equals_decoding_alone_on_cuda(dtype):
     """SmolLM2-135M's shape with seeded random weights (near-uniform logits: near-ties everywhere)."""

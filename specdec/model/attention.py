@@ -81,8 +81,8 @@ def use(model: torch.nn.Module) -> bool:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
+    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return False  # not a transformers model on SDPA (a feature draft's own layers, say)
     AttentionInterface.register(NAME, attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # the masks SDPA gets, with the same meaning
     model.set_attn_implementation(NAME)

@@ -274,11 +274,12 @@ def pack_linears(model: torch.nn.Module, rows: int, min_rows: int, weights: str 
                     swapped[id(child)] = PackedLinear(child, rows, min_rows, kernel, held[id(child)][0])
                 setattr(parent, name, swapped[id(child)])
     group_siblings(model)
+    # Row-exact attention for every format, fp32 included: torch's CPU SDPA computes one query row
+    # differently from several, so with it a position's logits differ in the last bits between a decode
+    # step and a verify pass, and a greedy near-tie could flip (specdec/model/attention.py). fp32 then
+    # agrees with transformers' generate() (SDPA) rather than equalling it bit for bit.
+    attention.use(model)
     if weights != "fp32":
-        # The compact model is specdec's to define: its attention is row-exact too, so a position computes
-        # the same in a decode step and a verify (specdec/model/attention.py). fp32 keeps SDPA, the
-        # attention transformers' generate() runs, which the benchmark checks fp32 against.
-        attention.use(model)
         from specdec.model import decoder  # it builds on this module
 
         decoder.use(model)

@@ -241,9 +241,10 @@ class StaticLM(CausalLM):
         if not self._graphs:
             self._compute()
             return
-        if self._graph is None:
-            self._record()
-        self._graph.replay()
+        with torch.cuda.device(self.device):  # a draft on cuda:1 captures and replays on its own GPU
+            if self._graph is None:
+                self._record()
+            self._graph.replay()
 
     def _record(self) -> None:
         """Records the pass once (after warm-up runs that compile the kernels), on a side stream."""
