@@ -37,7 +37,7 @@ from starlette.requests import ClientDisconnect
 
 from coordinator import openai_schema as schema
 from coordinator.policy.admission import client_key
-from coordinator.validate import check_request_id, token_matches
+from coordinator.validate import bearer, check_request_id, token_matches
 from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
 from specdec.serving.logs import bind_request
 from specdec.version import package_version as version
@@ -286,7 +286,7 @@ def build_app(servicer, model_names: list[str], api_token: str = "", max_body_by
     async def authenticate(request: Request, call_next):
         if api_token and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
             header = request.headers.get("authorization", "")
-            if not header.startswith("Bearer "):
+            if bearer(header) is None:
                 return error(401, "missing bearer token", "authentication_error", "missing_api_key")
             if not token_matches(header, api_token):
                 return error(403, "invalid bearer token", "permission_error", "invalid_api_key")

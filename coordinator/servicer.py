@@ -21,7 +21,7 @@ from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, releases_do
 from coordinator.policy.admission import Admission, client_key, grpc_peer_host
 from coordinator.readiness import BackendHealth
 from coordinator.text import TextStream
-from coordinator.validate import generation_spec, token_matches
+from coordinator.validate import bearer, generation_spec, token_matches
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
@@ -442,7 +442,7 @@ class TokenAuth(grpc.aio.ServerInterceptor):
             return await continuation(details)
         header = dict(details.invocation_metadata or ()).get("authorization", "")
         streaming = details.method.endswith("Stream")
-        if not header.startswith("Bearer "):
+        if bearer(header) is None:
             return _deny(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token in `authorization` metadata", streaming)
         if not token_matches(header, self.token):
             return _deny(grpc.StatusCode.PERMISSION_DENIED, "invalid bearer token", streaming)

@@ -195,10 +195,17 @@ def stop_strings(stop: Sequence[str]) -> list[str]:
     return list(stop)
 
 
+def bearer(header: str) -> str | None:
+    """The credentials of an `authorization` value in the Bearer scheme, else None. The scheme's name
+    is case-insensitive (RFC 7235 2.1): `bearer x` is `Bearer x`."""
+    scheme, _, credentials = header.strip().partition(" ")
+    return credentials.strip() if scheme.lower() == "bearer" else None
+
+
 def token_matches(header: str, token: str) -> bool:
     """Whether an `authorization` value carries the API token, compared in constant time. As bytes:
     a header may hold any character (HTTP gives latin-1), which must be a refusal, never an error."""
-    given = header.removeprefix("Bearer ").strip()
+    given = bearer(header) or ""
     return hmac.compare_digest(given.encode("utf-8", "surrogatepass"), token.encode("utf-8", "surrogatepass"))
 
 

@@ -143,6 +143,10 @@ def test_token_is_required_on_both_apis_but_not_for_health(env):
     assert wrong.value.code() == grpc.StatusCode.PERMISSION_DENIED
     ok = stub.Generate(request, timeout=30, metadata=[("authorization", f"Bearer {TOKEN}")])
     assert ok.stats.completion_tokens == 2
+    # the scheme's name is case-insensitive (RFC 7235): lower-case `bearer` is the same credential
+    assert stub.Generate(request, timeout=30, metadata=[("authorization", f"bearer {TOKEN}")]).stats.completion_tokens == 2
+    lower = urllib.request.Request(f"{env['base']}/v1/models", headers={"Authorization": f"bearer {TOKEN}"})
+    assert urllib.request.urlopen(lower, timeout=10).status == 200
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     assert health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
