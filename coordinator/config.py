@@ -100,8 +100,9 @@ class CoordinatorConfig:
     )
     stream_stall_timeout_s: float = option(
         30.0,
-        "End a GenerateStream whose next message could not be written for this long (a client that stopped "
-        "reading: flow control holds the write) with CANCELLED, freeing its running slot and its sequences; "
+        "End a GenerateStream, or an HTTP stream of server-sent events, whose next message could not be written "
+        "for this long (a client that stopped reading: flow control holds the write), freeing its running slot "
+        "and its sequences (gRPC: CANCELLED; HTTP: the connection is dropped); "
         "0: wait up to the request's deadline.",
     )
     max_queue: int = option(64, "Requests waiting for a running slot; past it RESOURCE_EXHAUSTED at once, with a retry-after hint.")

@@ -35,12 +35,16 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
+import structlog
+
 from coordinator import openai_schema as schema
 from coordinator.policy.admission import client_key
 from coordinator.validate import bearer, check_request_id, token_matches
 from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
 from specdec.serving.logs import bind_request
 from specdec.version import package_version as version
+
+log = structlog.get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -435,7 +439,8 @@ async def _complete(servicer, raw: Request, model: type[BaseModel], model_names:
                   logprobs, echo)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(reply.events(first, steps, usage), media_type="text/event-stream", headers=headers)
+        stall_timeout_s = getattr(getattr(servicer, "config", None), "stream_stall_timeout_s", 0.0)  # as its gRPC streams
+        return StallingStream(reply.events(first, steps, usage), stall_timeout_s, media_type="text/event-stream", headers=headers)
     try:
         rest = await unless_gone(raw, _rest(steps))
     except SpecdecError as exc:
@@ -443,6 +448,35 @@ async def _complete(servicer, raw: Request, model: type[BaseModel], model_names:
     except ClientGone:
         return gone(headers)
     return JSONResponse(reply.whole([first, *rest]), headers=headers)
+
+
+class StallingStream(StreamingResponse):
+    """Server-sent events that end when the client stops reading, as --stream-stall-timeout-s ends a
+    gRPC stream: a send that TCP flow control holds past `stall_timeout_s` closes the events' iterator
+    (which cancels the request, freeing its running slot and both services' sequences) and leaves the
+    response unfinished, so the server drops the connection. 0: wait as long as the client does."""
+
+    def __init__(self, content, stall_timeout_s: float, **kwargs):
+        super().__init__(content, **kwargs)
+        self.stall_timeout_s = stall_timeout_s
+
+    async def __call__(self, scope, receive, send) -> None:
+        if not self.stall_timeout_s:
+            return await super().__call__(scope, receive, send)
+        stalled = False
+
+        async def timed(message) -> None:
+            nonlocal stalled
+            if stalled:
+                return  # nothing more goes to a client that stopped reading
+            try:
+                await asyncio.wait_for(send(message), self.stall_timeout_s)
+            except TimeoutError:
+                stalled = True
+                log.warning("ending a stream whose client stopped reading", stall_timeout_s=self.stall_timeout_s)
+                await self.body_iterator.aclose()
+
+        await super().__call__(scope, receive, timed)
 
 
 class Reply:

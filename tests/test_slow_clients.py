@@ -184,3 +184,38 @@ def test_one_client_holds_no_more_than_the_running_slots_by_default():
     assert client_key(grpc_peer_host("ipv4:10.0.0.7:54321")) == client_key("10.0.0.7") != client_key("10.0.0.8")
     assert grpc_peer_host("ipv6:[::1]:54321") == "::1"
     assert client_key("10.0.0.7", "alice") != client_key("10.0.0.7", "bob")
+
+
+def test_a_server_sent_events_stream_whose_client_stopped_reading_ends():
+    """The HTTP stream's writes (uvicorn's send waits while TCP flow control holds it) past the stall
+    timeout close the events' iterator, as the request's clean-up needs, and the response returns
+    unfinished instead of waiting for the client."""
+    import asyncio
+
+    from coordinator.http import StallingStream
+
+    closed, sent = asyncio.Event(), []
+
+    async def events():
+        try:
+            for i in range(1000):
+                yield f"data: {i}\n\n"
+        finally:
+            closed.set()
+
+    async def send(message):
+        sent.append(message)
+        if len(sent) > 3:  # the client's window is full: this write never completes
+            await asyncio.Event().wait()
+
+    async def receive():
+        await asyncio.Event().wait()  # the client says nothing (it has not disconnected either)
+
+    async def run() -> float:
+        started = time.monotonic()
+        await asyncio.wait_for(StallingStream(events(), 0.2, media_type="text/event-stream")({"type": "http"}, receive, send), 10)
+        return time.monotonic() - started
+
+    waited = asyncio.run(run())
+    assert closed.is_set() and 0.2 <= waited < 5
+    assert len(sent) == 4 and not any(m.get("more_body") is False for m in sent)
