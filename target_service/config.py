@@ -48,6 +48,12 @@ class TargetConfig:
     )
     max_batch_size: int = option(16, "Most sequences verified in one forward pass; 1 turns batching off.")
     max_batch_tokens: int = option(256, "Most padded positions (rows x longest row's new tokens) in one pass: long prefills run alone.")
+    max_prefill_tokens_per_pass: int = option(
+        64,
+        "Chunked prefill: a prompt longer than this is fed this many tokens a pass, with the other sequences' "
+        "steps run between two chunks, so one long prompt delays them by one chunk's pass, not by its whole "
+        "prefill; 0: a prompt is fed in one pass.",
+    )
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
     tls_key: str = option("", "PEM private key of --tls-cert.")
     tls_ca: str = option("", "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).")
@@ -73,5 +79,7 @@ class TargetConfig:
             raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_ms}")
         if self.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.max_prefill_tokens_per_pass < 0:
+            raise ValueError(f"--max-prefill-tokens-per-pass must be >= 0, got {self.max_prefill_tokens_per_pass}")
         if self.max_batch_tokens < 1:
             raise ValueError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")

@@ -26,6 +26,7 @@ from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch
 from specdec.spec.tree import check_parents, tree_depth
 from specdec.spec.treeplan import TreePlan, draft_probs, plan_tree, tree_verdict
+from specdec.serving.batcher import Requeue
 from specdec.spec.verify import verify_greedy, verify_rejection
 
 log = structlog.get_logger(__name__)
@@ -74,18 +75,22 @@ class VerifyCall:
     decode_ahead: int = 0  # after the verdict, decode up to this many more tokens alone (_decode_ahead)
     logprobs: int | None = None  # report the log-probabilities of the tokens made canonical, with this many alternatives
     eos_banned_until: int = 0  # positions below this never get an end-of-sequence token (a request's min_tokens)
+    prefill: int = 0  # canonical tokens the target holds but has not fed yet (a prompt fed in chunks)
 
     @property
     def new_positions(self) -> int:
         """Positions this call feeds the target (what batching pads to)."""
-        return len(self.append) + len(self.draft_tokens) + (len(self.tree.tokens) if self.tree else 0)
+        return self.prefill + len(self.append) + len(self.draft_tokens) + (len(self.tree.tokens) if self.tree else 0)
 
 
 class TargetEngine:
     """Not thread-safe: the servicer runs every call on one worker thread, in arrival order."""
 
-    def __init__(self, lm: CausalLM, max_sequences: int = 256, idle_timeout_s: float = 600.0):
+    def __init__(self, lm: CausalLM, max_sequences: int = 256, idle_timeout_s: float = 600.0, max_prefill_tokens: int = 0):
+        """`max_prefill_tokens`: most canonical tokens a row feeds in one verify_batch call (0: all);
+        a longer prompt is fed in chunks over several calls (chunked prefill, `_chunk`)."""
         self.lm = lm
+        self.max_prefill_tokens = max_prefill_tokens
         # a static GPU cache (specdec/model/static.py) holds a fixed number of sequences: evict past it
         self.store = SequenceStore(min(max_sequences, getattr(lm, "max_sequences", max_sequences)), idle_timeout_s)
         self.batchable = batchable(lm)
@@ -108,6 +113,8 @@ class TargetEngine:
         call = VerifyCall(sequence_id, known_len, append, draft_tokens, draft_dists, sampling, return_features=return_features,
                           decode_ahead=decode_ahead, logprobs=logprobs, eos_banned_until=eos_banned_until)
         result = self.verify_batch([call])[0]
+        while isinstance(result, Requeue):  # a long prompt, fed a chunk a call
+            result = self.verify_batch([result.call])[0]
         if isinstance(result, SpecdecError):
             raise result
         return result
@@ -170,11 +177,18 @@ class TargetEngine:
         start = time.perf_counter()
         results: list[StepResult | SpecdecError | None] = [None] * len(calls)
         rows: list[tuple[int, Sequence]] = []
+        budget = self.max_prefill_tokens
         for index, call in enumerate(calls):
             try:
-                rows.append((index, self._prepare(call)))
+                seq = self._prepare(call)
             except SpecdecError as exc:
                 results[index] = exc
+                continue
+            pending = len(seq.tokens) - seq.cached
+            if budget and pending > self.max_prefill_tokens and not call.return_features:
+                results[index], budget = self._chunk(call, seq, budget), 0
+                continue
+            rows.append((index, seq))
         if len(rows) == 1 or (rows and not self.batchable):
             for index, seq in rows:  # row by row: one row, or a model whose cache cannot be padded
                 call = calls[index]
@@ -206,6 +220,28 @@ class TargetEngine:
                                               hidden[0][row] if hidden else None, befores[row])
                 state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
         return results
+
+    def _chunk(self, call: VerifyCall, seq: Sequence, budget: int) -> Requeue:
+        """Feeds the next `budget` canonical tokens of a row whose prompt is longer than a pass may
+        feed, without a verdict, and returns the call that goes on from there.
+
+        Why: a prefill is one forward over every pending position, compute-bound, and every other
+        sequence's next step waits for it (a 4,000-token prompt held 2-core CPUs for 35 s). In chunks,
+        the batcher runs the other sequences' rows between two chunks (specdec/serving/batcher.py,
+        Requeue). One row a pass is chunked: the budget is the pass's. The rest call names every token
+        the target now holds (known_len), so its sync keeps the cache; `prefill` tells the batcher
+        how many positions it still feeds. A call asking for the target's hidden states (a feature
+        draft) is fed whole: its features must cover every position it feeds.
+        """
+        if budget:
+            tokens = seq.tokens
+            seq.tokens = tokens[:seq.cached + budget]  # the forward feeds seq.tokens[seq.cached:]
+            try:
+                self.lm.forward(seq, [], keep=1)
+            finally:
+                seq.tokens = tokens
+        rest = dataclasses.replace(call, known_len=len(seq.tokens), append=[], prefill=len(seq.tokens) - seq.cached)
+        return Requeue(rest)
 
     def verify_tree(self, call: VerifyCall) -> StepResult:
         """Verifies a draft tree in ONE forward pass (tree attention, positions by depth) and keeps

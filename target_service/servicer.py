@@ -127,7 +127,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     packed = await server.loading(servicer.host.run(gemm.apply, loaded.model, loaded.device, loaded.dtype, config.packed_gemm_rows,
                                                     config.packed_gemm_min_rows, config.weights, loaded.path))
     lm = exact_lm(loaded.model, loaded.device, config.numerics, config.pass_rows, config.static_slots, config.static_context)
-    engine = TargetEngine(lm, config.max_sequences, config.idle_timeout_s)
+    engine = TargetEngine(lm, config.max_sequences, config.idle_timeout_s, config.max_prefill_tokens_per_pass)
     await server.loading(servicer.host.run(engine.warm_up))
     info = pb.ModelInfo(
         model=config.model, vocab_size=engine.lm.vocab_size, max_context=engine.lm.max_context,

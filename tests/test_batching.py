@@ -19,6 +19,7 @@ from specdec.errors import InvalidArgument, SequenceNotFound
 from specdec.kv.buffers import MIN_CAPACITY, arena_of
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
+from specdec.serving.batcher import Requeue
 from target_service.batcher import VerifyBatcher
 from target_service.engine import StepResult, TargetEngine, VerifyCall
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
@@ -294,3 +295,54 @@ def test_a_lone_sequence_runs_from_its_own_call_and_newcomers_wait_for_the_model
     expected = single.verify("a", 0, p[0], [], [], GREEDY)
     assert (first.next_token, second.next_token) == (expected.next_token, single.verify("a", expected.cached_len, [expected.next_token], [], [], GREEDY).next_token)
     assert newcomer.next_token == single.verify("b", 0, p[1], [], [], GREEDY).next_token
+
+
+# -- chunked prefill (TargetEngine max_prefill_tokens, batcher Requeue) ---------------------------------
+
+def decode(eng: TargetEngine, name: str, prompt: list[int], n: int) -> list[int]:
+    tokens, known = list(prompt), 0
+    for _ in range(n):
+        result = eng.verify(name, known, tokens[known:], [], [], GREEDY)
+        tokens.append(result.next_token)
+        known = result.cached_len
+    return tokens[len(prompt):]
+
+
+def test_a_prompt_fed_in_chunks_decodes_as_one_fed_whole(target):
+    long_prompt = (prompts(1, seed=21)[0] * 30)[:150]
+    chunked = TargetEngine(CausalLM(target, torch.device("cpu")), max_sequences=8, max_prefill_tokens=16)
+    first = chunked.verify_batch([VerifyCall("c", 0, long_prompt, [], [], GREEDY)])[0]
+    assert isinstance(first, Requeue) and first.call.prefill == 150 - 16 and first.call.known_len == 150
+    assert chunked.store._sequences["c"].cached == 16
+    assert decode(chunked, "x", long_prompt, 12) == decode(engine(target), "x", long_prompt, 12)
+
+
+def test_other_sequences_step_between_the_chunks_of_a_long_prompt(target):
+    """With a 200-token prompt in flight, fed 16 tokens a pass, three short sequences decode 8 tokens
+    each: every one of their steps runs before the long prompt's next chunk, so they finish first,
+    and the long prompt's tokens are those of a prompt fed whole."""
+    eng = TargetEngine(CausalLM(target, torch.device("cpu")), max_sequences=16, max_prefill_tokens=16)
+    long_prompt = (prompts(1, seed=22)[0] * 40)[:200]
+    finished: list[str] = []
+
+    async def stream(batcher, name: str, prompt: list[int], steps: int) -> list[int]:
+        known, append, out = 0, list(prompt), []
+        for _ in range(steps):
+            result = await batcher.submit(VerifyCall(name, known, append, [], [], GREEDY))
+            out.append(result.next_token)
+            known, append = result.cached_len, [result.next_token]
+        finished.append(name)
+        return out
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        run = lambda fn, *args: loop.run_in_executor(None, fn, *args)  # noqa: E731
+        batcher = VerifyBatcher(run, eng.verify_batch, window_s=0.01, max_batch_size=8, max_batch_tokens=64)
+        short = [stream(batcher, f"s{i}", prompts(3, seed=23)[i][:6], 8) for i in range(3)]
+        results = await asyncio.gather(stream(batcher, "long", long_prompt, 2), *short)
+        batcher.close()
+        return results
+
+    results = asyncio.run(main())
+    assert finished[-1] == "long"
+    assert results[0] == decode(engine(target), "alone", long_prompt, 2)

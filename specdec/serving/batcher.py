@@ -34,6 +34,11 @@ free, runs straight from its own task: no batch can form, and the two hops to th
 and back are a noticeable part of a short exchange. (A new sequence goes through the window:
 others may be arriving with it, as when many streams start.)
 
+A row may come back as `Requeue(call)`: it made progress but is not done (a long prompt fed one chunk
+per pass, chunked prefill). It goes to the back of the queue as `call`, so the rows waiting meanwhile
+(other sequences' decode steps) run before its next chunk: one long prompt delays them by at most
+one chunk's pass.
+
 A failed pass fails its rows, never the batcher; a call cancelled while it waits is skipped.
 """
 
@@ -52,6 +57,13 @@ R = TypeVar("R")  # its result
 # this many passes' time, and never sooner than RECENT_FLOOR_S.
 RECENT_PASSES = 4
 RECENT_FLOOR_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Requeue(Generic[C]):
+    """A pass's answer for a row that is not finished: run `call` in a later pass."""
+
+    call: C
 
 
 @dataclasses.dataclass
@@ -157,6 +169,8 @@ class ContinuousBatcher(Generic[C, R]):
             if self._pending:  # calls that arrived meanwhile: the loop takes them now
                 self._arrived.set()
         self._count(results, time.perf_counter() - started)
+        if isinstance(results[0], Requeue):  # a prompt fed in chunks: its next chunk in the next pass
+            return await self.submit(results[0].call)
         if isinstance(results[0], BaseException):
             raise results[0]
         return results[0]
@@ -189,6 +203,9 @@ class ContinuousBatcher(Generic[C, R]):
             self._running = False
         self._count(results, time.perf_counter() - started)
         for item, result in zip(batch, results):
+            if isinstance(result, Requeue) and not item.future.done():
+                self._pending.append(_Pending(result.call, item.future))  # behind the rows that waited
+                continue
             _settle(item.future, result)
 
     def _count(self, results: Sequence[R | BaseException], wall_s: float) -> None:
@@ -197,7 +214,8 @@ class ContinuousBatcher(Generic[C, R]):
         if self._seconds is None:
             self._last_compute_s = wall_s
         else:
-            self._last_compute_s = max((self._seconds(r) for r in results if not isinstance(r, BaseException)), default=0.0)
+            self._last_compute_s = max((self._seconds(r) for r in results if not isinstance(r, (BaseException, Requeue))),
+                                       default=wall_s)
 
     async def _gather_window(self) -> None:
         deadline = time.monotonic() + max(self.window_s, self._last_compute_s * self.window_share)
