@@ -381,6 +381,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=0, help="Requests per level (default: 2 x concurrency, at least 8).")
     parser.add_argument("--prompts", default="grounded", help="Prompt set (specdec_tools/prompts/NAME.jsonl) or a .jsonl path.")
     parser.add_argument("--max-prompts", type=int, default=16, help="Distinct prompts used (cycled).")
+    parser.add_argument("--long-prompt-tokens", type=int, default=0,
+                        help="Make every --long-every-th prompt this many tokens long (its ids repeated): a mix of long "
+                             "and short prompts, reported apart (chunked prefill: --target-flags '--max-prefill-tokens-per-pass 0' "
+                             "turns it off for the comparison).")
+    parser.add_argument("--long-every", type=int, default=8, help="With --long-prompt-tokens: which prompts are long (1 in N).")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2, help="Requests sent before measuring, per speculation mode.")
     parser.add_argument("--speculation", choices=("on", "off", "both"), default="both", help="Runs with speculation, without (draft_length 0), or both.")
@@ -439,6 +444,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--weights: comma-separated formats from {', '.join(FORMATS)}, got {args.weights!r}")
     if len(args.weights_list) > 1 and (args.address or args.http):
         parser.error("--weights: several formats need the local stack (a server runs one)")
+    if args.long_prompt_tokens < 0 or args.long_every < 1:
+        parser.error("--long-prompt-tokens must be >= 0 and --long-every >= 1")
     if args.overload and (args.address or args.http):
         parser.error("--overload needs the local stack (its caps are known); drop --address / --http")
     return args
@@ -464,6 +471,8 @@ def run(args: argparse.Namespace) -> dict:
     target = args.target_model or DEFAULT_TARGET
     tokenizer = load_tokenizer(target)
     prompts = prompt_ids(tokenizer, args.prompts, args.max_prompts)
+    if args.long_prompt_tokens:
+        prompts = [lengthen(p, args.long_prompt_tokens) if i % args.long_every == 0 else p for i, p in enumerate(prompts)]
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.speculation]
     secret = {"api_token", "levels"}  # the token stays out of the report
     report: dict = {"config": {k: v for k, v in vars(args).items() if k not in secret} | {"levels": args.levels, "target": target,
@@ -523,6 +532,9 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
                                            "request_rate": args.request_rate or None,
                                            "num_requests": n, "requested_output_tokens": args.max_new_tokens,
                                            **summarise(results, duration), "_results": results})
+                    if args.long_prompt_tokens:  # what the long prompts cost the others
+                        short = [r for r in results if r.prompt_index % args.long_every != 0]
+                        report["runs"][-1]["short_requests"] = summarise(short, duration)
                     save_partial(report, args.out)  # a long run killed later still leaves its numbers (main removes it at the end)
                     progress.console.print(format_report({"runs": report["runs"][-1:]}).splitlines()[-1])
             if overload and stack:
@@ -653,6 +665,11 @@ def format_lengths(run: dict) -> str:
     return f"{run.get('requested_output_tokens', '?')}: " + ", ".join(f"{approx}{n} ({k})" for n, k in counts[:6]) + (" ..." if len(counts) > 6 else "")
 
 
+def lengthen(prompt: list[int], tokens: int) -> list[int]:
+    """The prompt's ids repeated up to `tokens` ids (a long prompt of the same text)."""
+    return (prompt * (tokens // max(1, len(prompt)) + 1))[:tokens]
+
+
 def format_report(report: dict) -> str:
     lines = ["weights  spec  conc  done fail  req/s  out tok/s  TTFT p50/p99 ms   TPOT p50/p99 ms   ITL mean  E2EL p50/p99 ms  accept  identical"
              "  output tokens asked: got (requests)"]
@@ -665,6 +682,12 @@ def format_report(report: dict) -> str:
             f"  {r['mean_itl_ms']:8.1f}  {r['median_e2el_ms']:7.0f}/{r['p99_e2el_ms']:<7.0f}  {r['acceptance_rate']:6.2f}  {ident:>9}"
             f"  {format_lengths(r)}"
             + (f"  failures {r['failures']}" if r["failures"] else ""))
+    for r in report["runs"]:
+        if "short_requests" in r:
+            q = r["short_requests"]
+            lines.append(f"  short requests only ({'on ' if r['speculation'] else 'off'}, {r['concurrency']} concurrent): "
+                         f"{q['completed']} done, TTFT p50/p99 {q['median_ttft_ms']:.0f}/{q['p99_ttft_ms']:.0f} ms, "
+                         f"TPOT p50/p99 {q['median_tpot_ms']:.1f}/{q['p99_tpot_ms']:.1f} ms")
     if "overload" in report:
         o = report["overload"]
         lines.append(f"overload: {o['offered_concurrency']} concurrent offered to max_concurrent_requests={o['max_concurrent_requests']} + "
