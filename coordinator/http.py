@@ -37,7 +37,9 @@ from starlette.requests import ClientDisconnect
 
 import structlog
 
+from coordinator import bodies
 from coordinator import openai_schema as schema
+from coordinator.bodies import InvalidBody
 from coordinator.policy.admission import client_key
 from coordinator.validate import bearer, check_request_id, token_matches
 from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
@@ -88,8 +90,8 @@ def _location(loc: tuple) -> str:
     return out or "body"
 
 
-def invalid_body(exc: ValidationError) -> JSONResponse:
-    first = exc.errors()[0]
+def invalid_body(errors: list[dict]) -> JSONResponse:
+    first = errors[0]
     if first["type"] == "json_invalid":
         return error(400, f"the body is not valid JSON: {first['msg']}", "invalid_request_error", "invalid_json", "body")
     param = _location(first["loc"])
@@ -127,7 +129,7 @@ def too_large(exc: BodyTooLarge, headers: dict[str, str] | None = None) -> JSONR
     return error(413, str(exc), "invalid_request_error", "request_too_large", "body", headers)
 
 
-REFUSALS = (BodyTooLarge, ValidationError, SpecdecError)  # what a request is refused for before it runs
+REFUSALS = (BodyTooLarge, ValidationError, InvalidBody, SpecdecError)  # what a request is refused for before it runs
 
 
 def refused(exc: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -135,7 +137,9 @@ def refused(exc: Exception, headers: dict[str, str] | None = None) -> JSONRespon
     if isinstance(exc, BodyTooLarge):
         return too_large(exc, headers)
     if isinstance(exc, ValidationError):
-        return invalid_body(exc)
+        return invalid_body(exc.errors())
+    if isinstance(exc, InvalidBody):
+        return invalid_body(exc.errors)
     return failed(exc, headers)
 
 
@@ -370,7 +374,7 @@ def _token_routes(app: FastAPI, servicer, max_body_bytes: int) -> None:
     async def tokenize(raw: Request):
         """The prompt's target token ids, as /v1/completions (`prompt`) or the chat (`messages`) would send them."""
         try:
-            body = TokenizeRequest.model_validate_json(await read_body(raw, max_body_bytes))
+            body = await bodies.parse(TokenizeRequest, await read_body(raw, max_body_bytes), servicer.config.max_prompt_tokens)
             request = schema.to_generate_request(body.as_request(), "tokenize")
             ids = await asyncio.to_thread(servicer.prompt_ids, request)  # tokenizing is work: off the event loop
         except REFUSALS as exc:
@@ -380,7 +384,7 @@ def _token_routes(app: FastAPI, servicer, max_body_bytes: int) -> None:
     @app.post("/detokenize")
     async def detokenize(raw: Request):
         try:
-            body = DetokenizeRequest.model_validate_json(await read_body(raw, max_body_bytes))
+            body = await bodies.parse(DetokenizeRequest, await read_body(raw, max_body_bytes), servicer.config.max_prompt_tokens)
             if servicer.tokenizer is None:
                 raise Unavailable("the coordinator is still loading its tokenizer")
         except REFUSALS as exc:
@@ -418,7 +422,7 @@ async def _complete(servicer, raw: Request, model: type[BaseModel], model_names:
     try:
         check_request_id(request_id)
         bind_request(request_id)  # here, so the tasks the generation runs in all log with the id
-        body = model.model_validate_json(await read_body(raw, max_body_bytes))
+        body = await bodies.parse(model, await read_body(raw, max_body_bytes), servicer.config.max_prompt_tokens)
         if body.model is not None and body.model not in model_names:
             return error(404, f"The model `{body.model}` does not exist (served: {', '.join(model_names)}).",
                          "invalid_request_error", "model_not_found", "model", headers)

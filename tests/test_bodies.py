@@ -1,0 +1,78 @@
+"""HTTP bodies are bounded by what they hold and parsed off the event loop (coordinator/bodies.py).
+
+The reproduction of the chaos run: a 16 MiB body of token ids stalled /health for ~10 s. Now a large
+body is parsed in another process and refused for what it holds (400 naming the field), and /health
+keeps answering meanwhile."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from coordinator import bodies
+from coordinator import openai_schema as schema
+from tests.stack import Stack
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    stack = Stack()
+    _, url, _ = stack.tiny_speculative(tmp_path_factory.mktemp("bodies"), max_prompt_tokens=400)
+    yield url
+    stack.stop()
+
+
+def post(url: str, data: bytes, timeout: float = 60) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{url}/v1/completions", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_bounds_name_the_field():
+    ids = schema.CompletionRequest.model_validate({"prompt": [[1]] * 500})
+    assert bodies.oversized(ids, 400)[0] == "prompt" and bodies.oversized(ids, 500) is None
+    stops = schema.CompletionRequest.model_validate({"prompt": "x", "stop": ["a"] * (bodies.MAX_STOP_STRINGS + 1)})
+    assert bodies.oversized(stops, 400)[0] == "stop"
+    long_stop = schema.CompletionRequest.model_validate({"prompt": "x", "stop": ["a" * (bodies.MAX_STOP_CHARS + 1)]})
+    assert bodies.oversized(long_stop, 400)[0] == "stop"
+
+
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_a_body_holding_too_much_is_a_400_naming_the_field(base, size):
+    """Under LARGE_BODY_BYTES it is parsed in place, past it in the parser process: the same answers."""
+    count = 500 if size == "small" else 300_000  # ~1.2 MB of ids
+    status, body = post(base, json.dumps({"prompt": [[1]] * count, "max_tokens": 2}).encode())
+    assert status == 400 and body["error"]["param"] == "prompt" and "max-prompt-tokens" in body["error"]["message"]
+    status, body = post(base, json.dumps({"prompt": "hi", "stop": ["."] * (1000 if size == "small" else 200_000)}).encode())
+    assert status == 400 and body["error"]["param"] == "stop"
+    filler = "x" * (bodies.LARGE_BODY_BYTES if size == "large" else 0)
+    status, body = post(base, json.dumps({"prompt": "hi", "max_tokens": 2, "temperature": "hot", "user": filler}).encode())
+    assert status == 400 and body["error"]["param"] == "temperature"
+    status, body = post(base, json.dumps({"prompt": [5, 6, 7], "max_tokens": 2, "user": filler}).encode())
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.slow
+def test_health_answers_while_a_16_mib_body_of_ids_is_refused(base):
+    data = b'{"prompt": [' + b",".join([b"[1]"] * (4 * 1024 * 1024 - 8)) + b"]}"
+    assert len(data) < 16 * 1024 * 1024
+    post(base, json.dumps({"prompt": [[1]] * 300_000}).encode())  # the parser process is up
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(post, base, data, 120)
+        slowest = 0.0
+        while not refused.done():
+            started = time.monotonic()
+            urllib.request.urlopen(f"{base}/health", timeout=30).read()
+            slowest = max(slowest, time.monotonic() - started)
+            time.sleep(0.02)
+        status, body = refused.result()
+    assert status == 400 and body["error"]["param"] == "prompt"
+    assert slowest < 0.5, f"/health took {slowest:.2f} s while the body was parsed (it stalled ~10 s before)"
