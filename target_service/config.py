@@ -49,10 +49,11 @@ class TargetConfig:
     max_batch_size: int = option(16, "Most sequences verified in one forward pass; 1 turns batching off.")
     max_batch_tokens: int = option(256, "Most padded positions (rows x longest row's new tokens) in one pass: long prefills run alone.")
     max_prefill_tokens_per_pass: int = option(
-        64,
-        "Chunked prefill: a prompt longer than this is fed this many tokens a pass, with the other sequences' "
-        "steps run between two chunks, so one long prompt delays them by one chunk's pass, not by its whole "
-        "prefill; 0: a prompt is fed in one pass.",
+        256,
+        "Chunked prefill: a prompt longer than this is fed at most this many tokens a pass, with the other "
+        "sequences' steps run between two chunks, so one long prompt delays them by one chunk's pass, not by "
+        "its whole prefill. Chunks are cut shorter where the measured costs say one would take more than two "
+        "of the others' steps (CPUs), and 8 times longer for a sequence alone; 0: a prompt is fed in one pass.",
     )
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
     tls_key: str = option("", "PEM private key of --tls-cert.")

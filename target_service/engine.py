@@ -91,6 +91,7 @@ class TargetEngine:
         a longer prompt is fed in chunks over several calls (chunked prefill, `_chunk`)."""
         self.lm = lm
         self.max_prefill_tokens = max_prefill_tokens
+        self._step_s = self._prefill_token_s = 0.0  # measured costs that size the chunks (_chunk_budget)
         # a static GPU cache (specdec/model/static.py) holds a fixed number of sequences: evict past it
         self.store = SequenceStore(min(max_sequences, getattr(lm, "max_sequences", max_sequences)), idle_timeout_s)
         self.batchable = batchable(lm)
@@ -177,7 +178,8 @@ class TargetEngine:
         start = time.perf_counter()
         results: list[StepResult | SpecdecError | None] = [None] * len(calls)
         rows: list[tuple[int, Sequence]] = []
-        budget = self.max_prefill_tokens
+        budget = full = self._chunk_budget(alone=decode_ahead and len(calls) == 1)
+        chunked = 0  # tokens fed as a chunk this pass: one row's, the budget is the pass's
         for index, call in enumerate(calls):
             try:
                 seq = self._prepare(call)
@@ -185,10 +187,13 @@ class TargetEngine:
                 results[index] = exc
                 continue
             pending = len(seq.tokens) - seq.cached
-            if budget and pending > self.max_prefill_tokens and not call.return_features:
-                results[index], budget = self._chunk(call, seq, budget), 0
+            if self.max_prefill_tokens and pending > max(full, self.MIN_CHUNK) and not call.return_features:
+                results[index], chunked, budget = self._chunk(call, seq, budget), chunked + budget, 0
                 continue
             rows.append((index, seq))
+        if chunked:
+            self._learn(prefill_token_s=(time.perf_counter() - start) / chunked)
+            start = time.perf_counter()
         if len(rows) == 1 or (rows and not self.batchable):
             for index, seq in rows:  # row by row: one row, or a model whose cache cannot be padded
                 call = calls[index]
@@ -219,7 +224,33 @@ class TargetEngine:
                 results[index] = self._finish(calls[index], seq, logits[row], start, len(rows),
                                               hidden[0][row] if hidden else None, befores[row])
                 state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
+        if rows:
+            self._learn(step_s=time.perf_counter() - start)
         return results
+
+    # A chunk may take this many times a step of the other sequences: their time per token grows by
+    # at most that much (plus one) while a long prompt is fed.
+    CHUNK_STEPS = 2.0
+    MIN_CHUNK = 8  # tokens: below this a chunk's fixed costs dominate
+
+    def _chunk_budget(self, alone: bool) -> int:
+        """Canonical tokens one row may feed in this pass: --max-prefill-tokens-per-pass, less where
+        the measured costs say a chunk that long would hold the other sequences' steps up for more
+        than CHUNK_STEPS of their steps (a 2-core CPU prefills ~3 ms a token against a 40 ms step);
+        a lone sequence, which delays nobody, feeds 8 times as much."""
+        limit = self.max_prefill_tokens
+        if not limit or alone:
+            return limit * 8
+        if self._step_s and self._prefill_token_s:
+            return max(self.MIN_CHUNK, min(limit, int(self.CHUNK_STEPS * self._step_s / self._prefill_token_s)))
+        return limit
+
+    def _learn(self, step_s: float = 0.0, prefill_token_s: float = 0.0) -> None:
+        """Moving averages of a verify pass's time and of a prefill token's (chunk sizing)."""
+        if step_s:
+            self._step_s = step_s if not self._step_s else 0.8 * self._step_s + 0.2 * step_s
+        if prefill_token_s:
+            self._prefill_token_s = prefill_token_s if not self._prefill_token_s else 0.8 * self._prefill_token_s + 0.2 * prefill_token_s
 
     def _chunk(self, call: VerifyCall, seq: Sequence, budget: int) -> Requeue:
         """Feeds the next `budget` canonical tokens of a row whose prompt is longer than a pass may

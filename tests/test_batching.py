@@ -311,9 +311,12 @@ def decode(eng: TargetEngine, name: str, prompt: list[int], n: int) -> list[int]
 def test_a_prompt_fed_in_chunks_decodes_as_one_fed_whole(target):
     long_prompt = (prompts(1, seed=21)[0] * 30)[:150]
     chunked = TargetEngine(CausalLM(target, torch.device("cpu")), max_sequences=8, max_prefill_tokens=16)
-    first = chunked.verify_batch([VerifyCall("c", 0, long_prompt, [], [], GREEDY)])[0]
+    # with other sequences about (decode_ahead False), a chunk of 16; a lone sequence feeds 8 times as much
+    first = chunked.verify_batch([VerifyCall("c", 0, long_prompt, [], [], GREEDY)], decode_ahead=False)[0]
     assert isinstance(first, Requeue) and first.call.prefill == 150 - 16 and first.call.known_len == 150
     assert chunked.store._sequences["c"].cached == 16
+    second = chunked.verify_batch([first.call])[0]
+    assert isinstance(second, Requeue) and chunked.store._sequences["c"].cached == 16 + 128
     assert decode(chunked, "x", long_prompt, 12) == decode(engine(target), "x", long_prompt, 12)
 
 
