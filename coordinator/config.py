@@ -105,6 +105,14 @@ class CoordinatorConfig:
         "and its sequences (gRPC: CANCELLED; HTTP: the connection is dropped); "
         "0: wait up to the request's deadline.",
     )
+    http_header_timeout_s: float = option(
+        10.0,
+        "Close an HTTP connection whose request head (request line and headers) has not arrived this long after "
+        "it opened or after its last response (slowloris: clients that trickle header bytes to hold connections); "
+        "0: no deadline.",
+    )
+    max_connections_per_client: int = option(
+        256, "Most HTTP connections one client address holds open at once; past it a new one is closed at once. 0: no cap.")
     max_queue: int = option(64, "Requests waiting for a running slot; past it RESOURCE_EXHAUSTED at once, with a retry-after hint.")
     verify_token_budget: int = option(
         8,
@@ -135,7 +143,7 @@ class CoordinatorConfig:
         if not 0 <= self.decode_ahead <= MAX_DECODE_AHEAD:
             raise ValueError(f"--decode-ahead must be in [0, {MAX_DECODE_AHEAD}], got {self.decode_ahead}")
         for flag in ("max_concurrent_requests", "max_queue", "verify_token_budget", "target_retry_s", "max_streams_per_client",
-                     "stream_stall_timeout_s", "max_prompt_chars"):
+                     "stream_stall_timeout_s", "max_prompt_chars", "http_header_timeout_s", "max_connections_per_client"):
             if not getattr(self, flag) >= 0:  # NaN too
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
         if self.max_body_bytes < 1:

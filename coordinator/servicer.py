@@ -418,9 +418,12 @@ async def start_http(servicer: CoordinatorServicer, config: CoordinatorConfig) -
     import uvicorn
 
     from coordinator.http import build_app
+    from coordinator.http_protocol import guarded_protocol
 
     app = build_app(servicer, model_names=config.model_names(), api_token=config.api_token, max_body_bytes=config.max_body_bytes)
+    protocol = guarded_protocol(config.http_header_timeout_s, config.max_connections_per_client)
     server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.http_port, log_level="warning", lifespan="off",
+                                           http=protocol,  # slowloris guards (coordinator/http_protocol.py)
                                            log_config=None))  # uvicorn's own handlers would bypass the one log stream (logs.py)
     server.install_signal_handlers = lambda: None  # the gRPC server owns SIGTERM
     task = asyncio.create_task(server.serve())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -76,3 +77,55 @@ def test_health_answers_while_a_16_mib_body_of_ids_is_refused(base):
         status, body = refused.result()
     assert status == 400 and body["error"]["param"] == "prompt"
     assert slowest < 0.5, f"/health took {slowest:.2f} s while the body was parsed (it stalled ~10 s before)"
+
+
+# -- slowloris: the request head's deadline and the per-client cap (coordinator/http_protocol.py) ------
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    stack = Stack()
+    _, url, _ = stack.tiny_speculative(tmp_path_factory.mktemp("slowloris"), http_header_timeout_s=1.0,
+                                       max_connections_per_client=4)
+    yield url
+    stack.stop()
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except (TimeoutError, socket.timeout):
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_connection_trickling_its_headers_is_closed(guarded):
+    port = int(guarded.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port))
+    started = time.monotonic()
+    try:
+        for byte in b"GET /health HTTP/1.1\r\nHost":  # one byte every 0.2 s: never a whole head in time
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:
+                break
+            if closed_by_server(sock, 0.2):
+                break
+        closed = time.monotonic() - started
+        assert 1.0 <= closed < 4.0, f"closed after {closed:.1f} s (header timeout 1 s)"
+    finally:
+        sock.close()
+    assert urllib.request.urlopen(f"{guarded}/health", timeout=10).status == 200  # a whole request is served
+
+
+def test_one_client_holds_at_most_its_connections(guarded):
+    port = int(guarded.rsplit(":", 1)[1])
+    held = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+    extra = socket.create_connection(("127.0.0.1", port))
+    try:
+        assert closed_by_server(extra, 2.0), "a fifth connection from one address stayed open"
+        assert not closed_by_server(held[0], 0.3)
+    finally:
+        for sock in [*held, extra]:
+            sock.close()
