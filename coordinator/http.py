@@ -197,7 +197,8 @@ def _draining(servicer) -> bool:
 def speculation_json(s) -> dict:
     """The loop's Stats as JSON: what speculation did for this request."""
     return {
-        "steps": s.steps, "draft_steps": s.draft_steps, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
+        "steps": s.steps, "draft_steps": s.draft_steps, "load_capped_steps": s.load_capped_steps, "draft_tokens": s.draft_tokens,
+        "accepted_tokens": s.accepted_tokens,
         "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
         "accepted_per_position": list(s.accepted_per_position), "draft_seconds": round(s.draft_seconds, 6),
         "verify_seconds": round(s.verify_seconds, 6), "wire_seconds": round(s.wire_seconds, 6),

@@ -143,6 +143,7 @@ class Stats:
     steps: int = 0
     draft_tokens: int = 0
     draft_steps: int = 0  # steps that verified at least one draft token
+    load_capped_steps: int = 0  # steps that drafted nothing because the load cap (--verify-token-budget) left no room
     accepted_tokens: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -233,6 +234,7 @@ class SpeculativeLoop:
         try:
             while True:
                 turn = self._plan(spec, state)
+                stats.load_capped_steps += state.lengths.capped
                 await self._draft(spec, state, stats, turn)
                 self._overlap(spec, state, stats, turn)
                 verdict = await self._verify_draft(spec, state, turn)

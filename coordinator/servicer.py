@@ -75,6 +75,7 @@ def stats_proto(stats: Stats) -> pb.GenerationStats:
         runahead_tokens=stats.runahead_tokens,
         runahead_used_tokens=stats.runahead_used_tokens,
         first_step_tokens=stats.first_step_tokens,
+        load_capped_steps=stats.load_capped_steps,
     )
 
 
@@ -84,6 +85,7 @@ def record_request(m: metrics.CoordinatorMetrics, stats: Stats) -> None:
     m.generation_tokens.inc(stats.completion_tokens)
     m.steps.inc(stats.steps)
     m.num_drafts.inc(stats.draft_steps)
+    m.load_capped_steps.inc(stats.load_capped_steps)
     m.num_draft_tokens.inc(stats.draft_tokens)
     m.num_accepted_tokens.inc(stats.accepted_tokens)
     for position, count in enumerate(stats.accepted_per_position):

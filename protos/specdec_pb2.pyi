@@ -65,7 +65,7 @@ class SpeculationParams(_message.Message):
     def __init__(self, draft_length: _Optional[int] = ..., adaptive: _Optional[bool] = ..., tree_budget: _Optional[int] = ..., tree_top_k: _Optional[int] = ..., tree_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "steps", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "draft_seconds", "verify_seconds", "wire_seconds", "total_seconds", "time_to_first_token_seconds", "accepted_per_position", "wire_bytes", "draft_steps", "runahead_steps", "runahead_hits", "runahead_tokens", "runahead_used_tokens", "first_step_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "steps", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "draft_seconds", "verify_seconds", "wire_seconds", "total_seconds", "time_to_first_token_seconds", "accepted_per_position", "wire_bytes", "draft_steps", "runahead_steps", "runahead_hits", "runahead_tokens", "runahead_used_tokens", "first_step_tokens", "load_capped_steps")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class GenerationStats(_message.Message):
     RUNAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNAHEAD_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_CAPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     steps: int
@@ -106,7 +107,8 @@ class GenerationStats(_message.Message):
     runahead_tokens: int
     runahead_used_tokens: int
     first_step_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., wire_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., draft_steps: _Optional[int] = ..., runahead_steps: _Optional[int] = ..., runahead_hits: _Optional[int] = ..., runahead_tokens: _Optional[int] = ..., runahead_used_tokens: _Optional[int] = ..., first_step_tokens: _Optional[int] = ...) -> None: ...
+    load_capped_steps: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., wire_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., draft_steps: _Optional[int] = ..., runahead_steps: _Optional[int] = ..., runahead_hits: _Optional[int] = ..., runahead_tokens: _Optional[int] = ..., runahead_used_tokens: _Optional[int] = ..., first_step_tokens: _Optional[int] = ..., load_capped_steps: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "speculation", "stop", "request_id", "logprobs", "ignore_eos", "min_tokens")

@@ -118,9 +118,30 @@ def test_draft_length_shrinks_as_the_batch_fills():
     model.draft_cap = admission.draft_cap
     policy = DraftLengthPolicy(max_length=8, cost_model=model, prior=NGRAM_DRAFT_PRIOR, accepted_weight=50.0)
     admission.running = 1
-    assert policy.plan()[0] == 8  # high acceptance, alone: the full draft length
+    assert policy.plan()[0] == 8 and not policy.capped  # high acceptance, alone: the full draft length
     admission.running = 4
-    assert policy.plan()[0] == 3
+    assert policy.plan()[0] == 3 and not policy.capped
     admission.running = 16
-    assert policy.plan()[0] == 0  # full batch: no speculation, probes included
+    assert policy.plan()[0] == 0 and policy.capped  # full batch: no speculation, probes included; the stats say why
     assert Admission(1, 1, verify_token_budget=0).draft_cap() >= 32
+
+
+def test_steps_the_load_cap_left_without_a_draft_are_reported(tmp_path):
+    """--verify-token-budget 1 leaves no room for a draft token even for one request: speculation is
+    off by load at every step, and the response statistics and /metrics say so."""
+    import urllib.request
+
+    from protos import specdec_pb2 as pb
+    from tests import tiny
+    from tests.stack import Stack
+
+    stack = Stack()
+    try:
+        address, base, _ = stack.tiny_speculative(tmp_path, verify_token_budget=1)
+        stats = stack.client(address).Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=tiny.prompts(1)[0]), max_new_tokens=8),
+                                               timeout=60).stats
+        assert stats.draft_tokens == 0 and 0 < stats.load_capped_steps <= stats.steps
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+        assert "specdec:spec_decode_load_capped_steps" in metrics
+    finally:
+        stack.stop()

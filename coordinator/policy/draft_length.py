@@ -64,6 +64,7 @@ class DraftLengthPolicy:
     rest: int = 0
     max_rest: int = 8
     idle: bool = False  # the last plan() chose not to draft at the acceptance seen (not a rest, not a probe)
+    capped: bool = False  # the last plan()'s draft length was 0 because the load cap left no room (draft_cap)
 
     @property
     def acceptance(self) -> float:
@@ -72,6 +73,7 @@ class DraftLengthPolicy:
 
     def plan(self) -> tuple[int, float]:
         """(max draft tokens, min cumulative probability) for the next step."""
+        self.capped = False
         if not self.adaptive or self.max_length == 0:
             return self.max_length, 0.0
         self.idle = False
@@ -81,6 +83,7 @@ class DraftLengthPolicy:
         max_length = self.max_length
         if self.cost_model is not None and self.cost_model.draft_cap is not None:
             max_length = min(max_length, self.cost_model.draft_cap())  # speculation shrinks as the batch fills
+        self.capped = max_length == 0  # said in the response statistics and metrics: speculation off by load
         costs = self.cost_model.costs() if self.cost_model is not None else self.prior
         gamma = best_length(self.acceptance, costs, max_length)
         self.probing = False

@@ -76,6 +76,8 @@ class CoordinatorMetrics:
         self.prompt_tokens = _labelled(Counter, "specdec:prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = _labelled(Counter, "specdec:generation_tokens", "Tokens generated.")
         self.num_drafts = _labelled(Counter, "specdec:spec_decode_num_drafts", "Speculative steps that verified at least one draft token.")
+        self.load_capped_steps = _labelled(Counter, "specdec:spec_decode_load_capped_steps",
+                                           "Steps that drafted nothing because the running requests used up --verify-token-budget.")
         self.num_draft_tokens = _labelled(Counter, "specdec:spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
         self.num_accepted_tokens = _labelled(Counter, "specdec:spec_decode_num_accepted_tokens", "Draft tokens accepted.")
         self.accepted_per_pos = _labelled(Counter, "specdec:spec_decode_num_accepted_tokens_per_pos",
