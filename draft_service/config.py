@@ -55,6 +55,11 @@ class DraftConfig:
         256,
         "Most padded positions (rows x longest row's new tokens) in one draft pass: long catch-ups run alone.",
     )
+    max_prefill_tokens_per_pass: int = option(
+        256,
+        "Chunked catch-up: a stream with more pending tokens than this (a long prompt) feeds this many a batched "
+        "pass, with the other streams' steps between two chunks; 0: all at once.",
+    )
     max_sequences: int = option(256, "Sequences held at once; past it the least recently used is evicted.")
     idle_timeout_s: float = option(600.0, "Free a sequence untouched this long; 0 disables.")
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
@@ -81,3 +86,5 @@ class DraftConfig:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.max_batch_tokens < 1:
             raise ValueError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.max_prefill_tokens_per_pass < 0:
+            raise ValueError(f"--max-prefill-tokens-per-pass must be >= 0, got {self.max_prefill_tokens_per_pass}")

@@ -18,6 +18,7 @@ from specdec.limits import MAX_DRAFT_TOKENS
 from draft_service.drafters.ngram import MatchCalibration, NgramIndex
 from draft_service.tree import TreeBuilder, TreeDraft, TreeSettings, check_tree_settings
 from specdec.forward.batching import batchable, forward_batch
+from specdec.serving.batcher import Requeue
 from specdec.errors import InvalidArgument
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, SequenceStore
@@ -208,8 +209,12 @@ class DraftEngine:
     """Not thread-safe: the servicer runs each step on one worker thread, or on the event loop
     while that worker has nothing to do (answers_inline)."""
 
-    def __init__(self, drafter: ModelDrafter | NgramDrafter, max_sequences: int = 256, idle_timeout_s: float = 600.0):
+    def __init__(self, drafter: ModelDrafter | NgramDrafter, max_sequences: int = 256, idle_timeout_s: float = 600.0,
+                 max_prefill_tokens: int = 0):
+        """`max_prefill_tokens`: most pending tokens a row feeds in one batched pass (0: all), as the
+        target's chunked prefill (forward_rows)."""
         self.drafter = drafter
+        self.max_prefill_tokens = max_prefill_tokens
         self.store = SequenceStore(max_sequences, idle_timeout_s)
         self._batchable: bool | None = None  # known after the first look at the model's cache layout
 
@@ -261,16 +266,36 @@ class DraftEngine:
             receive(seq, features)
         return seq
 
-    def forward_rows(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """The next-token logits [V] of each sequence, feeding all their pending tokens in ONE pass."""
+    def forward_rows(self, seqs: list[Sequence]) -> list[torch.Tensor | Requeue]:
+        """The next-token logits [V] of each sequence, feeding all their pending tokens in ONE pass.
+
+        A sequence with more than max_prefill_tokens pending (a long prompt's catch-up) feeds that
+        many this pass, one such row a pass, and comes back as Requeue: the batcher runs the other
+        streams' steps before its next chunk (specdec/serving/batcher.py)."""
         lm = self.drafter.lm
-        self.drafter.forwards += len(seqs)
-        if len(seqs) == 1:
-            return [lm.forward(seqs[0], keep=1)[0]]  # alone: no batch buffer to gather and copy back
-        logits, state = forward_batch(lm, seqs, [[] for _ in seqs], [1] * len(seqs))
+        out: list[torch.Tensor | Requeue | None] = [None] * len(seqs)
+        rows, budget = [], self.max_prefill_tokens
         for i, seq in enumerate(seqs):
-            state.write_back(i, seq, lm, len(seq.tokens))
-        return [rows[0] for rows in logits]
+            if self.max_prefill_tokens and len(seq.tokens) - seq.cached > self.max_prefill_tokens:
+                if budget:
+                    tokens, seq.tokens = seq.tokens, seq.tokens[:seq.cached + budget]
+                    try:
+                        lm.forward(seq, keep=1)
+                    finally:
+                        seq.tokens = tokens
+                    budget = 0
+                out[i] = Requeue(seq)
+            else:
+                rows.append(i)
+        self.drafter.forwards += len(rows)
+        if len(rows) == 1:
+            out[rows[0]] = lm.forward(seqs[rows[0]], keep=1)[0]  # alone: no batch buffer to gather and copy back
+        elif rows:
+            logits, state = forward_batch(lm, [seqs[i] for i in rows], [[] for _ in rows], [1] * len(rows))
+            for row, i in enumerate(rows):
+                state.write_back(row, seqs[i], lm, len(seqs[i].tokens))
+                out[i] = logits[row][0]
+        return out
 
     def propose_tree(self, sequence_id: str, known_len: int, append: list[int], settings: TreeSettings) -> TreeDraft:
         """Syncs the sequence, then drafts a tree (draft_service/tree.py). The sequence keeps only
@@ -388,6 +413,6 @@ def build_engine(config: DraftConfig) -> tuple[DraftEngine, DrafterInfo]:
         info = dataclasses.replace(info, weights=packed.weights if packed else str(parameter.dtype).removeprefix("torch."),
                                    weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(model))
     engine = DraftEngine(drafter, min(config.max_sequences, getattr(getattr(drafter, "lm", None), "max_sequences", config.max_sequences)),
-                         config.idle_timeout_s)
+                         config.idle_timeout_s, config.max_prefill_tokens_per_pass)
     engine.warm_up()
     return engine, info

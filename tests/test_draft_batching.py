@@ -19,6 +19,7 @@ from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.model.lm import CausalLM
+from specdec.serving.batcher import Requeue
 from specdec.model.pruned import PrunedCausalLM, PrunedDraft
 from tests import tiny
 from tests.stack import Stack
@@ -26,6 +27,33 @@ from tests.stack import Stack
 
 def _engine(lm) -> DraftEngine:
     return DraftEngine(ModelDrafter(lm))
+
+
+def test_a_long_catch_up_is_fed_in_chunks_between_the_other_rows():
+    """A 120-token prompt's catch-up, at most 16 tokens a pass, beside a short row: the short row
+    gets its logits every pass, the long one comes back as Requeue until its last chunk, and its
+    logits then are those of the catch-up fed whole."""
+    target, _ = tiny.tiny_pair()
+    chunked = DraftEngine(ModelDrafter(CausalLM(target, torch.device("cpu"))), max_prefill_tokens=16)
+    whole = _engine(CausalLM(target, torch.device("cpu")))
+    long_prompt, short = (tiny.prompts(1, seed=8)[0] * 20)[:120], tiny.prompts(2, seed=9)[1][:5]
+    greedy = DraftSettings(8, 0.0, 0.0, 0)
+    for engine in (chunked, whole):
+        engine.open("long", 0, long_prompt, greedy)
+        engine.open("short", 0, short, greedy)
+    seqs = [chunked.store.sync("long", len(long_prompt), []), chunked.store.sync("short", len(short), [])]
+    passes = 0
+    while True:
+        passes += 1
+        long_out, short_out = chunked.forward_rows(seqs)
+        assert isinstance(short_out, torch.Tensor)
+        seqs[1].tokens.append(int(short_out.argmax()))
+        if not isinstance(long_out, Requeue):
+            break
+        assert long_out.call is seqs[0]
+    assert passes == 8  # 7 chunks of 16, then the last 8 tokens with the logits
+    expected = whole.forward_rows([whole.store.sync("long", len(long_prompt), [])])[0]
+    assert torch.allclose(long_out, expected, atol=1e-5) and int(long_out.argmax()) == int(expected.argmax())
 
 
 def _check_rows_match(make_lm):
