@@ -13,7 +13,7 @@ demo: setup
 
 test: setup
 	bash scripts/setup_clients.sh
-	.venv/bin/python -m pytest -q -m "not slow or ci" $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q -m "not slow or ci" --durations=20 $(PYTEST_ARGS)
 
 test-all: setup
 	bash scripts/setup_clients.sh
