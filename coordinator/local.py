@@ -1,7 +1,9 @@
 """In-process Proposer and Verifier over the engines: the speculative loop without any network.
 
 Benchmarks use them to separate the cost of gRPC from the cost of the algorithm, and tests use them
-to inject faults deterministically (a sequence evicted between two steps, say).
+to inject faults deterministically (a sequence evicted between two steps, say), and to fix what each
+pass is reported to cost (`fixed_costs`): the loop's learned cost model then sees the same seconds on
+every machine, so the draft lengths the adaptive policy chooses do not follow the machine's load.
 """
 
 from __future__ import annotations
@@ -12,13 +14,33 @@ from coordinator.loop import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutco
 from draft_service.engine import DraftEngine, DraftSettings
 from draft_service.tree import TreeSettings
 from specdec.model.features import FeatureRows
+from specdec.spec.costs import Costs
 from specdec.spec.sampling import SamplingConfig
+from specdec.spec.tree import tree_depth
 from target_service.engine import DraftTree, TargetEngine, VerifyCall
 
 
+def _forward_seconds(costs: Costs, positions: int) -> float:
+    """V(n) of `costs` for a forward over n new positions (a prefill past the table costs its last entry)."""
+    return costs.verify[min(max(positions, 1), len(costs.verify)) - 1]
+
+
 class LocalVerifier:
-    def __init__(self, engine: TargetEngine):
+    def __init__(self, engine: TargetEngine, fixed_costs: Costs | None = None):
+        """`fixed_costs`: report each Verify as costing a forward over its new positions, V(n), plus
+        one V(1) per token decoded ahead, and its exchange `wire_per_step` on top, instead of the
+        seconds it took (None: the measured ones, as in production)."""
         self.engine = engine
+        self.fixed_costs = fixed_costs
+
+    def _seconds(self, compute: float, wall: float, positions: int, decoded: int = 0) -> tuple[float, float]:
+        """(compute, wall) seconds to report for a Verify over `positions` new positions that decoded
+        `decoded` more, given the measured ones."""
+        costs = self.fixed_costs
+        if costs is None:
+            return compute, wall
+        compute = _forward_seconds(costs, positions) + decoded * _forward_seconds(costs, 1)
+        return compute, compute + costs.wire_per_step
 
     async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
                      draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False,
@@ -27,8 +49,10 @@ class LocalVerifier:
         dists = [d if d is not None else ([], []) for d in draft_dists] if any(d is not None for d in draft_dists) else []
         result = self.engine.verify(sequence_id, known_len, append, draft_tokens, dists, sampling, return_features, decode_ahead,
                                     logprobs, eos_banned_until)
-        return VerifyOutcome(result.accepted, result.next_token, result.compute_seconds, time.perf_counter() - start,
-                             features=result.features, decoded=result.decoded, logprobs=result.logprobs)
+        compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, len(append) + len(draft_tokens),
+                                      len(result.decoded))
+        return VerifyOutcome(result.accepted, result.next_token, compute, wall, features=result.features, decoded=result.decoded,
+                             logprobs=result.logprobs)
 
     async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
                           tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:
@@ -36,15 +60,28 @@ class LocalVerifier:
         dists = [d if d is not None else ([], []) for d in child_dists] if any(d is not None for d in child_dists) else []
         call = VerifyCall(sequence_id, known_len, append, [], [], sampling, DraftTree(parents, tokens, dists))
         result = self.engine.verify_tree(call)
-        return VerifyOutcome(result.accepted, result.next_token, result.compute_seconds, time.perf_counter() - start, path=result.path)
+        compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, len(append) + len(tokens))
+        return VerifyOutcome(result.accepted, result.next_token, compute, wall, path=result.path)
 
     async def release(self, sequence_id: str) -> None:
         self.engine.release(sequence_id)
 
 
 class LocalProposer:
-    def __init__(self, engine: DraftEngine):
+    def __init__(self, engine: DraftEngine, fixed_costs: Costs | None = None):
+        """`fixed_costs`: report each Propose as costing `draft_per_token` per draft position (a
+        tree's per level), and its exchange `draft_per_ask` on top, instead of the seconds it took
+        (None: the measured ones, as in production)."""
         self.engine = engine
+        self.fixed_costs = fixed_costs
+
+    def _seconds(self, compute: float, wall: float, positions: int) -> tuple[float, float]:
+        """(compute, wall) seconds to report for a Propose that drafted `positions` positions, given the measured ones."""
+        costs = self.fixed_costs
+        if costs is None:
+            return compute, wall
+        compute = positions * costs.draft_per_token
+        return compute, compute + costs.draft_per_ask
 
     async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
                       min_cumulative_prob: float, temperature: float, seed: int,
@@ -56,7 +93,8 @@ class LocalProposer:
             progress.arrived(p.token)
         dists: list[Dist] = [(p.dist_ids, p.dist_probs) if p.dist_ids is not None else None for p in proposals]
         wall = time.perf_counter() - start
-        return DraftOutcome([p.token for p in proposals], dists, wall, wall, confidence=[p.cumulative_prob for p in proposals])
+        compute, wall = self._seconds(wall, wall, len(proposals))
+        return DraftOutcome([p.token for p in proposals], dists, compute, wall, confidence=[p.cumulative_prob for p in proposals])
 
     async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
                            max_depth: int, temperature: float, seed: int) -> DraftOutcome:
@@ -64,8 +102,8 @@ class LocalProposer:
         settings = TreeSettings(tree.budget, tree.top_k, tuple(tree.shape), max_depth, temperature, seed)
         drafted = self.engine.propose_tree(sequence_id, known_len, append, settings)
         dists: list[Dist] = [d if d[0] else None for d in drafted.child_dists]
-        wall = time.perf_counter() - start
-        return DraftOutcome(drafted.tokens, dists, drafted.compute_seconds, wall, parents=drafted.parents)
+        compute, wall = self._seconds(drafted.compute_seconds, time.perf_counter() - start, tree_depth(drafted.parents))
+        return DraftOutcome(drafted.tokens, dists, compute, wall, parents=drafted.parents)
 
     async def release(self, sequence_id: str) -> None:
         self.engine.release(sequence_id)

@@ -15,3 +15,24 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# -- what did not run, and why ------------------------------------------------------------------------
+# Skipped tests are named in the short summary (-ra, pyproject.toml's addopts) with their reasons
+# (a missing tool, the gemma packages); the ones `-m` leaves out (`make test`: the `slow` tests not
+# marked `ci`) are named here, so that a run says everything it did not do.
+_DESELECTED: list[pytest.Item] = []
+
+
+def pytest_deselected(items):
+    _DESELECTED.extend(items)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not _DESELECTED:
+        return
+    chosen = " ".join(f"{flag} {value!r}" for flag, value in (("-m", config.option.markexpr), ("-k", config.option.keyword)) if value)
+    terminalreporter.section(f"not run: {len(_DESELECTED)} deselected by {chosen} (`make test-all` runs every test)", sep="-")
+    for item in _DESELECTED:
+        marks = sorted({mark.name for mark in item.iter_markers()} & {"slow", "ci"})
+        terminalreporter.line(f"DESELECTED {item.nodeid}" + (f" (marked {', '.join(marks)})" if marks else ""))

@@ -241,7 +241,9 @@ def test_batcher_merges_streams_that_come_back_at_different_times(target):
     async def main():
         loop = asyncio.get_running_loop()
         run = lambda fn, *args: loop.run_in_executor(None, fn, *args)  # noqa: E731
-        batcher = VerifyBatcher(run, eng.verify_batch, window_s=0.03, max_batch_size=8)
+        # A window far past the 11 ms the slow half lags (it bounds the wait, and costs nothing once
+        # all eight are in): at 30 ms a busy machine's stalls could split a pass.
+        batcher = VerifyBatcher(run, eng.verify_batch, window_s=0.2, max_batch_size=8)
         await asyncio.gather(*(stream(batcher, i) for i in range(8)))
         batcher.close()
 
@@ -280,9 +282,9 @@ def test_a_lone_sequence_runs_from_its_own_call_and_newcomers_wait_for_the_model
         first = await batcher.submit(VerifyCall("a", 0, p[0], [], [], GREEDY))
         gate.clear()
         second = asyncio.ensure_future(batcher.submit(VerifyCall("a", first.cached_len, [first.next_token], [], [], GREEDY)))
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)  # a's call has reached the model (the gate holds it there)
         newcomer = asyncio.ensure_future(batcher.submit(VerifyCall("b", 0, p[1], [], [], GREEDY)))
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
         assert not newcomer.done()
         gate.set()
         results = await asyncio.gather(second, newcomer)

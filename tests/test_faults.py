@@ -10,6 +10,7 @@ import time
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from protos import specdec_pb2 as pb
 from tests import tiny
@@ -18,6 +19,7 @@ from tests.stack import Stack
 
 MAX_NEW = 24
 CONCURRENT = 20
+TARGET_DRAFT_TOKENS = "specdec:target_spec_decode_num_draft_tokens_total"  # an in-process target's: drafting is under way
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +34,23 @@ def request(prompt, **kwargs) -> pb.GenerateRequest:
                               speculation=pb.SpeculationParams(draft_length=4, adaptive=False), **kwargs)
 
 
-def run_concurrently(stub, prompts, timeout: float, during=None):
-    """Sends every prompt at once; `during()` runs once the requests are in flight. Returns outcomes."""
+def counted(name: str) -> float:
+    """A counter of this process's registry (the in-process services'), 0 before its first count."""
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+def run_concurrently(stub, prompts, timeout: float, during=None, once=None):
+    """Sends every prompt at once; `during()` runs once the requests are in flight: when `once()`
+    holds (polled for up to 60 s), else after 0.5 s. Returns outcomes."""
     with concurrent.futures.ThreadPoolExecutor(len(prompts) + 1) as pool:
         futures = [pool.submit(stub.Generate, request(p), timeout=timeout) for p in prompts]
         if during is not None:
-            time.sleep(0.5)
+            if once is None:
+                time.sleep(0.5)
+            else:  # a fixed wait raced the requests on a busy machine: the fault came before they were in flight
+                deadline = time.monotonic() + 60
+                while not once() and time.monotonic() < deadline:
+                    time.sleep(0.01)
             during()
         outcomes = []
         for future in futures:
@@ -57,7 +70,8 @@ def test_draft_killed_mid_requests_all_complete_identical(models):
         coordinator = stack.coordinator(stack.target(target_path), draft.address, tiny.byte_tokenizer(), rpc_timeout_s=5)
         stub = stack.client(coordinator)
         prompts = tiny.prompts(CONCURRENT, seed=1)
-        outcomes = run_concurrently(stub, prompts, timeout=120, during=draft.kill)
+        verified = counted(TARGET_DRAFT_TOKENS)
+        outcomes = run_concurrently(stub, prompts, timeout=120, during=draft.kill, once=lambda: counted(TARGET_DRAFT_TOKENS) > verified)
         identical = sum(1 for (kind, r), p in zip(outcomes, prompts) if kind == "ok" and list(r.token_ids) == tiny.reference_greedy(target_model, p, MAX_NEW))
         fell_back = sum(1 for kind, r in outcomes if kind == "ok" and r.stats.steps > 0)
         print(f"\ndraft killed during {CONCURRENT} concurrent greedy requests: {identical}/{CONCURRENT} complete and identical "

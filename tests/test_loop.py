@@ -137,3 +137,21 @@ def test_the_cost_model_charges_the_draft_round_trip_to_asking_steps_only(pair):
     costs = model.costs()
     assert costs.draft_per_ask > 0.010 and costs.wire_per_step < 0.005
     assert costs.step_seconds(1) - costs.step_seconds(0) > 0.010
+
+
+def test_fixed_costs_are_what_the_cost_model_learns(pair):
+    """coordinator/local.py's `fixed_costs`: each pass reports the seconds given, not the ones it
+    took, and the cost model learns exactly those (the distribution tests' deterministic costs)."""
+    from specdec.spec.costs import Costs, cost_curve
+
+    fixed = Costs(draft_per_token=0.002, verify=cost_curve(0.02, 1.1, 0.001), wire_per_step=0.0005, draft_per_ask=0.0007)
+    target, draft = engines(pair)
+    model = CostModel(MODEL_DRAFT_PRIOR, prior_weight=1e-9)  # the readings alone
+    loop = SpeculativeLoop(LocalVerifier(target, fixed_costs=fixed), LocalProposer(draft, fixed_costs=fixed), model, MODEL_DRAFT_PRIOR)
+    prompt = tiny.prompts()[0]
+    tokens, stats = run(loop, prompt, draft_length=4, adaptive=False)
+    assert tokens == tiny.reference_greedy(pair[0], prompt, MAX_NEW) and stats.draft_steps > 3
+    learned = model.costs()
+    assert learned.draft_per_token == pytest.approx(0.002) and learned.draft_per_ask == pytest.approx(0.0007)
+    assert learned.wire_per_step == pytest.approx(0.0005)
+    assert learned.verify[4] == pytest.approx(fixed.verify[4])  # four draft tokens and the bonus: V(5)

@@ -23,7 +23,7 @@ from target_service.engine import TargetEngine
 from tests import tiny
 from tests.services import Service
 from tests.stack import Stack
-from tests.test_faults import CONCURRENT, run_concurrently
+from tests.test_faults import CONCURRENT, TARGET_DRAFT_TOKENS, counted, run_concurrently
 from tests.test_faults import MAX_NEW as FAULTS_MAX_NEW
 from tests.test_sampling_engines import FALSE_ALARM, chi_square_pvalue
 from tests.test_sampling_engines import tiny as tiny12
@@ -239,7 +239,8 @@ def test_draft_killed_while_running_ahead_all_complete_identical(pair, tmp_path)
         coordinator = stack.coordinator(stack.target(target_path), draft.address, tiny.byte_tokenizer(), rpc_timeout_s=5, overlap="on")
         stub = stack.client(coordinator)
         prompts = tiny.prompts(CONCURRENT, seed=5)
-        outcomes = run_concurrently(stub, prompts, timeout=120, during=draft.kill)
+        verified = counted(TARGET_DRAFT_TOKENS)  # killed once the target verifies drafts: run-aheads are in flight
+        outcomes = run_concurrently(stub, prompts, timeout=120, during=draft.kill, once=lambda: counted(TARGET_DRAFT_TOKENS) > verified)
         assert [kind for kind, _ in outcomes] == ["ok"] * CONCURRENT
         for (_, response), prompt in zip(outcomes, prompts):
             assert list(response.token_ids) == tiny.reference_greedy(target_model, prompt, FAULTS_MAX_NEW)
