@@ -102,7 +102,11 @@ def test_target_not_serving_until_loaded_and_warmed_then_drains_on_sigterm(model
         session = stub.VerifySession(iter(requests.get, None), timeout=60)
         requests.put(pb.VerifySessionRequest(verify=pb.VerifyRequest(sequence_id="session", append_tokens=[1, 2, 3])))
         assert next(session).verify.cached_len == 3
-        calls[0].result()
+        # The target is working through them once one is answered: whichever, since under load
+        # they need not run in the order sent (waiting for calls[0] alone once left none in flight).
+        deadline = time.monotonic() + 60
+        while not any(c.done() for c in calls) and time.monotonic() < deadline:
+            time.sleep(0.005)
         time.sleep(0.2)  # every call has reached the server by now
         target.process.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
