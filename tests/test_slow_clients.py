@@ -20,6 +20,7 @@ import pytest
 
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
+from specdec.limits import MAX_LOGPROBS
 from tests import tiny
 from tests.stack import Stack
 
@@ -42,7 +43,9 @@ def long_stream(address: str, client_id: str = "", authorization: str = "", time
     channel = grpc.insecure_channel(address, options=STALLING)
     metadata = [(k, v) for k, v in (("x-client-id", client_id), ("authorization", authorization)) if v]
     call = pb_grpc.CoordinatorServiceStub(channel).GenerateStream(
-        pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_new_tokens=LONG, ignore_eos=True),
+        # With 20 log-probabilities a message (~150 bytes), LONG of them overfill even the 64 KiB window a
+        # stream opened before the 1 KiB one took effect had in a clean-clone `make test`: it read 481, all.
+        pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_new_tokens=LONG, ignore_eos=True, logprobs=MAX_LOGPROBS),
         timeout=timeout, metadata=metadata)
     return call, channel
 
