@@ -50,8 +50,9 @@ def oversized(body: BaseModel, max_prompt_tokens: int) -> tuple[str, str] | None
     if isinstance(stop, list):
         if len(stop) > MAX_STOP_STRINGS:
             return "stop", f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS}"
-        if sum(len(s) for s in stop) > MAX_STOP_CHARS:
-            return "stop", f"stop strings of {sum(len(s) for s in stop)} characters in all; at most {MAX_STOP_CHARS}"
+        chars = sum(len(s) for s in stop)
+        if chars > MAX_STOP_CHARS:
+            return "stop", f"stop strings of {chars} characters in all; at most {MAX_STOP_CHARS}"
     return None
 
 

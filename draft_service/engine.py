@@ -23,7 +23,7 @@ from specdec.errors import InvalidArgument
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, SequenceStore
 from specdec.model import gemm
-from specdec.model.lm import CausalLM
+from specdec.model.lm import CausalLM, feed
 from specdec.spec.sampling import truncated_probs
 
 # Catch-up tokens an n-gram Propose may bring and still be answered on the event loop (answers_inline):
@@ -278,11 +278,7 @@ class DraftEngine:
         for i, seq in enumerate(seqs):
             if self.max_prefill_tokens and len(seq.tokens) - seq.cached > self.max_prefill_tokens:
                 if budget:
-                    tokens, seq.tokens = seq.tokens, seq.tokens[:seq.cached + budget]
-                    try:
-                        lm.forward(seq, keep=1)
-                    finally:
-                        seq.tokens = tokens
+                    feed(lm, seq, budget)
                     budget = 0
                 out[i] = Requeue(seq)
             else:

@@ -19,7 +19,7 @@ from specdec.limits import MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, SequenceStore
-from specdec.model.lm import CausalLM
+from specdec.model.lm import CausalLM, feed
 from specdec.spec.sampling import (SamplingConfig, TokenLogprob, ban_tokens, chosen_logprobs, generator_for, target_probs,
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
@@ -265,12 +265,7 @@ class TargetEngine:
         draft) is fed whole: its features must cover every position it feeds.
         """
         if budget:
-            tokens = seq.tokens
-            seq.tokens = tokens[:seq.cached + budget]  # the forward feeds seq.tokens[seq.cached:]
-            try:
-                self.lm.forward(seq, [], keep=1)
-            finally:
-                seq.tokens = tokens
+            feed(self.lm, seq, budget)
         rest = dataclasses.replace(call, known_len=len(seq.tokens), append=[], prefill=len(seq.tokens) - seq.cached)
         return Requeue(rest)
 

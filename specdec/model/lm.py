@@ -79,3 +79,16 @@ class CausalLM:
         seq.cache = returned_cache(out)
         seq.cached += len(pending)
         return out.logits[0, -keep:].float().cpu()  # [keep, V]
+
+
+
+def feed(lm, seq: Sequence, count: int) -> None:
+    """Feeds the next `count` of seq's pending tokens into lm's cache and nothing after them (one
+    chunk of a long prompt, specdec/serving/batcher.py Requeue); their logits are not needed. `lm`:
+    anything with CausalLM's forward (a pruned draft's too)."""
+    tokens = seq.tokens
+    seq.tokens = tokens[:seq.cached + count]  # forward feeds seq.tokens[seq.cached:]
+    try:
+        lm.forward(seq, [], keep=1)
+    finally:
+        seq.tokens = tokens

@@ -306,7 +306,7 @@ class StaticLM(CausalLM):
                       trees: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], StaticBatch]:
         """As specdec.forward.batching.forward_batch: every row's pending tokens (a chain or a tree)
         in shared passes; returns each row's last keeps[i] logits and the state to write back."""
-        rows, spans, pending_counts, lengths = [], [], [], []
+        rows, spans, pending_counts = [], [], []
         for i, (seq, extra, keep) in enumerate(zip(seqs, extras, keeps)):
             tree = trees[i] if trees is not None else None
             if tree is not None:
@@ -316,7 +316,6 @@ class StaticLM(CausalLM):
             if not these or keep > len(these):
                 raise ValueError(f"cannot keep {keep} logits from {len(these)} new positions")
             spans.append((len(rows) + len(these) - keep, len(rows) + len(these)))
-            lengths.append(len(seq.tokens))
             pending_counts.append(len(these))
             rows.extend(these)
         wanted = [i for a, b in spans for i in range(a, b)]
