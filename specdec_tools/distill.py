@@ -47,6 +47,25 @@ TOPIC_TEMPLATES = (
     "Give me three tips about {x}.",
     "Why is {x} important?",
     "Describe the history of {x} in a few sentences.",
+    # the shapes of an assistant's everyday questions (the project's chat prompts are of this kind)
+    "What are three tips for getting better at {x}?",
+    "Explain in simple terms how {x} works.",
+    "What is the difference between {x} and {y}?",
+    "Write a short story about {x}.",
+    "Give me a plan for learning about {x} in one week.",
+    "What are common mistakes people make with {x}?",
+    "Suggest a name for a club about {x} and explain why it fits.",
+    "What should I know before I start with {x}?",
+    "List five facts about {x}.",
+    "Write a haiku about {x}.",
+    "How would you describe {x} to someone who has never seen it?",
+    "Compare {x} and {y} in a short paragraph.",
+    "What questions should I ask an expert on {x}?",
+    "Write a friendly email inviting a colleague to a talk about {x}.",
+    "Summarize the main ideas behind {x} in three bullet points.",
+    "What is a surprising fact about {x}?",
+    "Give me a recipe or a routine that involves {x}.",
+    "How has {x} changed in the last hundred years?",
 )
 TOPICS = (
     "the ocean", "photosynthesis", "the internet", "cooking pasta", "exercise", "sleep", "the moon", "music",
@@ -56,6 +75,17 @@ TOPICS = (
     "airplanes", "the printing press", "water", "robots", "the Roman empire", "birds", "saving money",
     "painting", "earthquakes", "trees", "mathematics", "smartphones", "the desert", "teamwork", "honey",
     "the brain", "trains", "public speaking", "the Arctic", "writing an essay", "cats", "bread", "stars",
+
+    "volunteering", "the weather", "bridges", "the immune system", "chocolate", "soccer", "photography",
+    "the Renaissance", "batteries", "rainforests", "meditation", "cheese", "the piano", "glaciers",
+    "board games", "spiders", "solar panels", "libraries", "tea", "the Great Wall of China", "penguins",
+    "typing on a keyboard", "running a marathon", "the Olympics", "kindness", "a vegetable garden",
+    "the post office", "DNA", "wind turbines", "video games", "ancient Egypt", "camping", "owls",
+    "a budget", "job interviews", "the telescope", "salt", "rivers", "sharks", "knitting", "hiking",
+    "the compass", "pizza", "the violin", "sunflowers", "a refrigerator", "Python lists", "spreadsheets",
+    "passwords", "the moon landing", "dinosaurs", "maps", "elephants", "yoga", "clocks", "soap",
+    "a small bakery", "moving to a new city", "learning to swim", "snow", "the city bus", "origami",
+    "first aid", "the alphabet", "rice", "lighthouses", "frogs", "a podcast", "composting", "umbrellas",
 )
 
 
@@ -96,18 +126,39 @@ def split_passages(passages: list[str]) -> tuple[list[str], list[str]]:
 
 
 def make_prompts(passages: list[str], count: int, seed: int, heldout: bool) -> list[str]:
-    """Chat instructions; the held-out set uses passages and topics the training set never sees."""
+    """`count` distinct chat instructions; the held-out set uses passages and topics the training set
+    never sees, and neither holds a prompt of the bench's own prompt sets (those measure the draft).
+
+    Distinct because a greedy target continues a repeated prompt identically: a duplicate is a
+    wasted sequence. Fewer than `count` come back only when the pool runs dry.
+    """
     rng = random.Random(seed)
     pool = split_passages(passages)[1 if heldout else 0]
     topics = list(TOPICS[: len(TOPICS) // 4]) if heldout else list(TOPICS[len(TOPICS) // 4:])
     pool = [p for p in pool if len(p) <= 400] or pool
-    out = []
-    for i in range(count):
+    seen, out = _bench_prompts(), []
+    for i in range(count * 20):
+        if len(out) == count:
+            break
         if i % 3 == 2:
-            out.append(rng.choice(TOPIC_TEMPLATES).format(x=rng.choice(topics)))
+            x, y = rng.sample(topics, 2)
+            text = rng.choice(TOPIC_TEMPLATES).format(x=x, y=y)
         else:
-            out.append(rng.choice(PASSAGE_TEMPLATES).format(x=rng.choice(pool)))
+            text = rng.choice(PASSAGE_TEMPLATES).format(x=rng.choice(pool))
+        if text not in seen:
+            seen.add(text)
+            out.append(text)
     return out
+
+
+def _bench_prompts() -> set[str]:
+    """The user messages of specdec_tools/prompts/*.jsonl, which bench and loadtest measure with."""
+    texts = set()
+    for f in sorted((pathlib.Path(__file__).parent / "prompts").glob("*.jsonl")):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                texts |= {m["content"] for m in json.loads(line).get("messages", []) if m.get("role") == "user"}
+    return texts
 
 
 def target_eos(model, tokenizer) -> set[int]:
@@ -339,9 +390,16 @@ def train_loop(args, model: torch.nn.Module, count: int, loss_of, ckpt: pathlib.
         return args.lr * min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
 
     model.train()
+    budget, began, first = getattr(args, "train_budget_s", 0.0), time.perf_counter(), step
     with _progress() as progress:
         task = progress.add_task(title, total=args.steps, completed=step, info="")
         while step < args.steps:
+            if budget and step - first == 20:
+                # Fit the run to the time given: fewer steps, with the schedule decaying over them.
+                rate = (time.perf_counter() - began) / 20
+                if rate * (args.steps - first) > budget:
+                    args.steps = max(step + 1, first + int(budget / rate))
+                    progress.update(task, total=args.steps)
             loss, note = loss_of(next_batch(), rng)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
@@ -433,7 +491,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--method", default="layers", choices=("layers", "feature"),
                    help="layers: a small Llama copied from the target's first layers, reading tokens only; feature: one "
                         "layer that drafts from the target's own hidden states (EAGLE-style, specdec/distill_feature.py).")
-    p.add_argument("--layers", type=int, default=2, help="Draft transformer layers (copied from the target's first ones).")
+    p.add_argument("--layers", type=int, default=0,
+                   help="Draft transformer layers; 0: the method's own (layers: 2, copied from the target's first ones; "
+                        "feature: 1, from its last ones).")
+    p.add_argument("--device", default="cpu",
+                   help="Where the target generates the data and the draft trains: cpu, cuda or cuda:N. On CUDA the "
+                        "target's features come from one padded pass per batch (not one per sequence) and training uses TF32.")
     p.add_argument("--vocab", type=int, default=8192, help="Kept vocabulary size of the pruned head.")
     p.add_argument("--gen-prompts", type=int, default=512, help="Chat prompts the target continues greedily (training data).")
     p.add_argument("--gen-tokens", type=int, default=128, help="New tokens per self-generated continuation.")
@@ -446,6 +509,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--checkpoint-every", type=int, default=50)
+    p.add_argument("--data-budget-s", type=float, default=0.0,
+                   help="feature: stop generating training data after this many seconds and train on what is there (0: no limit).")
+    p.add_argument("--train-budget-s", type=float, default=0.0,
+                   help="Fewer --steps if the first 20 show they would take longer than this (0: no limit).")
     p.add_argument("--heldout-prompts", type=int, default=24)
     p.add_argument("--eval-tokens", type=int, default=64)
     p.add_argument("--draft-length", type=int, default=4, help="g for the acceptance report.")
@@ -473,6 +540,7 @@ def run(args: argparse.Namespace, command: str = "") -> dict:
         raise ValueError(f"target {args.target!r} has no tokenizer: distillation needs one to read the corpus")
     if getattr(target.config, "model_type", "") != "llama":
         raise ValueError(f"target {args.target!r} is a {target.config.model_type!r} model; distill copies Llama-shaped layers")
+    args.layers = args.layers or 2
     if not 1 <= args.layers <= target.config.num_hidden_layers:
         raise ValueError(f"--layers must be in [1, {target.config.num_hidden_layers}]")
     eos = target_eos(target, tokenizer)
@@ -544,8 +612,9 @@ def format_report(r: dict) -> str:
 
 def format_feature_report(r: dict) -> str:
     return "\n".join([
-        f"feature draft: 1 layer over the target's hidden states, {r['kept_vocab']}-token head",
-        f"data: {r['training_sequences']} sequences, {r['training_positions']} positions ({r['data_seconds']:.0f} s)",
+        f"feature draft: {r.get('layers', 1)} layer{'s' if r.get('layers', 1) != 1 else ''} over the target's hidden states, "
+        f"{r['kept_vocab']}-token head",
+        f"data: {r['training_sequences']} sequences, {r['training_positions']} positions ({r['data_seconds']:.0f} s on {r.get('device', 'cpu')})",
         f"training: {r['steps']} steps x {r['batch']}, unroll {r['unroll']}, loss {r['loss_first']:.3f} -> {r['loss_last']:.3f} "
         f"({r['train_seconds']:.0f} s)",
         f"held-out ({r['prompts']} prompts, {r['target_tokens']} target tokens, greedy, draft length {r['draft_length']}):",
@@ -561,6 +630,8 @@ def main(argv: list[str]) -> int:
 
     args = parse_args(argv)
     try:
+        if args.method != "feature" and args.device != "cpu":
+            raise ValueError("--device: only --method feature trains on a GPU; --method layers runs on cpu")
         if args.method == "feature":
             from specdec_tools import distill_feature
 

@@ -28,27 +28,40 @@ from specdec_tools.distill import _progress, chat_ids, data_dir, load_corpus, ma
 from specdec.model.hfcache import cache_kwargs
 from specdec.kv.store import crop_to
 from specdec.model.feature_draft import FeatureDraft, init_from_target, save_feature_draft
+from specdec.model.loading import resolve_device
 
 
 @torch.inference_mode()
-def generate_with_features(model, tokenizer, prompts: list[list[int]], max_new: int, eos: set[int]) -> list[dict]:
-    """Greedy continuations of a left-padded batch, then each row's final hidden states [L, H]."""
+def generate_with_features(model, tokenizer, prompts: list[list[int]], max_new: int, eos: set[int],
+                           batched: bool | None = None) -> list[dict]:
+    """Greedy continuations of a left-padded batch, then each row's final hidden states [L, H].
+
+    On CPU the features come from one unpadded pass per row: exactly those of the sequence alone.
+    On a GPU one right-padded pass over the batch: a causal model's real positions never see the
+    pads after them, so only the kernels' batch-dependent rounding differs, and a per-row loop
+    would leave the GPU idle.
+    """
+    device = model.device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     width = max(map(len, prompts))
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     out = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                         pad_token_id=pad, eos_token_id=sorted(eos))
-    records = []
+                         pad_token_id=pad, eos_token_id=sorted(eos)).cpu()
+    sequences = []
     for row, prompt in enumerate(prompts):
         gen = out[row, width:].tolist()
         n = next((i + 1 for i, t in enumerate(gen) if t in eos), len(gen))
-        tokens = prompt + gen[:n]
-        # unpadded, one row at a time: the features are exactly those of the sequence alone
-        feats = model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
-        records.append({"tokens": torch.tensor(tokens, dtype=torch.int32), "prompt_len": len(prompt),
-                        "feat": feats.to(torch.float16)})
-    return records
+        sequences.append(prompt + gen[:n])
+    if not (device.type != "cpu" if batched is None else batched):
+        feats = [model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0] for tokens in sequences]
+    else:
+        longest = max(map(len, sequences))
+        padded = torch.tensor([t + [pad] * (longest - len(t)) for t in sequences], device=device)
+        hidden = model.model(input_ids=padded).last_hidden_state.to(torch.float16).cpu()
+        feats = [hidden[row, : len(t)] for row, t in enumerate(sequences)]
+    return [{"tokens": torch.tensor(tokens, dtype=torch.int32), "prompt_len": len(prompt), "feat": f.to(torch.float16).clone()}
+            for tokens, prompt, f in zip(sequences, prompts, feats)]
 
 
 def build_data(args, model, tokenizer, passages: list[str], eos: set[int], heldout: bool = False) -> list[dict]:
@@ -56,15 +69,21 @@ def build_data(args, model, tokenizer, passages: list[str], eos: set[int], heldo
     tokens = args.eval_tokens if heldout else args.gen_tokens
     work = data_dir(pathlib.Path(args.work_dir) / ("heldout" if heldout else "features"),
                     {"target": args.target, "corpus": passages, "seed": args.seed, "prompts": count,
-                     "batch": args.gen_batch, "tokens": tokens})
+                     "batch": args.gen_batch, "tokens": tokens, "device": model.device.type})
     texts = make_prompts(passages, count, args.seed, heldout=heldout)
     prompts = [chat_ids(tokenizer, p) for p in texts]
     batches = [prompts[i: i + args.gen_batch] for i in range(0, len(prompts), args.gen_batch)]
     data: list[dict] = []
+    budget = 0.0 if heldout else getattr(args, "data_budget_s", 0.0)
+    start = time.perf_counter()
     with _progress() as progress:
         task = progress.add_task("held-out continuations" if heldout else "target continuations + features", total=len(batches), info="")
         for i, batch in enumerate(batches):
             shard = work / f"shard_{i:05d}.pt"
+            if budget and data and time.perf_counter() - start > budget:
+                # the rest of the time is the training's: train on the shards made so far
+                progress.update(task, info=f"--data-budget-s {budget:.0f} spent: {i} of {len(batches)} batches")
+                break
             if not shard.exists():
                 torch.save(generate_with_features(model, tokenizer, batch, tokens, eos), shard.with_suffix(".tmp"))
                 shard.with_suffix(".tmp").rename(shard)
@@ -128,8 +147,11 @@ def train(args, draft: FeatureDraft, head: torch.Tensor, data: list[dict]) -> li
     """distill.train_loop over random windows of the data; the progress bar also shows agreement."""
     agreements: list[float] = []
 
+    device = next(draft.fc.parameters()).device
+
     def loss_of(chosen: list[int], rng: random.Random):
-        loss, agreement = feature_loss(draft, head, make_batch([data[i] for i in chosen], args.seq_len, rng), args.reg, args.unroll)
+        batch = [t.to(device, non_blocking=True) for t in make_batch([data[i] for i in chosen], args.seq_len, rng)]
+        loss, agreement = feature_loss(draft, head.to(device), batch, args.reg, args.unroll)
         agreements.append(agreement)
         return loss, f", agreement {statistics.fmean(agreements[-20:]):.3f}"
 
@@ -141,24 +163,29 @@ def train(args, draft: FeatureDraft, head: torch.Tensor, data: list[dict]) -> li
 def chain_hits(draft: FeatureDraft, record: dict, g: int) -> tuple[int, int, int]:
     """(steps, drafted, accepted) of greedy speculation over one held-out record, drafting as the
     draft service does: true features up to the last verified position, its own predictions after."""
-    tokens, feats, start = record["tokens"].long(), record["feat"].float(), record["prompt_len"]
+    device = draft.kept_ids.device
+    tokens, feats, start = record["tokens"].long().to(device), record["feat"].float().to(device), record["prompt_len"]
     n = len(tokens)
     cache = draft.new_cache()
-    if start > 2:
-        draft(feats[None, : start - 2], tokens[None, 1: start - 1], cache, use_cache=True)  # pairs 0 .. start-3
+    # The first step drafts nothing, as in the loop: the prompt's features come from the target's
+    # prefill, which also gives the first token.
     steps = drafted = accepted = 0
     pos = start  # canonical tokens x_0 .. x_{pos-1}; true features f_0 .. f_{pos-2}
+    if pos < n:
+        steps, pos = 1, pos + 1
+    if pos > 2:
+        draft(feats[None, : pos - 2], tokens[None, 1: pos - 1], cache, use_cache=True)  # pairs 0 .. pos-3
     while pos < n:
         kept = cache.get_seq_length()
         feature, token = feats[None, pos - 2: pos - 1], tokens[None, pos - 1: pos]
-        k = 0
-        for j in range(g):
+        k, width = 0, min(g, n - pos - 1)  # as the loop: the last token is always the target's own
+        for j in range(width):
             feature, logits = draft(feature, token, cache, use_cache=True)
             guess = int(draft.kept_ids[logits[0, -1].argmax()])
-            if pos + j >= n or guess != int(tokens[pos + j]):
+            if guess != int(tokens[pos + j]):
                 break
-            k, token = k + 1, torch.tensor([[guess]])
-        steps, drafted, accepted = steps + 1, drafted + g, accepted + k
+            k, token = k + 1, torch.tensor([[guess]], device=device)
+        steps, drafted, accepted = steps + 1, drafted + width, accepted + k
         crop_to(cache, kept)
         after = min(n, pos + k + 1)
         draft(feats[None, pos - 2: after - 2], tokens[None, pos - 1: after - 1], cache, use_cache=True)  # the true pairs
@@ -184,22 +211,26 @@ def measure_cost(target, draft: FeatureDraft, context: int = 128, reps: int = 40
     the target vocabulary) against one target token, interleaved against noise."""
     from transformers import DynamicCache
 
-    ids = torch.arange(100, 100 + context)[None]
+    device = draft.kept_ids.device
+    ids = torch.arange(100, 100 + context, device=device)[None]
     tcache = DynamicCache(config=target.config)
     target(input_ids=ids, **cache_kwargs(target, tcache), use_cache=True)
     dcache = draft.new_cache()
     hidden = draft.config.hidden_size
-    draft(torch.zeros(1, context, hidden), ids, dcache, use_cache=True)
+    draft(torch.zeros(1, context, hidden, device=device), ids, dcache, use_cache=True)
     times: dict[str, list[float]] = {"target": [], "draft": []}
-    nxt, feature = torch.tensor([[42]]), torch.zeros(1, 1, hidden)
+    nxt, feature = torch.tensor([[42]], device=device), torch.zeros(1, 1, hidden, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(reps):
+        sync()
         start = time.perf_counter()
         target(input_ids=nxt, **cache_kwargs(target, tcache), use_cache=True, logits_to_keep=1)
+        sync()
         times["target"].append(time.perf_counter() - start)
         crop_to(tcache, context)
         start = time.perf_counter()
         _, logits = draft(feature, nxt, dcache, use_cache=True)
-        int(draft.to_target_logits(logits[0, -1]).argmax())
+        int(draft.to_target_logits(logits[0, -1]).argmax())  # the int() waits for the device
         times["draft"].append(time.perf_counter() - start)
         crop_to(dcache, context)
     t, d = statistics.median(times["target"]), statistics.median(times["draft"])
@@ -213,10 +244,12 @@ def run(args, command: str = "") -> dict:
     torch.set_num_threads(args.threads)
     args.work_dir = args.work_dir or str(pathlib.Path(args.out).with_suffix(".work"))
     passages = load_corpus(args.corpus)
-    loaded = load_model(args.target, "cpu", "float32")
+    device = resolve_device(args.device)
+    loaded = load_model(args.target, str(device), "float32")
     target, tokenizer = loaded.model, loaded.tokenizer
     if tokenizer is None:
         raise ValueError(f"target {args.target!r} has no tokenizer: distillation needs one to build prompts")
+    tokenizer.padding_side = "left"
     if getattr(target.config, "model_type", "") != "llama":
         raise ValueError(f"target {args.target!r} is a {target.config.model_type!r} model; the feature draft copies a Llama layer")
     eos = target_eos(target, tokenizer)
@@ -226,21 +259,28 @@ def run(args, command: str = "") -> dict:
     t_data = time.perf_counter() - t0
     vocab = int(target.config.vocab_size)
     kept = kept_vocab(data, args.vocab, vocab, eos)
-    draft = init_from_target(target, kept)
-    head = target.get_output_embeddings().weight.detach()[torch.tensor(kept)]
+    layers = args.layers or 1
+    draft = init_from_target(target, kept, layers).to(device)
+    head = target.get_output_embeddings().weight.detach()[torch.tensor(kept, device=device)]
     t1 = time.perf_counter()
-    losses = train(args, draft, head, data)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True  # training only: the data above came from full fp32
+    try:
+        losses = train(args, draft, head, data)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     t_train = time.perf_counter() - t1
     acc = measure_acceptance(draft, heldout, args.draft_length)
     cost = measure_cost(target, draft)
-    report = {"command": command, "method": "feature", "target": args.target, "kept_vocab": len(kept),
+    report = {"command": command, "method": "feature", "target": args.target, "layers": layers, "kept_vocab": len(kept),
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "training_sequences": len(data), "training_positions": int(sum(len(r["tokens"]) - 1 for r in data)),
               "steps": args.steps, "batch": args.batch, "unroll": args.unroll,
               "loss_first": statistics.fmean(losses[:20]) if losses else None,
               "loss_last": statistics.fmean(losses[-20:]) if losses else None,
               "data_seconds": t_data, "train_seconds": t_train, **acc, **cost}
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
-    save_feature_draft(draft.float(), args.out, args.target, sorted(eos), dtype, extra={"report": report})
+    save_feature_draft(draft.float().cpu(), args.out, args.target, sorted(eos), dtype, extra={"report": report})
     (pathlib.Path(args.out) / "report.json").write_text(json.dumps(report, indent=1) + "\n")
     return report
 
@@ -258,4 +298,4 @@ def evaluate(args) -> dict:
     eos = target_eos(loaded.model, loaded.tokenizer)
     heldout = build_data(args, loaded.model, loaded.tokenizer, passages, eos, heldout=True)
     return {**measure_acceptance(draft, heldout, args.draft_length), **measure_cost(loaded.model, draft),
-            "layers": 1, "kept_vocab": len(draft.kept_ids), "method": "feature"}
+            "layers": draft.config.num_hidden_layers, "kept_vocab": len(draft.kept_ids), "method": "feature"}

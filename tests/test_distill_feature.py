@@ -98,3 +98,47 @@ def test_rerun_resumes_from_the_checkpoint(run, tmp_path):
     report = distill_feature.run(args, "test")
     state = torch.load(pathlib.Path(args.work_dir) / "feature_checkpoint.pt", weights_only=False)
     assert state["step"] == 160 and len(state["losses"]) == 160 and report["steps"] == 160
+
+
+def test_batched_features_match_one_pass_per_sequence():
+    """The GPU path's one right-padded pass gives each row the features of that row alone."""
+    target, _ = tiny.tiny_pair(seed=1)
+    tokenizer = type("Tok", (), {"pad_token_id": 0})()
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13, 14], [3, 4]]
+    alone = distill_feature.generate_with_features(target, tokenizer, prompts, 6, {1}, batched=False)
+    padded = distill_feature.generate_with_features(target, tokenizer, prompts, 6, {1}, batched=True)
+    for a, b in zip(alone, padded):
+        assert torch.equal(a["tokens"], b["tokens"]) and a["prompt_len"] == b["prompt_len"]
+        assert a["feat"].shape == b["feat"].shape
+        torch.testing.assert_close(a["feat"].float(), b["feat"].float(), atol=2e-3, rtol=2e-3)
+
+
+def test_prompts_are_distinct_and_never_the_benchmarks_own():
+    passages = [f"passage number {i} says something new" for i in range(400)]
+    train = distill.make_prompts(passages, 600, 0, heldout=False)
+    held = distill.make_prompts(passages, 60, 0, heldout=True)
+    assert len(train) == 600 and len(set(train)) == 600 and len(set(held)) == 60
+    assert not set(train) & set(held)
+    assert not (set(train) | set(held)) & distill._bench_prompts()
+
+
+def test_a_deeper_feature_draft_starts_from_the_targets_last_layers():
+    from specdec.model.feature_draft import init_from_target
+
+    target, _ = tiny.tiny_pair(seed=1)
+    draft = init_from_target(target, list(range(50)), layers=2)
+    last = target.model.layers[-2:]
+    for mine, theirs in zip(draft.body.layers, last):
+        assert torch.equal(mine.mlp.down_proj.weight, theirs.mlp.down_proj.weight)
+    with pytest.raises(ValueError, match="layers"):
+        init_from_target(target, list(range(50)), layers=99)
+
+
+def test_time_budgets_shorten_data_and_training(run, tmp_path):
+    argv = [a for a in run["argv"]]
+    argv[argv.index("--out") + 1] = str(tmp_path / "draft")
+    argv[argv.index("--steps") + 1] = "400"
+    args = distill.parse_args(argv + ["--work-dir", str(tmp_path / "work"), "--data-budget-s", "1e-9", "--train-budget-s", "1e-9"])
+    report = distill_feature.run(args, "test")
+    assert report["training_sequences"] == 8  # the first batch of --gen-batch 8, then the budget was spent
+    assert report["steps"] == 21  # the budget is judged after 20 steps

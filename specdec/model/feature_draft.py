@@ -43,7 +43,7 @@ def is_feature_draft(folder: str | pathlib.Path) -> bool:
 
 
 class FeatureDraft(torch.nn.Module):
-    """fc([embed(x_{i+1}); f_i]) -> one Llama layer -> norm = predicted f_{i+1}; head over kept ids."""
+    """fc([embed(x_{i+1}); f_i]) -> Llama layer(s) -> norm = predicted f_{i+1}; head over kept ids."""
 
     def __init__(self, config: LlamaConfig, kept_ids: list[int], target_vocab_size: int):
         super().__init__()
@@ -81,19 +81,21 @@ class FeatureDraft(torch.nn.Module):
         return full
 
 
-def init_from_target(target, kept: list[int]) -> FeatureDraft:
-    """Layer, norm and head rows start as the target's last layer, final norm and output rows.
+def init_from_target(target, kept: list[int], layers: int = 1) -> FeatureDraft:
+    """Layers, norm and head rows start as the target's last `layers` layers, final norm and output rows.
 
-    The last layer is the one whose input most resembles a feature, so it is the nearest start; fc
+    The last layers are the ones whose input most resembles a feature, so they are the nearest start; fc
     starts as "take the feature, add a little of the token" so step 0 already predicts something.
     """
     tcfg = target.config
-    cfg = LlamaConfig(**{**tcfg.to_dict(), "num_hidden_layers": 1, "tie_word_embeddings": False, "torch_dtype": "float32"})
+    if not 1 <= layers <= tcfg.num_hidden_layers:
+        raise ValueError(f"a feature draft has 1 to {tcfg.num_hidden_layers} layers (the target's count), not {layers}")
+    cfg = LlamaConfig(**{**tcfg.to_dict(), "num_hidden_layers": layers, "tie_word_embeddings": False, "torch_dtype": "float32"})
     draft = FeatureDraft(cfg, kept, int(tcfg.vocab_size))
     body = target.model
-    last = body.layers[len(body.layers) - 1]
     with torch.no_grad():
-        draft.body.layers[0].load_state_dict(last.state_dict())
+        for i, layer in enumerate(body.layers[len(body.layers) - layers:]):
+            draft.body.layers[i].load_state_dict(layer.state_dict())
         draft.body.norm.weight.copy_(body.norm.weight)
         draft.embed.weight.copy_(body.embed_tokens.weight)
         draft.head.weight.copy_(target.get_output_embeddings().weight[torch.tensor(kept)])
