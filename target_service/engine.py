@@ -178,7 +178,9 @@ class TargetEngine:
         start = time.perf_counter()
         results: list[StepResult | SpecdecError | None] = [None] * len(calls)
         rows: list[tuple[int, Sequence]] = []
-        budget = full = self._chunk_budget(alone=decode_ahead and len(calls) == 1)
+        # alone on the server, not only in this pass: the others may be drafting their next step
+        budget = full = self._chunk_budget(alone=bool(decode_ahead) and len(calls) == 1
+                                                  and len(self.store) == (calls[0].sequence_id in self.store))
         chunked = 0  # tokens fed as a chunk this pass: one row's, the budget is the pass's
         for index, call in enumerate(calls):
             try:
@@ -229,14 +231,15 @@ class TargetEngine:
         return results
 
     # A chunk may take this many times a step of the other sequences: their time per token grows by
-    # at most that much (plus one) while a long prompt is fed.
-    CHUNK_STEPS = 2.0
+    # at most that much (plus one) while a long prompt is fed. One keeps the others' worst steps
+    # near twice their usual time; the long prompt pays with more, shorter passes.
+    CHUNK_STEPS = 1.0
     MIN_CHUNK = 8  # tokens: below this a chunk's fixed costs dominate
 
     def _chunk_budget(self, alone: bool) -> int:
         """Canonical tokens one row may feed in this pass: --max-prefill-tokens-per-pass, less where
         the measured costs say a chunk that long would hold the other sequences' steps up for more
-        than CHUNK_STEPS of their steps (a 2-core CPU prefills ~3 ms a token against a 40 ms step);
+        than CHUNK_STEPS of their steps (on a CPU one prefill token costs a good part of a decode step);
         a lone sequence, which delays nobody, feeds 8 times as much."""
         limit = self.max_prefill_tokens
         if not limit or alone:

@@ -322,6 +322,16 @@ def test_a_prompt_fed_in_chunks_decodes_as_one_fed_whole(target):
     assert decode(chunked, "x", long_prompt, 12) == decode(engine(target), "x", long_prompt, 12)
 
 
+def test_a_sequence_alone_in_its_pass_but_not_on_the_server_feeds_ordinary_chunks(target):
+    """Another sequence that is drafting its next step is not in this pass, yet the long chunk a
+    lone sequence may feed would hold its next step up: the 8x chunk is for a server with one sequence."""
+    eng = TargetEngine(CausalLM(target, torch.device("cpu")), max_sequences=8, max_prefill_tokens=16)
+    decode(eng, "other", prompts(1, seed=24)[0][:6], 1)  # held by the store, between its steps
+    long_prompt = (prompts(1, seed=21)[0] * 30)[:150]
+    first = eng.verify_batch([VerifyCall("c", 0, long_prompt, [], [], GREEDY)], decode_ahead=True)[0]
+    assert isinstance(first, Requeue) and eng.store._sequences["c"].cached == 16
+
+
 def test_other_sequences_step_between_the_chunks_of_a_long_prompt(target):
     """With a 200-token prompt in flight, fed 16 tokens a pass, three short sequences decode 8 tokens
     each: every one of their steps runs before the long prompt's next chunk, so they finish first,
