@@ -83,6 +83,10 @@ def summarise(result, baseline_tokens: dict[int, list[int]] | None, ctx: dict,
             record.update(predict(record, flat, config, planlib.median_curve(result.curves), ctx))
     elif flat and all(s.ttft > 0 for s in flat):  # a peer that reports its first token (llama.cpp)
         record["time_to_first_token_seconds"] = {"median": statistics.median(s.ttft for s in flat), "max": max(s.ttft for s in flat)}
+        # decoding apart from the prompt, counted as specdec's rows count it: the tokens after the first,
+        # over the time after the first, so prompt processing weighs on neither side
+        decode_seconds = sum(max(1e-9, s.seconds - s.ttft) for s in flat)
+        record["decode_tokens_per_second"] = sum(max(0, len(s.tokens) - 1) for s in flat) / decode_seconds
     return record
 
 
@@ -151,6 +155,8 @@ def report(results, ctx: dict, opts) -> dict:
                 s["speedup_vs_hf"] = median / hf["tokens_per_second"]["median"]
             if llama is not None:
                 s["speedup_vs_llamacpp"] = median / llama["tokens_per_second"]["median"]
+                if "decode_tokens_per_second" in s and "decode_tokens_per_second" in llama:
+                    s["decode_speedup_vs_llamacpp"] = s["decode_tokens_per_second"] / llama["decode_tokens_per_second"]
             peer = next((p for p in summaries if p["kind"] == "hf-assisted" and p["drafter"] == s["drafter"]), None)
             if peer is not None and s["kind"].startswith("specdec"):
                 s["speedup_vs_hf_assisted"] = median / peer["tokens_per_second"]["median"]
@@ -194,7 +200,7 @@ def print_table(document: dict) -> None:
         table = Table(title=f"prompt set: {set_name} ({len(document['prompts'][set_name])} prompts)")
         for column in ("configuration", "weights", "tok/s median [min-max]", "TTFT ms", "vs hf", "vs hf-assisted", "vs llama.cpp",
                        "identical", "agrees w/ fp32", "accept",
-                       "tokens/step", "decode tok/s", "predicted", "efficiency", "draft/verify/wire/other %", "overhead",
+                       "tokens/step", "decode tok/s", "decode vs llama.cpp", "predicted", "efficiency", "draft/verify/wire/other %", "overhead",
                        "bytes/step"):
             table.add_column(column, justify="left" if column == "configuration" else "right")
         for r in (r for r in document["results"] if r["prompt_set"] == set_name):
@@ -213,6 +219,7 @@ def print_table(document: dict) -> None:
                 f"{r['acceptance_rate']:.2f}" if "acceptance_rate" in r and r["draft_tokens"] else "",
                 f"{r['mean_accepted_length']:.2f}" if "mean_accepted_length" in r else "",
                 f"{r['decode_tokens_per_second']:.1f}" if "decode_tokens_per_second" in r else "",
+                f"{r['decode_speedup_vs_llamacpp']:.2f}x" if "decode_speedup_vs_llamacpp" in r else "",
                 f"{r['predicted_decode_tokens_per_second']:.1f}" if "predicted_decode_tokens_per_second" in r else "",
                 f"{r['efficiency']:.2f}" if "efficiency" in r else "",
                 "/".join(f"{split[k] * 100:.0f}" for k in ("draft", "verify", "wire", "other")) if split else "",

@@ -126,6 +126,7 @@ def cmd_up(argv: list[str]) -> int:
                                   replicas=args.draft_replicas)
         coordinator = stack.start_coordinator(draft, port=args.port)
         stack.wait(args.timeout, announce=lambda role, address: print(f"specdec up: {role} healthy on {address}", file=sys.stderr, flush=True))
+        print(f"specdec up: {_target_summary(stack.target_address.split(',')[0])}", file=sys.stderr, flush=True)
         print(f"specdec up: ready; coordinator on {coordinator} (Ctrl-C stops them all)", file=sys.stderr, flush=True)
         while stack.alive():
             time.sleep(0.5)
@@ -234,6 +235,25 @@ def cmd_generate(argv: list[str]) -> int:
             if not same and args.temperature == 0:
                 return 3
     return 0
+
+
+def _target_summary(address: str) -> str:
+    """What the target serves, in the terms a user chooses it by (--weights, --device): the model's
+    tokens depend on the format, so the demo says which one it ran."""
+    import grpc
+
+    from protos import specdec_pb2 as pb
+    from protos import specdec_pb2_grpc as pb_grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            info = pb_grpc.TargetServiceStub(channel).GetInfo(pb.TargetServiceGetInfoRequest(), timeout=10).info
+    except grpc.RpcError as exc:
+        return f"target on {address} (its model info did not come: {exc.code().name})"
+    why = {"gguf-a8": "its GGUF blocks against 8-bit activations, the fastest exact format on this CPU; "
+                      "--weights fp32 for the tokens of transformers' generate()",
+           "fp32": "float32, the tokens of transformers' generate()"}.get(info.weights, "as --weights asked")
+    return f"target {info.model} on {info.device}, weights {info.weights} ({why})"
 
 
 def _format_stats(stats, finish: str) -> str:

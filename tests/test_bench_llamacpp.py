@@ -92,3 +92,15 @@ def test_plain_and_prompt_lookup_decode_the_same_greedy_tokens():
     else:
         margin = _plain_margin(gguf, prompt, plain.tokens[:parted], plain.tokens[parted], lookup.tokens[parted])
         assert margin < NEAR_TIE, f"plain and prompt lookup part at token {parted} where the logits differ by {margin:.3f}: not a tie"
+
+
+def test_llamacpp_rows_report_decoding_apart_from_the_prompt():
+    """Its decode tok/s counts the tokens after the first over the time after the first, as specdec's rows do."""
+    from specdec_tools.bench import Configuration, Result, Sample
+    from specdec_tools.bench_report import summarise
+
+    result = Result(Configuration("llama.cpp", "llamacpp", weights="gguf:Q4_1"), "chat",
+                    samples=[[Sample(list(range(11)), seconds=1.5, ttft=0.5), Sample(list(range(5)), seconds=0.9, ttft=0.1)]])
+    record = summarise(result, None, {})
+    assert record["decode_tokens_per_second"] == pytest.approx((10 + 4) / (1.0 + 0.8))
+    assert record["time_to_first_token_seconds"]["median"] == pytest.approx(0.3)

@@ -216,3 +216,31 @@ def test_pack_linears_rejects_a_bad_range(pair):
         gemm.pack_linears(copy.deepcopy(pair[0]), 4, 6)
     with pytest.raises(ValueError, match="min_rows"):
         gemm.pack_linears(copy.deepcopy(pair[0]), gemm.MAX_ROWS + 1, 1)
+
+
+def test_weights_auto_picks_gguf_a8_only_for_a_gguf_model_on_a_cpu_with_int8_dot_products(tmp_path, monkeypatch):
+    """The services' default: the fastest exact format where the kernel can serve it, else fp32."""
+    import json
+
+    if not gemm.available(CPU, torch.float32):
+        pytest.skip("no C compiler for the kernel")
+    gguf_file = tmp_path / "model.gguf"
+    gguf_file.write_bytes(b"GGUF")
+    from_gguf = tmp_path / "converted"
+    from_gguf.mkdir()
+    (from_gguf / "specdec_source.json").write_text(json.dumps({"gguf": str(gguf_file)}))
+    monkeypatch.setattr(gemm, "_int8_dot_products", lambda: True)
+    assert gemm.resolve_weights("auto", CPU, torch.float32, 8, str(from_gguf)) == "gguf-a8"
+    assert gemm.resolve_weights("auto", CPU, torch.float32, 8, str(tmp_path)) == "fp32"  # not from a GGUF
+    assert gemm.resolve_weights("auto", CPU, torch.float32, 0, str(from_gguf)) == "fp32"  # kernel off
+    assert gemm.resolve_weights("auto", torch.device("cuda"), torch.float32, 8, str(from_gguf)) == "fp32"
+    assert gemm.resolve_weights("q4", CPU, torch.float32, 8, str(tmp_path)) == "q4"  # asked for: as asked
+    monkeypatch.setattr(gemm, "_int8_dot_products", lambda: False)
+    assert gemm.resolve_weights("auto", CPU, torch.float32, 8, str(from_gguf)) == "fp32"
+
+
+def test_weights_auto_on_a_model_not_from_gguf_serves_fp32(pair):
+    if not gemm.available(CPU, torch.float32):
+        pytest.skip("no C compiler for the kernel")
+    report = gemm.apply(copy.deepcopy(pair[0]), CPU, torch.float32, 8, 1, "auto", None)
+    assert report.weights == "fp32" and report.layers > 0

@@ -30,6 +30,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import pathlib
 import threading
 import time
 from collections.abc import Iterator
@@ -289,12 +290,39 @@ def pack_linears(model: torch.nn.Module, rows: int, min_rows: int, weights: str 
                       sum(layer.weight_bytes for layer in swapped.values()), dict(sources))
 
 
+AUTO = "auto"
+
+
+def resolve_weights(weights: str, device: torch.device, dtype: torch.dtype, rows: int, source: str | None) -> str:
+    """`auto` (the services' default): the fastest format that keeps a model's greedy tokens exact
+    under speculation on this machine, which is its own GGUF blocks against 8-bit activations
+    (gguf-a8, llama.cpp's arithmetic) where the model came from a GGUF file and the CPU has 8-bit
+    dot-product instructions (AVX-512 VNNI or AVX-VNNI); else fp32. Every format is exact against
+    itself at any row count; only fp32 also matches transformers' generate() (up to attention's
+    last bits), which is why it stays one flag away. A GPU, or the kernel off, serves fp32."""
+    if weights != AUTO:
+        return weights
+    if rows <= 0 or not available(device, dtype) or not source or compact.gguf_source(source) is None:
+        return "fp32"
+    return "gguf-a8" if _int8_dot_products() else "fp32"
+
+
+def _int8_dot_products() -> bool:
+    try:
+        flags = next((line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return bool({"avx512_vnni", "avx_vnni"} & set(flags.split()))
+
+
 def apply(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, rows: int, min_rows: int,
           weights: str = "fp32", source: str | None = None) -> PackReport | None:
     """Packs a loaded model's linear layers when asked (rows > 0) and the backend has the kernel.
 
     A compact `weights` format is part of the model served, not a speed option: where the kernel
-    cannot serve it (no C compiler, a GPU, rows 0) this raises instead of quietly serving fp32."""
+    cannot serve it (no C compiler, a GPU, rows 0) this raises instead of quietly serving fp32.
+    `auto` picks one (resolve_weights)."""
+    auto, weights = weights == AUTO, resolve_weights(weights, device, dtype, rows, source)
     if weights not in compact.FORMATS:
         raise ValueError(f"weights must be one of {', '.join(compact.FORMATS)}, not {weights!r}")
     if rows <= 0 or not available(device, dtype):
@@ -306,7 +334,13 @@ def apply(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, rows
                      dtype=str(dtype).removeprefix("torch."))
         return None
     start = time.perf_counter()
-    report = pack_linears(model, rows, min_rows, weights, source)
+    try:
+        report = pack_linears(model, rows, min_rows, weights, source)
+    except ValueError as exc:  # a GGUF whose block types the kernel does not read (it fails before any swap)
+        if not auto or weights == "fp32":
+            raise
+        log.info("weights auto: fp32, the GGUF's blocks are not all readable as gguf-a8", reason=str(exc))
+        weights, report = "fp32", pack_linears(model, rows, min_rows, "fp32", source)
 
     log.info("linear layers packed", layers=report.layers, rows=f"{min_rows}-{rows}", weights=weights,
              stored_as=report.sources, weight_mib=round(report.weight_bytes / 2**20),

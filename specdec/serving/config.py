@@ -41,14 +41,16 @@ def event_loop_option() -> Any:
 def weights_option() -> Any:
     """The model services' `weights` field (specdec/model/compact.py says what each format is)."""
     return option(
-        "fp32",
-        "What the CPU GEMM kernel reads the linear layers' weights as: fp32; bf16 or f16; int8 or q4 (blocks of "
+        "auto",
+        "What the CPU GEMM kernel reads the linear layers' weights as. auto: gguf-a8 for a model loaded from a GGUF "
+        "file on a CPU with 8-bit dot-product instructions (AVX-512 VNNI or AVX-VNNI), the fastest exact format there; "
+        "else fp32 (a GPU always serves fp32 here). fp32: the tokens transformers' generate() gives; bf16 or f16; int8 or q4 (blocks of "
         "32 with their own scales, quantized at load); gguf (the blocks of the GGUF file the model came from, as "
         "they are); int8-a8, q4-a8, gguf-a8 (the same weights against activations rounded to int8 per block of 32, "
         "multiplied with the CPU's 8-bit dot-product instructions, as llama.cpp computes). Fewer bytes a weight and "
         "fewer operations decode faster; the model served is the model in that format, and `specdec bench "
         "--weights` prints each format's agreement with fp32.",
-        choices=FORMATS,
+        choices=("auto", *FORMATS),
     )
 
 
@@ -94,7 +96,7 @@ def check_static(numerics: str, pass_rows: int, static_slots: int, static_contex
 
 def check_weights(weights: str, packed_gemm_rows: int) -> None:
     """A compact format is read by the kernel alone: with the kernel off it could only be served as fp32."""
-    if weights != "fp32" and not packed_gemm_rows:
+    if weights not in ("fp32", "auto") and not packed_gemm_rows:
         raise ValueError(f"--weights {weights} is read by specdec's GEMM kernel: it needs --packed-gemm-rows > 0")
 
 
