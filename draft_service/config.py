@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from specdec.model import gemm
-from specdec.serving.config import (check_static, check_weights, event_loop_option, log_format_option, log_level_option, numerics_option,
+from specdec.serving.config import (check_static, compute_threads_option,
+                                    check_weights, event_loop_option, log_format_option, log_level_option, numerics_option,
                                     option, static_options, weights_option)
 
 ENV_PREFIX = "SPECDEC_DRAFT_"
@@ -41,6 +42,7 @@ class DraftConfig:
         "use (small forwards cost less than with the stock kernel); 0 turns it off.",
     )
     weights: str = weights_option()
+    compute_threads: int = compute_threads_option()
     numerics: str = numerics_option()
     pass_rows: int = static_options()[0]
     static_slots: int = static_options()[1]
@@ -86,5 +88,7 @@ class DraftConfig:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.max_batch_tokens < 1:
             raise ValueError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.compute_threads < 0:
+            raise ValueError(f"--compute-threads must be >= 0, got {self.compute_threads}")
         if self.max_prefill_tokens_per_pass < 0:
             raise ValueError(f"--max-prefill-tokens-per-pass must be >= 0, got {self.max_prefill_tokens_per_pass}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from specdec.model import gemm
-from specdec.serving.config import (check_static, check_weights, event_loop_option, log_format_option, log_level_option, numerics_option,
+from specdec.serving.config import (check_static, compute_threads_option,
+                                    check_weights, event_loop_option, log_format_option, log_level_option, numerics_option,
                                     option, static_options, weights_option)
 from specdec.model.loading import DEFAULT_TARGET
 
@@ -35,6 +36,7 @@ class TargetConfig:
         "steps take it too).",
     )
     weights: str = weights_option()
+    compute_threads: int = compute_threads_option()
     numerics: str = numerics_option()
     pass_rows: int = static_options()[0]
     static_slots: int = static_options()[1]
@@ -52,8 +54,9 @@ class TargetConfig:
         256,
         "Chunked prefill: a prompt longer than this is fed at most this many tokens a pass, with the other "
         "sequences' steps run between two chunks, so one long prompt delays them by one chunk's pass, not by "
-        "its whole prefill. Chunks are cut shorter where the measured costs say one would take more than two "
-        "of the others' steps (CPUs), and 8 times longer for a sequence alone; 0: a prompt is fed in one pass.",
+        "its whole prefill. Chunks are cut shorter where the measured costs say one would take longer than one "
+        "of the others' steps (CPUs), and 8 times longer for the only sequence the target holds; 0: a prompt is "
+        "fed in one pass.",
     )
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
     tls_key: str = option("", "PEM private key of --tls-cert.")
@@ -80,6 +83,8 @@ class TargetConfig:
             raise ValueError(f"--batch-window-ms must be >= 0, got {self.batch_window_ms}")
         if self.max_batch_size < 1:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.compute_threads < 0:
+            raise ValueError(f"--compute-threads must be >= 0, got {self.compute_threads}")
         if self.max_prefill_tokens_per_pass < 0:
             raise ValueError(f"--max-prefill-tokens-per-pass must be >= 0, got {self.max_prefill_tokens_per_pass}")
         if self.max_batch_tokens < 1:

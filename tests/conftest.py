@@ -1,7 +1,12 @@
 import os
 
-import pytest
-import torch
+# Before torch loads libgomp: the bounded spin `specdec` sets for its own processes (specdec_tools/cli.py,
+# _openmp_spin), so that in-process engines and the services the tests start behave as users' do.
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # gRPC core logs every GOAWAY at INFO when test servers stop; keep the test output readable.
 os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

@@ -25,12 +25,13 @@ import torch
 _compute_threads: int | None = None
 
 
-def confine() -> None:
-    """Keeps torch's intra-op threads for the compute thread; this thread (the event loop's)
-    gets one. Idempotent; call before any thread of the process has run a parallel torch op."""
+def confine(threads: int = 0) -> None:
+    """Keeps torch's intra-op threads (or `threads`, when > 0: --compute-threads) for the compute
+    thread; this thread (the event loop's) gets one. Idempotent; call before any thread of the
+    process has run a parallel torch op."""
     global _compute_threads
     if _compute_threads is None:
-        _compute_threads = torch.get_num_threads()
+        _compute_threads = threads or torch.get_num_threads()
         torch.set_num_threads(1)
 
 
