@@ -18,7 +18,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from coordinator.loop import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
+from coordinator.protocol import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import DeadlineExceeded, SequenceNotFound

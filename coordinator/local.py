@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from coordinator.loop import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
+from coordinator.protocol import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
 from draft_service.engine import DraftEngine, DraftSettings
 from draft_service.tree import TreeSettings
 from specdec.model.features import FeatureRows

@@ -17,7 +17,8 @@ from grpc_status import rpc_status
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
 from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, releases_done
+from coordinator.loop import SpeculativeLoop, releases_done
+from coordinator.protocol import GenerationSpec, Stats
 from coordinator.policy.admission import Admission, client_key, grpc_peer_host
 from coordinator.readiness import BackendHealth
 from coordinator.text import TextStream

@@ -201,7 +201,7 @@ def hf_runner(model, max_new: int, eos: list[int], **generate_kwargs):
 
 
 def local_runner(loop, max_new: int, eos: list[int], draft_length: int, adaptive: bool, tree=None):
-    from coordinator.loop import GenerationSpec, Stats
+    from coordinator.protocol import GenerationSpec, Stats
     from specdec.spec.sampling import SamplingConfig
 
     def run(prompt: list[int]) -> Sample:
@@ -308,7 +308,8 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
                           stack: GrpcStack | None, notes: dict, engines: dict) -> tuple[list[Configuration], dict]:
     from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
     from coordinator.local import LocalProposer, LocalVerifier
-    from coordinator.loop import SpeculativeLoop, TreeSpec
+    from coordinator.loop import SpeculativeLoop
+    from coordinator.protocol import TreeSpec
     from draft_service.servicer import build_engine
     from specdec.model.loading import load_model, pruned_draft_folder
     from specdec.model.pruned import hf_assistant

@@ -43,7 +43,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from coordinator.config import CoordinatorConfig
 from coordinator.local import LocalProposer, LocalVerifier
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, TreeSpec
+from coordinator.loop import SpeculativeLoop
+from coordinator.protocol import GenerationSpec, Stats, TreeSpec
 from coordinator.policy.admission import Admission
 from coordinator.servicer import make_loop
 from specdec.spec.costs import Costs, cost_curve

@@ -13,7 +13,8 @@ import torch
 
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
+from coordinator.loop import SpeculativeLoop
+from coordinator.protocol import GenerationSpec, Stats
 from coordinator.policy.overlap import PROBE_EVERY, RunAheadPolicy
 from draft_service.engine import DraftEngine, ModelDrafter
 from protos import specdec_pb2 as pb
