@@ -340,9 +340,9 @@ def in_process_ngram():
     one service fewer to deploy where prompt lookup is all one wants (RAG, summaries, code edits)."""
     from coordinator.local import LocalProposer
     from draft_service.config import DraftConfig
-    from draft_service.servicer import build_engine
+    from draft_service.servicer import load_engine_with_model_info
 
-    engine, info = build_engine(DraftConfig(drafter="ngram"))  # what `specdec serve draft --drafter ngram` runs
+    engine, info = load_engine_with_model_info(DraftConfig(drafter="ngram"))  # what `specdec serve draft --drafter ngram` runs
     return LocalProposer(engine), info
 
 

@@ -48,7 +48,10 @@ from coordinator.protocol import GenerationSpec, Stats, TreeSpec
 from coordinator.policy.admission import Admission
 from coordinator.servicer import make_loop
 from specdec.spec.costs import Costs, cost_curve
-from draft_service.engine import ChainState, DraftEngine, DraftSettings, ModelDrafter, NgramDrafter, Proposal
+from draft_service.drafters.base import DraftSettings, Proposal
+from draft_service.drafters.model import ChainState, ModelDrafter
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.engine import DraftEngine
 from draft_service.drafters.feature import FeatureDrafter
 from protos import specdec_pb2 as pb
 from specdec.model import gemm
