@@ -109,7 +109,7 @@ class GenerationSpec:
     draft_length: int
     adaptive: bool
     eos_token_ids: frozenset[int]
-    seeded: bool = False  # the client chose the seed: keep the run reproducible (see adapt.py)
+    seeded: bool = False  # the client chose the seed: keep the run reproducible (coordinator/policy/draft_length.py)
     max_context: int = 0  # 0: unbounded
     tree: TreeSpec | None = None  # draft trees instead of chains (the draft length caps their depth)
     logprobs: int | None = None  # report the target's log-probabilities, with this many alternatives (chains only)

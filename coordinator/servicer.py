@@ -335,8 +335,8 @@ IN_PROCESS_NGRAM = "ngram"  # --draft ngram: prompt lookup in the coordinator, n
 
 
 def in_process_ngram():
-    """The n-gram drafter inside the coordinator: a lookup costs microseconds, a Propose round trip
-    to a draft service ~1-3 ms on loopback, so for prompt lookup the hop is most of the cost. Also
+    """The n-gram drafter inside the coordinator: a lookup costs far less than a Propose round trip
+    to a draft service, even on loopback, so for prompt lookup the hop is most of the cost. Also
     one service fewer to deploy where prompt lookup is all one wants (RAG, summaries, code edits)."""
     from coordinator.local import LocalProposer
     from draft_service.config import DraftConfig

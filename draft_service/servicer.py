@@ -112,7 +112,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         """The drafter's own loop runs on the worker thread and hands each token to the event loop the
         moment it exists, without waiting for it to be sent: one thread hop per token instead of a
         round trip per token. The round trips (the loop asking the worker for the next token) cost
-        ~0.3 ms each on 2 CPU cores, as much as the n-gram drafter's whole proposal, and a model
+        each as much as the n-gram drafter's whole proposal, and a model
         draft now drafts its next token while the last one is on the wire.
 
         The handler (and so the sequence's lock) ends only once the worker is done with the

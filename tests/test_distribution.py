@@ -357,7 +357,7 @@ def test_other_tokenizer_draft():
     target: it samples from its own tokens that map one-to-one onto target tokens."""
     from draft_service.drafters.other_vocab import CrossVocabDrafter
     from specdec.model.vocab import TokenText, VocabMap
-    from tests.test_crossvocab import bpe_tokenizer, move_vocab
+    from tests.test_other_vocab import bpe_tokenizer, move_vocab
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(tiny.tiny_config(layers=1)).eval()

@@ -1,6 +1,6 @@
 """Every drafter is a Drafter (draft_service/drafters/base.py): it declares each attribute the
 engine and the loader read, so neither probes for one. (The other vocabulary's drafter is checked
-in tests/test_crossvocab.py, beside the tokenizers it needs.)"""
+in tests/test_other_vocab.py, beside the tokenizers it needs.)"""
 
 from __future__ import annotations
 

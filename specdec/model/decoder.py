@@ -1,9 +1,9 @@
 """A lean forward for the decoder layers of compact Llama-family models.
 
-Why: with compact weights a SmolLM2-135M decode step reads ~106 MiB, about 4 ms at this machine's
-memory speed, yet transformers' eager layer forward around those reads makes some 35 tensor
-operations and module calls per layer, each a few microseconds of Python and dispatch: over 30
-layers, as much time again as the weights. llama.cpp, the tool CPU users compare with, has none of
+Why: with compact weights a small model's decode step reads little memory, yet transformers'
+eager layer forward around those reads makes dozens of tensor operations and module calls per
+layer, each paying Python and dispatch: over a whole model, as much time again as the weights.
+llama.cpp, the tool CPU users compare with, has none of
 that. This forward computes the same layer with fewer, larger steps: one call for the RMS norms
 (gemm_kernel's sg_rmsnorm), one kernel call for q/k/v and one for gate/up (their LinearGroups), the
 row-exact attention called directly, and transformers' own rotary embedding and cache update.

@@ -3,14 +3,13 @@ decoding one does, and batches and prefills cost less than with the stock kernel
 
 Why: speculative decoding pays off when a forward over n new positions costs about what a forward
 over one does. On a GPU that holds; on a CPU with fp32 weights the stock (MKL) kernels do not get
-there: their small-M GEMMs are neither bandwidth- nor compute-bound. SmolLM2-135M's 211 linear
-layers on 2 cores (AMD EPYC) took 43 ms for one row and 63 ms for nine; whole forwards measured
-V(1) 55, V(4) 82, V(9) 86 ms there, and V(1) 45, V(4) 68, V(9) 89 ms on an Intel Xeon. The kernel
+there: their small-M GEMMs are neither bandwidth- nor compute-bound, so a forward over a few
+rows costs markedly more than one over a single row, on AMD and Intel cores alike. The kernel
 in specdec/model/csrc/gemm.c (built by specdec/model/gemm_kernel.py) streams each weight once from a panel
-layout and reads it at about the memory's speed: 17-20 ms for the same 211 layers at 1 and at 9
-rows. Past 16 rows it takes the rows 16 at a time through each panel while the panel sits in the
-core's caches, and stayed ahead of the stock kernel at every row count measured (2.2x at 24 rows,
-1.6-1.9x at 64, 1.3x at 256, 1.2x at 1024), so batched verification and prefills take it too.
+layout and reads it at about the memory's speed, so one row and a few rows cost about the same.
+Past 16 rows it takes the rows 16 at a time through each panel while the panel sits in the
+core's caches, and stayed ahead of the stock kernel at every row count measured (docs/benchmarks.md),
+so batched verification and prefills take it too.
 
 Rows `min_rows`..`rows` take the kernel (`min_rows` can keep short forwards on the stock kernel;
 `rows` caps it). A row's result does not depend on the other rows (one multiply-add chain
@@ -45,7 +44,7 @@ log = structlog.get_logger(__name__)
 
 # Defaults of the services' --packed-gemm-rows / --packed-gemm-min-rows: every forward up to 4,096
 # positions (decode steps, verifies, batches, prompts that long), the range measured faster than
-# the stock kernel with margin; decode steps (1 row) gain the most of all (2.3x per layer).
+# the stock kernel with margin; decode steps (1 row) gain the most of all.
 DEFAULT_ROWS = 4096
 DEFAULT_MIN_ROWS = 1
 MAX_ROWS = 1 << 20  # the kernel's own bound (SG_MAX_ROWS in specdec/model/csrc/gemm.c)

@@ -2,9 +2,9 @@
 
 The default models ship as GGUF files inside pip packages, because the machines this runs on cannot
 reach the Hugging Face hub. transformers reads GGUF, but dequantises every tensor on every load
-(~20 s for SmolLM2-135M) and both the target service and the coordinator need the model or its
+(slow, even for a small model) and both the target service and the coordinator need the model or its
 tokenizer at startup. So a GGUF file is converted once into a plain safetensors folder under the
-cache dir, and every later start reads that folder in about a second.
+cache dir, and every later start only reads that folder.
 """
 
 from __future__ import annotations
