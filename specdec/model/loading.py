@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
+from specdec.model.draft_folders import is_feature_draft, is_pruned_draft
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -247,8 +249,6 @@ def pruned_draft_folder(spec: str) -> pathlib.Path | None:
     Such drafts are not transformers checkpoints (no embedding of their own, a head over a subset of
     the target's vocabulary), so the draft service loads them with specdec.model.pruned, not load_model.
     """
-    from specdec.model.pruned import is_pruned_draft
-
     if spec in DRAFT_ALIASES:
         folder = _REPO_DRAFTS / DRAFT_ALIASES[spec]
         if not is_pruned_draft(folder):
@@ -262,8 +262,6 @@ def pruned_draft_folder(spec: str) -> pathlib.Path | None:
 
 def feature_draft_folder(spec: str) -> pathlib.Path | None:
     """The folder of a feature draft (specdec/model/feature_draft.py) named by alias or path; None for any other spec."""
-    from specdec.model.feature_draft import is_feature_draft
-
     if spec in DRAFT_ALIASES:
         folder = _REPO_DRAFTS / DRAFT_ALIASES[spec]
         return folder if is_feature_draft(folder) else None
