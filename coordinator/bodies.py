@@ -2,7 +2,7 @@
 
 Why: the body cap (--max-body-bytes, 16 MiB) bounds bytes, not work. Parsed and validated on the
 event loop, a 16 MiB body of token ids (`"prompt": [[1],[1],...]`, 4M entries) stalled /health and
-every other client for 6-11 s, and 4M stop strings for half a second. So a body past
+every other client for seconds, and millions of stop strings for a noticeable while. So a body past
 LARGE_BODY_BYTES is parsed in a separate process (pydantic's parser holds the GIL: a thread would
 stall the loop all the same), and every body is then checked against the bounds of what a request
 may hold (token ids against --max-prompt-tokens, stop strings, chat messages) before anything else

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from coordinator.loop import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
+from coordinator.protocol import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import DeadlineExceeded, SequenceNotFound
@@ -150,8 +150,8 @@ def target_went_away(exc: grpc.aio.AioRpcError) -> bool:
 
 class Sessions:
     """One open bidirectional stream per sequence for a method called every step (VerifySession,
-    ProposeSession): on 2 CPU cores a unary call costs ~0.8 ms of set-up, an exchange on an open
-    stream ~0.3 ms. A stream has no deadline of its own, since it lives as long as its sequence;
+    ProposeSession): a unary call pays a call's set-up every time, an exchange on an open stream
+    only the messages. A stream has no deadline of its own, since it lives as long as its sequence;
     each exchange gets the timeout the per-step call would have had, and fails as that call would
     (an AioRpcError with the server's status). Any failure, cancellation included, closes the
     stream: an answer still on its way would otherwise answer the next request.

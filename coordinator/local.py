@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 
-from coordinator.loop import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
-from draft_service.engine import DraftEngine, DraftSettings
+from coordinator.protocol import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
+from draft_service.drafters.base import DraftSettings
+from draft_service.engine import DraftEngine
 from draft_service.tree import TreeSettings
 from specdec.model.features import FeatureRows
 from specdec.spec.costs import Costs

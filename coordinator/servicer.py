@@ -17,7 +17,8 @@ from grpc_status import rpc_status
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
 from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, releases_done
+from coordinator.loop import SpeculativeLoop, releases_done
+from coordinator.protocol import GenerationSpec, Stats
 from coordinator.policy.admission import Admission, client_key, grpc_peer_host
 from coordinator.readiness import BackendHealth
 from coordinator.text import TextStream
@@ -334,14 +335,14 @@ IN_PROCESS_NGRAM = "ngram"  # --draft ngram: prompt lookup in the coordinator, n
 
 
 def in_process_ngram():
-    """The n-gram drafter inside the coordinator: a lookup costs microseconds, a Propose round trip
-    to a draft service ~1-3 ms on loopback, so for prompt lookup the hop is most of the cost. Also
+    """The n-gram drafter inside the coordinator: a lookup costs far less than a Propose round trip
+    to a draft service, even on loopback, so for prompt lookup the hop is most of the cost. Also
     one service fewer to deploy where prompt lookup is all one wants (RAG, summaries, code edits)."""
     from coordinator.local import LocalProposer
     from draft_service.config import DraftConfig
-    from draft_service.servicer import build_engine
+    from draft_service.servicer import load_engine_with_model_info
 
-    engine, info = build_engine(DraftConfig(drafter="ngram"))  # what `specdec serve draft --drafter ngram` runs
+    engine, info = load_engine_with_model_info(DraftConfig(drafter="ngram"))  # what `specdec serve draft --drafter ngram` runs
     return LocalProposer(engine), info
 
 

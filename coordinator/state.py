@@ -16,7 +16,7 @@ from coordinator.policy.overlap import RunAheadPolicy
 from specdec.model.features import FeatureLog, FeatureRows
 
 if TYPE_CHECKING:
-    from coordinator.loop import DraftOutcome
+    from coordinator.protocol import DraftOutcome
 
 log = structlog.get_logger(__name__)
 

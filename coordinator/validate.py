@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
-from coordinator.loop import GenerationSpec, TreeSpec
+from coordinator.protocol import GenerationSpec, TreeSpec
 from protos import specdec_pb2 as pb
 from specdec.errors import InvalidArgument
 from specdec.limits import MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_REQUEST_ID

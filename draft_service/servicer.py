@@ -11,9 +11,10 @@ import time
 import structlog
 
 from draft_service.batcher import DraftBatcher
-from draft_service import engine as draft_engine
+from draft_service import loading
 from draft_service.config import DraftConfig
-from draft_service.engine import DraftEngine, DraftSettings
+from draft_service.drafters.base import DraftSettings
+from draft_service.engine import DraftEngine
 from draft_service.tree import TreeSettings
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
@@ -111,7 +112,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         """The drafter's own loop runs on the worker thread and hands each token to the event loop the
         moment it exists, without waiting for it to be sent: one thread hop per token instead of a
         round trip per token. The round trips (the loop asking the worker for the next token) cost
-        ~0.3 ms each on 2 CPU cores, as much as the n-gram drafter's whole proposal, and a model
+        each as much as the n-gram drafter's whole proposal, and a model
         draft now drafts its next token while the last one is on the wire.
 
         The handler (and so the sequence's lock) ends only once the worker is done with the
@@ -204,10 +205,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         return pb.DraftServiceReleaseResponse(released=released)
 
 
-def build_engine(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
-    """The engine the config names (draft_service/engine.py) and its ModelInfo, as GetInfo sends it
+def load_engine_with_model_info(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:
+    """The engine the config names (draft_service/loading.py) and its ModelInfo, as GetInfo sends it
     (blocking: call it off the event loop)."""
-    engine, info = draft_engine.build_engine(config)
+    engine, info = loading.load_engine(config)
     return engine, pb.ModelInfo(**dataclasses.asdict(info))
 
 
@@ -224,7 +225,7 @@ async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signal
     if signals:
         server.install_signal_handlers(config.grace_s)
     log.info("draft listening", port=server.port, drafter=config.drafter, model=config.model, metrics_port=metrics_port)
-    engine, info = await server.loading(servicer.host.run(build_engine, config))
+    engine, info = await server.loading(servicer.host.run(load_engine_with_model_info, config))
     engine.store.on_start = metrics.draft().sequences_started.inc
     metrics.follow_store(engine.store, metrics.draft().sequences, metrics.draft().kv_usage)
     servicer.host.attach(engine, info)

@@ -1,4 +1,4 @@
-"""The errors engines raise, each with the gRPC status it maps to (mapped in one place: grpcutil)."""
+"""The errors engines raise, each with the gRPC status it maps to (mapped in one place: specdec/serving/rpc.py)."""
 
 from __future__ import annotations
 

@@ -152,14 +152,14 @@ def curve_context(items: list[tuple[str, list[int]]], max_new: int, room: int | 
 
 def measure_draft_cost(engine, context: list[int], tokens: int = 8, repeats: int = 5) -> float:
     """Seconds per drafted token with a warm cache (the draft's prefill is not a per-token cost)."""
-    from draft_service.engine import DraftSettings
+    from draft_service.drafters.base import DraftSettings
 
     from specdec.model.features import FeatureRows
 
     times = []
     # A feature draft drafts nothing without the target's features; their values do not change the cost.
-    features = (FeatureRows(0, torch.zeros(len(context) - 1, engine.drafter.dim))
-                if getattr(engine.drafter, "needs_features", False) else None)
+    features = (FeatureRows(0, torch.zeros(len(context) - 1, engine.drafter.feature_dim))
+                if engine.drafter.needs_features else None)
     for rep in range(repeats + 1):
         sid = f"draft-cost-{rep}-{uuid.uuid4().hex[:6]}"
         list(engine.propose(sid, 0, list(context), DraftSettings(1, 0.0, 0.0, 0), features))  # prefill
@@ -201,7 +201,7 @@ def hf_runner(model, max_new: int, eos: list[int], **generate_kwargs):
 
 
 def local_runner(loop, max_new: int, eos: list[int], draft_length: int, adaptive: bool, tree=None):
-    from coordinator.loop import GenerationSpec, Stats
+    from coordinator.protocol import GenerationSpec, Stats
     from specdec.spec.sampling import SamplingConfig
 
     def run(prompt: list[int]) -> Sample:
@@ -308,8 +308,10 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
                           stack: GrpcStack | None, notes: dict, engines: dict) -> tuple[list[Configuration], dict]:
     from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
     from coordinator.local import LocalProposer, LocalVerifier
-    from coordinator.loop import SpeculativeLoop, TreeSpec
-    from draft_service.servicer import build_engine
+    from coordinator.loop import SpeculativeLoop
+    from coordinator.protocol import TreeSpec
+    from draft_service.drafters.model import ModelDrafter
+    from draft_service.servicer import load_engine_with_model_info
     from specdec.model.loading import load_model, pruned_draft_folder
     from specdec.model.pruned import hf_assistant
     from target_service.engine import TargetEngine
@@ -331,10 +333,10 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
         name = short_name(drafter)
         config = draft_config(drafter, target_spec, opts.device)  # as the gRPC stack's draft service runs it
         if drafter not in engines:  # one engine per draft, shared by every weight format's rows
-            engines[drafter] = build_engine(config)[0]
+            engines[drafter] = load_engine_with_model_info(config)[0]
         engine = engines[drafter]
         prior = NGRAM_DRAFT_PRIOR if drafter == "ngram" else MODEL_DRAFT_PRIOR
-        features = bool(getattr(engine.drafter, "needs_features", False))  # a feature draft (specdec/model/feature_draft.py)
+        features = engine.drafter.needs_features  # a feature draft (specdec/model/feature_draft.py)
         if opts.hf:
             if features:
                 notes[f"hf-assisted[{name}]"] = ("skipped: transformers' assisted generation has no way to hand the "
@@ -376,8 +378,8 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
                                              runner=local_runner(fixed, opts.max_new_tokens, eos, opts.max_draft, False,
                                                                  TreeSpec(budget, opts.tree_top_k)),
                                              note=f"dynamic tree: {budget} nodes, top-{opts.tree_top_k}, depth <= {opts.max_draft}"))
-            if opts.staged and hasattr(engine.drafter, "staged"):
-                staged_engine, _ = build_engine(dataclasses.replace(config, staged=True))
+            if opts.staged and isinstance(engine.drafter, ModelDrafter):  # not another vocabulary's
+                staged_engine, _ = load_engine_with_model_info(dataclasses.replace(config, staged=True))
                 for g in opts.draft_lengths:
                     fixed = SpeculativeLoop(verifier, LocalProposer(staged_engine), None, prior)
                     configs.append(Configuration(f"staged[{name},g={g}]", "staged", drafter, g, False,

@@ -81,7 +81,7 @@ def default_drafter(target_model: str, draft_model: str = "") -> tuple[str, str]
     drafting on the demo prompt (docs/benchmarks.md); pass --draft-model smollm2-135m-feature for it.
     """
     from specdec.model.loading import DEFAULT_TARGET, DRAFT_ALIASES, _REPO_DRAFTS
-    from specdec.model.pruned import is_pruned_draft
+    from specdec.model.draft_folders import is_pruned_draft
 
     if draft_model:
         return "model", draft_model

@@ -125,8 +125,8 @@ class TargetEngine:
 
         Why: the coordinator asks for this only for steps it would not draft anyway (an n-gram
         drafter resting after empty asks, speculation off), and each of those steps otherwise costs
-        a whole exchange with the target: about 1.2 ms of gRPC on 2 CPU cores against a 25 ms
-        forward. Each token is chosen exactly as a no-draft Verify at its position would choose it
+        a whole exchange with the target, gRPC on top of the forward.
+        Each token is chosen exactly as a no-draft Verify at its position would choose it
         (`_verdict` with no draft tokens: the argmax, or a sample from the position-keyed generator),
         so the tokens are the ones those steps would have made. Stops after an end-of-sequence
         token and before the context is full; the coordinator cuts anything past its own stops.
@@ -239,8 +239,8 @@ class TargetEngine:
     def _chunk_budget(self, alone: bool) -> int:
         """Canonical tokens one row may feed in this pass: --max-prefill-tokens-per-pass, less where
         the measured costs say a chunk that long would hold the other sequences' steps up for more
-        than CHUNK_STEPS of their steps (on a CPU one prefill token costs a good part of a decode step);
-        a lone sequence, which delays nobody, feeds 8 times as much."""
+        than CHUNK_STEPS of their steps (on a CPU a few dozen prompt tokens cost as much as a step);
+        the only sequence the target holds, which delays nobody, feeds 8 times as much."""
         limit = self.max_prefill_tokens
         if not limit or alone:
             return limit * 8
@@ -260,7 +260,8 @@ class TargetEngine:
         feed, without a verdict, and returns the call that goes on from there.
 
         Why: a prefill is one forward over every pending position, compute-bound, and every other
-        sequence's next step waits for it (a 4,000-token prompt held 2-core CPUs for 35 s). In chunks,
+        sequence's next step waits for it (a prompt of thousands of tokens held a CPU for many
+        seconds). In chunks,
         the batcher runs the other sequences' rows between two chunks (specdec/serving/batcher.py,
         Requeue). One row a pass is chunked: the budget is the pass's. The rest call names every token
         the target now holds (known_len), so its sync keeps the cache; `prefill` tells the batcher

@@ -14,7 +14,8 @@ import torch
 
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
-from draft_service.engine import DraftEngine, ModelDrafter
+from draft_service.drafters.model import ModelDrafter
+from draft_service.engine import DraftEngine
 from specdec.model import compact, gemm, gemm_kernel
 from specdec.model.lm import CausalLM
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel

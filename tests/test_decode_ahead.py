@@ -16,7 +16,8 @@ from coordinator.policy.draft_length import DraftLengthPolicy
 from coordinator.clients import TargetClient
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import DEFAULT_DECODE_AHEAD, SpeculativeLoop
-from draft_service.engine import DraftEngine, NgramDrafter
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import InvalidArgument

@@ -17,7 +17,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draft_service.engine import DraftEngine, DraftSettings, load_pruned_drafter
+from draft_service.drafters.base import DraftSettings
+from draft_service.drafters.model import load_pruned_drafter
+from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
 from specdec_tools import distill
 from specdec.model.pruned import WEIGHTS, PrunedDraft, load_draft

@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 
 from coordinator.local import LocalProposer, LocalVerifier
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
+from coordinator.loop import SpeculativeLoop
+from coordinator.protocol import GenerationSpec, Stats
 from specdec.spec.costs import MODEL_DRAFT_PRIOR
 from draft_service.engine import DraftEngine
 from draft_service.drafters.feature import FeatureDrafter, load_feature_drafter

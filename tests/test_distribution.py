@@ -43,11 +43,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from coordinator.config import CoordinatorConfig
 from coordinator.local import LocalProposer, LocalVerifier
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, TreeSpec
+from coordinator.loop import SpeculativeLoop
+from coordinator.protocol import GenerationSpec, Stats, TreeSpec
 from coordinator.policy.admission import Admission
 from coordinator.servicer import make_loop
 from specdec.spec.costs import Costs, cost_curve
-from draft_service.engine import ChainState, DraftEngine, DraftSettings, ModelDrafter, NgramDrafter, Proposal
+from draft_service.drafters.base import DraftSettings, Proposal
+from draft_service.drafters.model import ChainState, ModelDrafter
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.engine import DraftEngine
 from draft_service.drafters.feature import FeatureDrafter
 from protos import specdec_pb2 as pb
 from specdec.model import gemm
@@ -353,7 +357,7 @@ def test_other_tokenizer_draft():
     target: it samples from its own tokens that map one-to-one onto target tokens."""
     from draft_service.drafters.other_vocab import CrossVocabDrafter
     from specdec.model.vocab import TokenText, VocabMap
-    from tests.test_crossvocab import bpe_tokenizer, move_vocab
+    from tests.test_other_vocab import bpe_tokenizer, move_vocab
 
     torch.manual_seed(0)
     base = LlamaForCausalLM(tiny.tiny_config(layers=1)).eval()

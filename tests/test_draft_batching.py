@@ -15,7 +15,9 @@ import grpc
 import pytest
 import torch
 
-from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter
+from draft_service.drafters.base import DraftSettings
+from draft_service.drafters.model import ModelDrafter
+from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.model.lm import CausalLM

@@ -11,8 +11,10 @@ import torch
 
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
-from coordinator.loop import SpeculativeLoop, Stats
-from draft_service.engine import DraftEngine, DraftSettings
+from coordinator.loop import SpeculativeLoop
+from coordinator.protocol import Stats
+from draft_service.drafters.base import DraftSettings
+from draft_service.engine import DraftEngine
 from draft_service.drafters.feature import FeatureDrafter
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc

@@ -12,7 +12,8 @@ import torch
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
-from draft_service.engine import DraftEngine, ModelDrafter
+from draft_service.drafters.model import ModelDrafter
+from draft_service.engine import DraftEngine
 from specdec.model import gemm
 from specdec.model import gemm_kernel
 from specdec.kv.store import Sequence

@@ -9,7 +9,9 @@ import asyncio
 import threading
 import time
 
-from draft_service.engine import INLINE_APPEND, DraftEngine, DraftSettings, NgramDrafter
+from draft_service.drafters.base import DraftSettings
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.engine import INLINE_APPEND, DraftEngine
 from draft_service.servicer import DraftServicer
 from protos import specdec_pb2 as pb
 from specdec.serving.rpc import EngineHost

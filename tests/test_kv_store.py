@@ -7,7 +7,9 @@ import random
 import pytest
 import torch
 
-from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter
+from draft_service.drafters.base import DraftSettings
+from draft_service.drafters.model import ModelDrafter
+from draft_service.engine import DraftEngine
 from specdec.errors import SequenceNotFound, SequenceReleased
 from specdec.kv.store import SequenceStore
 from specdec.model.lm import CausalLM

@@ -9,8 +9,10 @@ import torch
 
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
-from draft_service.engine import DraftEngine, ModelDrafter
+from coordinator.loop import SpeculativeLoop
+from coordinator.protocol import GenerationSpec, Stats
+from draft_service.drafters.model import ModelDrafter
+from draft_service.engine import DraftEngine
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
 from target_service.engine import TargetEngine

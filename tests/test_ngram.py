@@ -4,7 +4,9 @@ import random
 
 import pytest
 
-from draft_service.engine import DraftEngine, DraftSettings, NgramDrafter
+from draft_service.drafters.base import DraftSettings
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.engine import DraftEngine
 from draft_service.drafters.ngram import MatchCalibration, NgramIndex, ngram_propose
 
 

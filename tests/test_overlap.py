@@ -13,9 +13,11 @@ import torch
 
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
+from coordinator.loop import SpeculativeLoop
+from coordinator.protocol import GenerationSpec, Stats
 from coordinator.policy.overlap import PROBE_EVERY, RunAheadPolicy
-from draft_service.engine import DraftEngine, ModelDrafter
+from draft_service.drafters.model import ModelDrafter
+from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig, target_probs

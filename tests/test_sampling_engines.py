@@ -13,7 +13,9 @@ import torch
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter
+from draft_service.drafters.base import DraftSettings
+from draft_service.drafters.model import ModelDrafter
+from draft_service.engine import DraftEngine
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig, derive_seed, target_probs
 from target_service.engine import TargetEngine

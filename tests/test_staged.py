@@ -15,8 +15,11 @@ import torch
 
 from specdec.spec.costs import MODEL_DRAFT_PRIOR
 from coordinator.local import LocalProposer, LocalVerifier
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats
-from draft_service.engine import DraftEngine, DraftSettings, ModelDrafter
+from coordinator.loop import SpeculativeLoop
+from coordinator.protocol import GenerationSpec, Stats
+from draft_service.drafters.base import DraftSettings
+from draft_service.drafters.model import ModelDrafter
+from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig

@@ -17,8 +17,11 @@ import torch
 
 from specdec.spec.costs import MODEL_DRAFT_PRIOR
 from coordinator.local import LocalProposer, LocalVerifier
-from coordinator.loop import GenerationSpec, SpeculativeLoop, Stats, TreeSpec
-from draft_service.engine import DraftEngine, ModelDrafter, NgramDrafter
+from coordinator.loop import SpeculativeLoop
+from coordinator.protocol import GenerationSpec, Stats, TreeSpec
+from draft_service.drafters.model import ModelDrafter
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.engine import DraftEngine
 from draft_service.tree import TreeBuilder, TreeSettings
 from specdec.errors import InvalidArgument
 from specdec.kv.store import Sequence

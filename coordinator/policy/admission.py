@@ -10,11 +10,11 @@
   cost. So the running requests share a budget of verified positions per target pass: each may
   draft at most budget // running - 1 tokens (the -1 is its own next token). With the default 8:
   one request drafts up to 7, 2 up to 3, 4 up to 1, 8 or more none at all. The default is the
-  knee measured on the 2-core CPU: 8 streams through the three services made 50.6 tok/s with
-  budget 8 against 44.1 with 16 (one draft token each) on chat prompts, 28.5 against 24.0 on long
-  grounded ones, although the n-gram drafts were accepted half the time there. A GPU's knee is far
-  higher (the gpu overlay sets 128). The adaptive policy (adapt.py) still chooses within that cap
-  by acceptance and cost.
+  knee measured on a 2-core CPU: 8 streams through the three services made more tokens per second
+  with budget 8 than with 16 (one draft token each), on chat prompts and on long grounded ones
+  alike, although the n-gram drafts were accepted half the time there. A GPU's knee is far
+  higher (the gpu overlay sets 128). The draft-length policy (coordinator/policy/draft_length.py)
+  still chooses within that cap by acceptance and cost.
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ gets a third lever on top: its proposal, up to the cap, is cut at the prefix wit
 tokens per second, E(g) = 1 + the sum of its first g cumulative probabilities. A 1-token match,
 right ~20% of the time, is then not checked when checking costs more than it brings. The cap stays
 per request: a calibration shared by all requests learns a request's text too slowly. When it asked
-for the whole length every step, a chat prompt the target paraphrases got 95 tokens drafted and 5
-accepted over gRPC (0.72x), and the cap would have skipped those Propose round trips.
+for the whole length every step, a chat prompt the target paraphrases got many tokens drafted and
+few accepted over gRPC, slower than no speculation, and the cap would have skipped those Propose
+round trips.
 
 Seeded requests use the static cost priors instead of measured times, so the same seed gives the
 same draft lengths, hence the same random draws, hence the same tokens on every run.
@@ -134,12 +135,12 @@ class DraftLengthPolicy:
         """A calibrated draft was asked for a proposal and `kept` of its tokens survived cut().
 
         An ask that leaves nothing (no match at all, or one too weak to check) still costs a round
-        trip to a draft service: ~1.4 ms on 2 CPU cores, 3% of a step. On chat prompts the n-gram
+        trip to a draft service, a few percent of a step on CPUs. On chat prompts the n-gram
         drafter was asked nearly every step and came back empty on most, because an empty proposal
         teaches the acceptance estimate nothing. Empty asks come in runs (new words), so after one
         the next ask waits 1, 2, 4, then up to 8 steps, until an ask finds something to verify. A
-        replay of the target's greedy outputs had this at +2% (chat) and +3% (grounded) with
-        1.4 ms asks, and no loss with free ones (in process)."""
+        replay of the target's greedy outputs gained with costly asks (over gRPC) and lost nothing
+        with free ones (in process)."""
         if not (self.calibrated and self.adaptive):
             return
         if kept:

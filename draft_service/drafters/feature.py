@@ -20,7 +20,9 @@ from collections.abc import Iterator
 
 import torch
 
-from draft_service.engine import DraftSettings, ModelDrafter, Proposal
+from draft_service.drafters.base import DraftSettings, Proposal, chain_tree
+from draft_service.drafters.model import ModelDrafter
+from draft_service.tree import TreeDraft, TreeSettings
 from specdec.model.feature_draft import FeatureDraft
 from specdec.errors import InvalidArgument
 from specdec.model.features import FeatureRows
@@ -48,7 +50,8 @@ class _LmInfo:
 
 
 class FeatureDrafter(ModelDrafter):
-    """Token choice (greedy, top-k sampling, the cumulative-probability stop) is ModelDrafter's."""
+    """Token choice (greedy, top-k sampling, the cumulative-probability stop) is ModelDrafter's;
+    the forwards, the features and the tree (a chain: it cannot branch) are its own."""
 
     kind = "feature"
     needs_features = True
@@ -56,7 +59,7 @@ class FeatureDrafter(ModelDrafter):
     def __init__(self, model: FeatureDraft, device: torch.device, eos_token_ids: list[int] | None = None, top_k: int = 32):
         super().__init__(_LmInfo(model, device, eos_token_ids or []), top_k)
         self.model = model
-        self.dim = int(model.config.hidden_size)
+        self.feature_dim = int(model.config.hidden_size)
         self.dtype = next(model.parameters()).dtype
 
     def receive(self, seq: Sequence, rows: FeatureRows | None) -> None:
@@ -64,29 +67,35 @@ class FeatureDrafter(ModelDrafter):
         store's sync, so seq.tokens is the canonical sequence)."""
         state = seq.side if isinstance(seq.side, FeatureState) else None
         if state is None or len(seq.tokens) == 0:
-            state = seq.side = FeatureState(torch.empty(0, self.dim, dtype=self.dtype))
+            state = seq.side = FeatureState(torch.empty(0, self.feature_dim, dtype=self.dtype))
         state.count = min(state.count, max(0, len(seq.tokens) - 1))  # a rollback drops the features past it
         if rows is None:
             return
         if rows.start > state.count:
             raise InvalidArgument("features.start",
                                   f"is {rows.start}, but the draft holds features for {state.count} positions of this sequence")
-        if rows.rows and rows.values.shape[1] != self.dim:
-            raise InvalidArgument("features.dim", f"is {rows.values.shape[1]}, the draft's hidden size is {self.dim}")
+        if rows.rows and rows.values.shape[1] != self.feature_dim:
+            raise InvalidArgument("features.dim", f"is {rows.values.shape[1]}, the draft's hidden size is {self.feature_dim}")
         if rows.end > len(seq.tokens):
             raise InvalidArgument("features", f"covers positions up to {rows.end}, past the sequence's {len(seq.tokens)} tokens")
         if state.values.shape[0] < rows.end:
-            grown = torch.empty(max(rows.end, 2 * state.values.shape[0], 64), self.dim, dtype=self.dtype)
+            grown = torch.empty(max(rows.end, 2 * state.values.shape[0], 64), self.feature_dim, dtype=self.dtype)
             grown[:rows.start] = state.values[:rows.start]
             state.values = grown
         state.values[rows.start:rows.end] = rows.values.to(self.dtype)
         state.count = rows.end
 
-    def draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+    def propose(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
         state = seq.side if isinstance(seq.side, FeatureState) else None
         if state is None or state.count == 0 or len(seq.tokens) < 2:
             return  # nothing to draft from yet: the first Verify brings the prompt's features
         yield from self._draft(seq, state, settings, start)
+
+    def propose_tree(self, seq: Sequence, settings: TreeSettings, start: float) -> TreeDraft:
+        return chain_tree(self, seq, settings, start)
+
+    def batches(self, settings: DraftSettings) -> bool:
+        return False  # its forwards are the feature draft's own, not the batcher's
 
     @torch.inference_mode()
     def _draft(self, seq: Sequence, state: FeatureState, settings: DraftSettings, start: float) -> Iterator[Proposal]:

@@ -29,8 +29,10 @@ from collections.abc import Iterator
 
 import torch
 
-from draft_service.engine import DraftSettings, Proposal
+from draft_service.drafters.base import DraftSettings, Proposal, chain_tree
+from draft_service.tree import TreeDraft, TreeSettings
 from specdec.kv.store import Sequence
+from specdec.model.features import FeatureRows
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import truncated_probs
 from specdec.model.vocab import VocabMap, common_prefix, incomplete_tail, is_char_start
@@ -67,9 +69,14 @@ class CrossVocabDrafter:
     # The engine checks append_tokens against this; 0 skips it: any target id is accepted (ids
     # without text, like a model's padding rows, just add no text to the draft's context).
     vocab_size = 0
+    needs_features = False
+    feature_dim = 0
+    inline = False
 
-    def __init__(self, lm: CausalLM, vocab: VocabMap, top_k: int = 32):
+    def __init__(self, lm: CausalLM, vocab: VocabMap, top_k: int = 32, source: str | None = None):
+        """`source`: the file or folder the draft's weights came from (--weights gguf reads its blocks)."""
         self.lm = lm
+        self.source = source
         self.vocab = vocab
         self.top_k = top_k
         draft_size = max(lm.vocab_size, len(vocab.draft))
@@ -131,7 +138,17 @@ class CrossVocabDrafter:
 
     # -- drafting --------------------------------------------------------------------------------
 
-    def draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+    def receive(self, seq: Sequence, features: FeatureRows | None) -> None:
+        """A draft in another vocabulary reads no target features."""
+
+    def propose_tree(self, seq: Sequence, settings: TreeSettings, start: float) -> TreeDraft:
+        """Its tokens come from re-tokenized text, not one draft position each: a chain only."""
+        return chain_tree(self, seq, settings, start)
+
+    def batches(self, settings: DraftSettings) -> bool:
+        return False  # its forwards run over its own vocabulary's sequence, not the store's
+
+    def propose(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
         state = self.state(seq)
         if state.synced != len(state.text) or len(state.draft_text) != len(state.text) or not state.draft.tokens:
             return  # the draft cannot represent the canonical text exactly: nothing to build on
@@ -222,7 +239,8 @@ class CrossVocabDrafter:
         state.draft_ends.append(len(state.draft_text))
 
 
-def build_cross_drafter(lm: CausalLM, draft_tokenizer, draft_spec: str, target_tokenizer: str, top_k: int) -> CrossVocabDrafter | None:
+def build_cross_drafter(lm: CausalLM, draft_tokenizer, draft_spec: str, target_tokenizer: str, top_k: int,
+                        source: str | None = None) -> CrossVocabDrafter | None:
     """Loads the target's tokenizer and maps the two vocabularies; clear errors when it cannot.
 
     None when both tokenizers turn out identical (same pieces, same specials): the plain
@@ -230,7 +248,7 @@ def build_cross_drafter(lm: CausalLM, draft_tokenizer, draft_spec: str, target_t
     whenever the draft is another model, which may well share the target's vocabulary).
 
     Blocking (reads tokenizer files, walks both vocabularies): call it off the event loop, as
-    build_engine is.
+    draft_service.loading.load_engine is.
     """
     from specdec.model.loading import load_tokenizer
     from specdec.model.vocab import TokenText
@@ -246,4 +264,4 @@ def build_cross_drafter(lm: CausalLM, draft_tokenizer, draft_spec: str, target_t
     if draft_text.pieces[: len(target_text)] == target_text.pieces and draft_text.special == target_text.special:
         return None
     vocab = VocabMap.build(draft_text, target_text)
-    return CrossVocabDrafter(lm, vocab, top_k)
+    return CrossVocabDrafter(lm, vocab, top_k, source)

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
+from draft_service.drafters.base import DraftSettings, Proposal
 from draft_service.drafters.ngram import NgramIndex
 from specdec.kv.store import Sequence
 
@@ -38,10 +39,8 @@ def _index(seq: Sequence, max_n: int) -> NgramIndex:
     return index
 
 
-def draft_staged(drafter, seq: Sequence, settings, start: float, max_n: int = 4) -> Iterator:
+def draft_staged(drafter, seq: Sequence, settings: DraftSettings, start: float, max_n: int = 4) -> Iterator[Proposal]:
     """The draft's greedy proposals (same tokens as ModelDrafter._draft at temperature 0)."""
-    from draft_service.engine import Proposal
-
     lm = drafter.lm
     index = _index(seq, max_n)
     cumulative = 1.0

@@ -24,9 +24,9 @@ tests/test_batching.py checks never flips a greedy token on the test models.
 Why copy caches per step rather than keep one resident padded cache: per-sequence caches keep
 rollback, eviction, re-fill and the unbatched path exactly as they were, and a resident cache would
 need compaction, per-row crops and eviction inside a shared buffer. What made the copies expensive
-was their number, not their bytes: layer by layer, 8 rows of a 30-layer model meant ~2,000 small
-tensor copies a step, 30-45 ms next to a 33 ms batched forward (SmolLM2-135M with the small-M
-kernel, 2 CPU cores). So a sequence whose layers share one shape keeps all of them in one tensor,
+was their number, not their bytes: layer by layer, a few rows of a 30-layer model meant thousands
+of small tensor copies a step, as costly as the batched forward itself. So a sequence
+whose layers share one shape keeps all of them in one tensor,
 its arena [L, 2, H, capacity, D] (specdec/kv/buffers.py), the batch is one tensor too, and a row
 goes in with one copy and comes back with one copy of its new positions only (its arena still
 holds the rest). Models whose layers differ in shape copy layer by layer, as before.
@@ -145,9 +145,9 @@ def _arena_batch(lm: CausalLM, seqs: list[Sequence], past: list[int], width_p: i
     row with nothing cached); (None, []) when some row's layers differ in shape (then the caller
     fills the batch layer by layer) or no row has a cache yet.
 
-    Why: with the small-M kernel a batched model forward over 8 one-token rows took 33 ms, and
-    copying the rows' caches in layer by layer and back out again another 30-45 ms, nearly all of
-    it the dispatch of ~2,000 small tensor copies. The tensor lives in memory kept from the last
+    Why: with the small-M kernel, copying the rows' caches in layer by layer and back out again
+    cost about as much as the batched model forward itself, nearly all of it the dispatch of
+    thousands of small tensor copies. The tensor lives in memory kept from the last
     batch (_scratch)."""
     shapes = {arena_shape(seq.cache) for seq, c in zip(seqs, past) if c}
     if len(shapes) != 1 or None in shapes:
@@ -175,11 +175,9 @@ SCRATCH_KEEP_BYTES = 1 << 30
 def _scratch(lm: CausalLM, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """An uninitialised tensor of `shape` in memory that the model's previous batch used.
 
-    Why: a batch cache is one large allocation (8 rows of ~200 positions: 78 MB for SmolLM2), which
-    glibc serves with a fresh mmap and returns on free, so every step paid a page fault per 4 KiB
-    on first touch. Measured on 8 one-token rows (2 CPU cores): building the batch took 36-103 ms
-    per step in fresh memory, 5.6-7.5 ms in reused memory, and the step 45-48 ms against 63-78 ms
-    with the old layer-by-layer copies. The batch's cache is done with once every row has its own
+    Why: a batch cache is one large allocation, which glibc serves with a fresh mmap and returns
+    on free, so every step paid a page fault per page on first touch: building the batch in fresh
+    memory cost several times what it costs in reused memory. The batch's cache is done with once every row has its own
     back (BatchState.write_back), before the model's next batched forward on the same worker."""
     numel = 1
     for size in shape:

@@ -2,9 +2,9 @@
 
 transformers' DynamicLayer appends a step's keys and values with torch.cat, which copies every
 cached position of every layer on every forward: O(context) bytes per step, on top of the weights.
-The copy grows with the context: for SmolLM2-135M on 2 CPU cores (`benchmarks/kv_append.py`) the
-in-place cache made a forward 1.0x as fast at 300 tokens of context, 1.05-1.09x at 1,500 and
-1.09-1.43x at 4,000. Serving engines preallocate KV memory for the same reason (vLLM's paged
+The copy grows with the context, so the in-place cache gains nothing at short contexts and more
+the longer the context grows (`benchmarks/kv_append.py` measures it). Serving engines
+preallocate KV memory for the same reason (vLLM's paged
 blocks, llama.cpp's fixed-size cache).
 
 `GrowingLayer` keeps keys and values in buffers with spare room, doubling when full (amortised

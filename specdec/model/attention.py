@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specdec.model import gemm_kernel
+from specdec.model import gemm_kernel, packed
 
 NAME = "specdec_rows"
 _UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")
@@ -39,9 +39,7 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """query [B, H, Mq, D], key/value [B, Hkv, T, D] -> ([B, Mq, H, D], None), as SDPA's forward returns."""
-    from specdec.model.gemm import _ENABLED  # gemm imports this module
-
-    kernel = gemm_kernel.load() if _ENABLED.get() else None  # gemm.disabled(): the reference, SDPA
+    kernel = gemm_kernel.load() if packed.enabled() else None  # gemm.disabled(): the reference, SDPA
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     mask = None if attention_mask is None else _mask_bytes(attention_mask, key.shape[-2])
     if (kernel is None or query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32

@@ -1,9 +1,9 @@
 """A lean forward for the decoder layers of compact Llama-family models.
 
-Why: with compact weights a SmolLM2-135M decode step reads ~106 MiB, about 4 ms at this machine's
-memory speed, yet transformers' eager layer forward around those reads makes some 35 tensor
-operations and module calls per layer, each a few microseconds of Python and dispatch: over 30
-layers, as much time again as the weights. llama.cpp, the tool CPU users compare with, has none of
+Why: with compact weights a small model's decode step reads little memory, yet transformers'
+eager layer forward around those reads makes dozens of tensor operations and module calls per
+layer, each paying Python and dispatch: over a whole model, as much time again as the weights.
+llama.cpp, the tool CPU users compare with, has none of
 that. This forward computes the same layer with fewer, larger steps: one call for the RMS norms
 (gemm_kernel's sg_rmsnorm), one kernel call for q/k/v and one for gate/up (their LinearGroups), the
 row-exact attention called directly, and transformers' own rotary embedding and cache update.
@@ -24,7 +24,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from specdec.model import attention, gemm, gemm_kernel
+from specdec.model import attention, gemm_kernel, packed
 
 
 def _rmsnorm(kernel: gemm_kernel.Kernel, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
@@ -36,7 +36,7 @@ def _rmsnorm(kernel: gemm_kernel.Kernel, x: torch.Tensor, norm: torch.nn.Module)
 def _forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids=None,
              cache=None, use_cache: bool | None = False, position_embeddings=None, **kwargs) -> torch.Tensor:
     cache = kwargs.pop("past_key_values", cache)
-    if (not gemm._ENABLED.get() or hidden_states.dtype != torch.float32 or hidden_states.requires_grad
+    if (not packed.enabled() or hidden_states.dtype != torch.float32 or hidden_states.requires_grad
             or not hidden_states.is_contiguous() or position_embeddings is None):
         return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
@@ -72,7 +72,7 @@ def _eligible(layer: torch.nn.Module) -> bool:
             return False
     config = getattr(attn, "config", None)
     return (getattr(config, "hidden_act", None) == "silu" and getattr(config, "_attn_implementation", None) == attention.NAME
-            and isinstance(attn.o_proj, gemm.PackedLinear) and isinstance(mlp.down_proj, gemm.PackedLinear)
+            and isinstance(attn.o_proj, packed.PackedLinear) and isinstance(mlp.down_proj, packed.PackedLinear)
             and hasattr(sys.modules[type(layer).__module__], "apply_rotary_pos_emb"))
 
 

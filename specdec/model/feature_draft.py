@@ -31,15 +31,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
+from specdec.model.draft_folders import FEATURE_MARKER, is_feature_draft
 from specdec.model.hfcache import cache_kwargs
 
-MARKER = "specdec_feature_draft.json"
+MARKER = FEATURE_MARKER
 KEPT = "kept_vocab.json"
 WEIGHTS = "model.safetensors"
-
-
-def is_feature_draft(folder: str | pathlib.Path) -> bool:
-    return (pathlib.Path(folder) / MARKER).is_file()
 
 
 class FeatureDraft(torch.nn.Module):

@@ -2,9 +2,9 @@
 
 The default models ship as GGUF files inside pip packages, because the machines this runs on cannot
 reach the Hugging Face hub. transformers reads GGUF, but dequantises every tensor on every load
-(~20 s for SmolLM2-135M) and both the target service and the coordinator need the model or its
+(slow, even for a small model) and both the target service and the coordinator need the model or its
 tokenizer at startup. So a GGUF file is converted once into a plain safetensors folder under the
-cache dir, and every later start reads that folder in about a second.
+cache dir, and every later start only reads that folder.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 import torch
+
+from specdec.model.draft_folders import is_feature_draft, is_pruned_draft
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -247,8 +249,6 @@ def pruned_draft_folder(spec: str) -> pathlib.Path | None:
     Such drafts are not transformers checkpoints (no embedding of their own, a head over a subset of
     the target's vocabulary), so the draft service loads them with specdec.model.pruned, not load_model.
     """
-    from specdec.model.pruned import is_pruned_draft
-
     if spec in DRAFT_ALIASES:
         folder = _REPO_DRAFTS / DRAFT_ALIASES[spec]
         if not is_pruned_draft(folder):
@@ -262,8 +262,6 @@ def pruned_draft_folder(spec: str) -> pathlib.Path | None:
 
 def feature_draft_folder(spec: str) -> pathlib.Path | None:
     """The folder of a feature draft (specdec/model/feature_draft.py) named by alias or path; None for any other spec."""
-    from specdec.model.feature_draft import is_feature_draft
-
     if spec in DRAFT_ALIASES:
         folder = _REPO_DRAFTS / DRAFT_ALIASES[spec]
         return folder if is_feature_draft(folder) else None

@@ -26,18 +26,16 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
+from specdec.model.draft_folders import PRUNED_MARKER, is_pruned_draft
 from specdec.model.hfcache import cache_kwargs, output_field, returned_cache
+from specdec.model.loading import resolve_model_path
 from specdec.kv.buffers import new_cache
 from specdec.kv.store import Sequence
 
-MARKER = "specdec_draft.json"
+MARKER = PRUNED_MARKER
 KEPT = "kept_vocab.json"
 WEIGHTS = "model.safetensors"
 EMBED_KEY = "embed_tokens.weight"
-
-
-def is_pruned_draft(folder: str | pathlib.Path) -> bool:
-    return (pathlib.Path(folder) / MARKER).is_file()
 
 
 @dataclasses.dataclass
@@ -105,8 +103,6 @@ def save_draft(model: PrunedDraft, folder: str | pathlib.Path, target: str, eos_
 
 def target_embedding(target: str) -> torch.Tensor:
     """The target's input embedding [V, H], read from its safetensors without loading the model."""
-    from specdec.model.loading import resolve_model_path
-
     folder = resolve_model_path(target)
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as fh:

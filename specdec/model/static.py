@@ -9,7 +9,8 @@ the GPU every forward of a Llama-family model runs here, as passes of ONE shape:
 - every pass holds exactly `pass_rows` token rows (T), padded with rows that write a scratch slot;
   a long prompt is fed in chunks of T rows. The matrix products therefore always have T rows, the
   library always picks the same kernel, and a row's result never depends on the others (checked on
-  the GPU by tests/test_cuda.py). One shape is also what a CUDA graph replays: one capture serves
+  the GPU by tests/test_static.py, which benchmarks/cuda_check.sh runs on CUDA).
+  One shape is also what a CUDA graph replays: one capture serves
   prefill, decode and verification, and a decode step is one graph launch, not ~450 kernel launches.
 - keys and values live in a static cache [layers, slots + 1, kv heads, capacity, head dim]; a
   sequence owns a slot (`SlotCache`), position p at index p, so rollback is moving an integer.

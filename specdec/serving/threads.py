@@ -6,14 +6,14 @@ the machine has cores, libgomp stops letting idle team threads spin between regi
 on a futex, and every region pays a wake-up. A model forward is hundreds of short regions, so the
 whole forward slows down, for the rest of the process's life.
 
-One stray op is enough. On 2 cores, a SmolLM2-135M verify of 5 tokens took ~60 ms on the engine's
-worker. It took ~90-100 ms from the moment the event-loop thread ran a single clamp() over a
-2000 x 576 tensor (the target's feature encoding did). Over gRPC with the feature draft, the
-target's verify was ~1.6x its in-process time, and a target that had served one feature-draft
-request stayed that slow for every request after it.
+One stray op is enough: a single clamp() over a large tensor on the event-loop thread (the
+target's feature encoding did one) made every later verify on the engine's worker markedly
+slower, so over gRPC with the feature draft the target's verify fell well behind its in-process
+time, and a target that had served one feature-draft request stayed that slow for every request
+after it.
 
 So `specdec serve` confines torch's parallelism to the compute thread. The engine's worker
-(grpcutil.EngineHost) gets the threads torch would have used, and every other thread (the event
+(specdec.serving.rpc.EngineHost) gets the threads torch would have used, and every other thread (the event
 loop, executor threads) runs whatever torch ops it has single-threaded. Processes that never call
 `confine` (tests, `specdec bench`, in-process stacks) keep torch's defaults.
 """

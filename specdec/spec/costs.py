@@ -60,8 +60,8 @@ def cost_curve(single: float, jump: float, per_token: float) -> tuple[float, ...
 def monotone(values: list[float], weights: list[float]) -> list[float]:
     """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent
     violators). A forward over more positions never costs less, but cells of V(n) learn at their
-    own pace: a policy that only ever drafted 5 tokens measured V(6) = 30 ms while V(2..5) still
-    held the prior's 42-45 ms, so 5 looked cheaper than 1..4 and stayed the only length tried."""
+    own pace: a policy that only ever drafted 5 tokens measured V(6) below V(2..5), which still
+    held the prior's values, so 5 looked cheaper than 1..4 and stayed the only length tried."""
     blocks: list[list[float]] = []  # [weighted sum, weight, cells]
     for value, weight in zip(values, weights):
         blocks.append([value * weight, weight, 1])

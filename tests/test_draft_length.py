@@ -1,3 +1,6 @@
+"""The draft-length policy (coordinator/policy/draft_length.py) and the costs it weighs
+(specdec/spec/costs.py): E(g), the best length or prefix, the running cost model and its fit."""
+
 import pytest
 
 from coordinator.policy.draft_length import DraftLengthPolicy

@@ -21,7 +21,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from draft_service.drafters.other_vocab import CrossVocabDrafter, build_cross_drafter
-from draft_service.engine import DraftEngine, DraftSettings
+from draft_service.drafters.base import Drafter, DraftSettings
+from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig, derive_seed, target_probs
@@ -176,6 +177,13 @@ def cross_engine(pair, top_k: int = 8) -> DraftEngine:
     vmap = VocabMap.build(TokenText.from_tokenizer(pair["bpe"], pair["bpe_draft"].config.vocab_size),
                           TokenText.from_tokenizer(tiny.byte_tokenizer(), tiny.VOCAB))
     return DraftEngine(CrossVocabDrafter(CausalLM(pair["bpe_draft"], torch.device("cpu")), vmap, top_k))
+
+
+def test_it_is_a_drafter_that_neither_reads_features_nor_branches(pair):
+    drafter = cross_engine(pair).drafter
+    assert isinstance(drafter, Drafter)
+    assert (drafter.kind, drafter.vocab_size, drafter.needs_features, drafter.inline, drafter.source) == ("model", 0, False, False, None)
+    assert not drafter.batches(DraftSettings(4, 0.0, 0.0, 0))
 
 
 def test_draft_state_is_the_draft_tokenization_and_keeps_its_cache(pair):

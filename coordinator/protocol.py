@@ -1,0 +1,148 @@
+"""What the speculative loop (coordinator/loop.py) exchanges with the services and its callers.
+
+The proposer and verifier are protocols: gRPC clients (coordinator/clients.py) in production,
+in-process engines (coordinator/local.py) in benchmarks and tests, so the same loop runs with or
+without the network. The outcomes they return, a request as the loop runs it (GenerationSpec) and
+what a run reports (Stats) are plain data, here so that every module of the coordinator can name
+them without importing the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Protocol
+
+from specdec.model.features import FeatureRows
+from specdec.spec.sampling import SamplingConfig, TokenLogprob
+from specdec.spec.tree import tree_depth
+
+Dist = tuple[list[int], list[float]] | None  # sparse distribution a draft token was drawn from
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftOutcome:
+    tokens: list[int]
+    dists: list[Dist]  # chains: per token; trees: per position (root, then nodes), the children's p
+    compute_seconds: float
+    wall_seconds: float
+    wire_bytes: int = 0
+    parents: list[int] | None = None  # a tree: node i continues parents[i] (-1: the last canonical token)
+    confidence: list[float] | None = None  # chains: the draft's cumulative probability at each token
+
+    @property
+    def depth(self) -> int:
+        """Draft positions the longest branch spans (a chain's length)."""
+        return len(self.tokens) if self.parents is None else tree_depth(self.parents)
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSpec:
+    """How a request drafts trees: at most `budget` nodes, `top_k` children per expanded node
+    (dynamic), or `shape[d]` children per node at depth d (static)."""
+
+    budget: int
+    top_k: int = 4
+    shape: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyOutcome:
+    accepted: int
+    next_token: int
+    compute_seconds: float
+    wall_seconds: float
+    wire_bytes: int = 0
+    path: tuple[int, ...] = ()  # a tree's accepted nodes, root to leaf
+    features: FeatureRows | None = None  # asked for with return_features: for a feature draft
+    decoded: tuple[int, ...] = ()  # asked for with decode_ahead: the target's tokens after next_token
+    logprobs: tuple[TokenLogprob, ...] = ()  # asked for: one per token made canonical (accepted, next, decoded)
+
+
+@dataclasses.dataclass
+class Progress:
+    """A Propose in flight, as far as it got: a run-ahead's first token (its bonus guess) decides
+    whether the rest is worth waiting for, and the count says how much work a cancelled one did."""
+
+    first: asyncio.Future
+    tokens: int = 0
+
+    def arrived(self, token: int) -> None:
+        if self.tokens == 0 and not self.first.done():
+            self.first.set_result(token)
+        self.tokens += 1
+
+
+class Proposer(Protocol):
+    async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
+                      min_cumulative_prob: float, temperature: float, seed: int,
+                      progress: Progress | None = None, features: FeatureRows | None = None) -> DraftOutcome:
+        """`progress`, if given, is kept up to date as tokens arrive (see Progress). `features`: the
+        target hidden states a feature draft does not hold yet."""
+        ...
+
+    async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
+                           max_depth: int, temperature: float, seed: int) -> DraftOutcome: ...
+
+    async def release(self, sequence_id: str) -> None: ...
+
+
+class Verifier(Protocol):
+    async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
+                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False,
+                     decode_ahead: int = 0, logprobs: int | None = None, eos_banned_until: int = 0) -> VerifyOutcome: ...
+
+    async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
+                          tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome: ...
+
+    async def release(self, sequence_id: str) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationSpec:
+    """A validated request, in target token ids."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    draft_length: int
+    adaptive: bool
+    eos_token_ids: frozenset[int]
+    seeded: bool = False  # the client chose the seed: keep the run reproducible (coordinator/policy/draft_length.py)
+    max_context: int = 0  # 0: unbounded
+    tree: TreeSpec | None = None  # draft trees instead of chains (the draft length caps their depth)
+    logprobs: int | None = None  # report the target's log-probabilities, with this many alternatives (chains only)
+    min_tokens: int = 0  # no end-of-sequence token among the first min_tokens (the target bans them: chains only)
+
+
+@dataclasses.dataclass
+class Stats:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    steps: int = 0
+    draft_tokens: int = 0
+    draft_steps: int = 0  # steps that verified at least one draft token
+    load_capped_steps: int = 0  # steps that drafted nothing because the load cap (--verify-token-budget) left no room
+    accepted_tokens: int = 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    wire_seconds: float = 0.0
+    total_seconds: float = 0.0
+    time_to_first_token_seconds: float = 0.0
+    first_step_tokens: int = 0  # tokens the first step returned; decoding is what comes after
+    wire_bytes: int = 0
+    draft_failures: int = 0
+    runahead_steps: int = 0  # steps during whose Verify the draft ran ahead (overlap.py)
+    runahead_hits: int = 0  # ... and whose run-ahead became the next step's draft
+    runahead_tokens: int = 0  # draft tokens drafted ahead (the bonus guesses included)
+    runahead_used_tokens: int = 0  # ... of them that became canonical or the next draft
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted_tokens + self.steps) / self.steps if self.steps else 0.0
