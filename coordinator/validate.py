@@ -22,7 +22,7 @@ from protos import specdec_pb2 as pb
 from specdec.errors import InvalidArgument
 from specdec.limits import MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_REQUEST_ID
 from specdec.spec.tree import check_tree_bounds
-from specdec.spec.sampling import SamplingConfig
+from specdec.spec.sampling import SamplingConfig, check_sampling
 
 CHAT_ROLES = ("system", "user", "assistant")
 TREE_FIELDS = {"budget": "speculation.tree_budget", "top_k": "speculation.tree_top_k", "shape": "speculation.tree_shape"}
@@ -144,17 +144,11 @@ def max_new_tokens(request: Request, config: CoordinatorConfig, prompt_len: int,
 def sampling_config(s: pb.SamplingParams) -> tuple[SamplingConfig, bool]:
     """(the sampling settings, whether the client chose the seed); unset fields mean greedy, no top-k or top-p."""
     temperature = s.temperature if s.HasField("temperature") else 0.0
-    if not temperature >= 0:  # also rejects NaN
-        raise InvalidArgument("sampling.temperature", f"must be >= 0, got {temperature}")
     top_k = s.top_k if s.HasField("top_k") else 0
-    if top_k < 0:
-        raise InvalidArgument("sampling.top_k", f"must be >= 0, got {top_k}")
     top_p = s.top_p if s.HasField("top_p") else 1.0
-    if not 0 < top_p <= 1:
-        raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
     seeded = s.HasField("seed")
     seed = s.seed if seeded else random.getrandbits(63)
-    return SamplingConfig(temperature, top_k, top_p, seed), seeded
+    return check_sampling(SamplingConfig(temperature, top_k, top_p, seed)), seeded
 
 
 def speculation(sp: pb.SpeculationParams, config: CoordinatorConfig) -> tuple[int, bool, TreeSpec | None]:

@@ -24,6 +24,7 @@ from specdec.limits import MAX_DRAFT_TOKENS
 from specdec.model.features import FeatureRows
 from specdec.model.lm import feed
 from specdec.serving.batcher import Requeue
+from specdec.spec.sampling import check_temperature
 
 # Catch-up tokens an n-gram Propose may bring and still be answered on the event loop (answers_inline):
 # a step's catch-up is the accepted tokens plus one (at most MAX_DRAFT_TOKENS + 1); a few hundred
@@ -77,8 +78,7 @@ class DraftEngine:
         the target features that came with it; other drafters ignore features)."""
         if not 0 <= settings.max_tokens <= MAX_DRAFT_TOKENS:
             raise InvalidArgument("max_tokens", f"must be in [0, {MAX_DRAFT_TOKENS}], got {settings.max_tokens}")
-        if settings.temperature < 0:
-            raise InvalidArgument("temperature", f"must be >= 0, got {settings.temperature}")
+        check_temperature(settings.temperature)
         vocab = self.drafter.vocab_size
         if vocab and any(not 0 <= t < vocab for t in append):
             raise InvalidArgument("append_tokens", f"token ids must be in the draft's vocabulary [0, {vocab})")

@@ -20,8 +20,8 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
 from specdec.serving import tls
-from specdec.errors import InvalidArgument
 from specdec.model.features import FeatureRows
+from specdec.spec.sampling import check_temperature
 from specdec.serving.rpc import EngineHost, Server, rpc_method
 
 log = structlog.get_logger(__name__)
@@ -86,8 +86,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         message's compute_seconds is the time up to its own token, so none covers a chain's last
         forward when that forward's token fell under the threshold and was not sent."""
         spent = [] if spent is None else spent
-        if not request.temperature >= 0:  # NaN passes the engine's `< 0` check, then poisons sampling
-            raise InvalidArgument("temperature", f"must be >= 0, got {request.temperature}")
+        check_temperature(request.temperature)  # before the batched path too, which skips the engine's own check
         settings = DraftSettings(request.max_tokens, request.min_cumulative_prob, request.temperature, request.seed)
         async with self._one_at_a_time(request.sequence_id):
             if self.batcher.max_batch_size > 1 and self.engine.batches(settings):

@@ -29,7 +29,7 @@ import torch
 from specdec.limits import MAX_TREE_DEPTH, MAX_TREE_TOP_K
 from specdec.errors import InvalidArgument
 from specdec.kv.store import Sequence
-from specdec.spec.sampling import truncated_probs
+from specdec.spec.sampling import check_temperature, truncated_probs
 from specdec.forward.tree import forward_masked
 from specdec.spec.tree import check_tree_bounds
 
@@ -59,8 +59,7 @@ def check_tree_settings(settings: TreeSettings) -> None:
     check_tree_bounds(settings.budget, settings.top_k, settings.shape, TREE_FIELDS, check_top_k=not settings.shape)
     if not 1 <= settings.max_depth <= MAX_TREE_DEPTH:
         raise InvalidArgument("tree.max_depth", f"must be in [1, {MAX_TREE_DEPTH}], got {settings.max_depth}")
-    if not settings.temperature >= 0:  # also rejects NaN
-        raise InvalidArgument("temperature", f"must be >= 0, got {settings.temperature}")
+    check_temperature(settings.temperature)
 
 
 @dataclasses.dataclass

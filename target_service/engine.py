@@ -20,7 +20,7 @@ from specdec.errors import InvalidArgument, SpecdecError
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, SequenceStore
 from specdec.model.lm import CausalLM, feed
-from specdec.spec.sampling import (SamplingConfig, TokenLogprob, ban_tokens, chosen_logprobs, generator_for, target_probs,
+from specdec.spec.sampling import (SamplingConfig, TokenLogprob, check_sampling, ban_tokens, chosen_logprobs, generator_for, target_probs,
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch
@@ -390,12 +390,7 @@ class TargetEngine:
                 raise InvalidArgument(f"draft_dists[{i}]", "needs distinct in-vocabulary ids, one prob each, in [0, 1], summing to 1")
             if ids and not any(t == draft_tokens[i] and p > 0 for t, p in zip(ids, probs)):
                 raise InvalidArgument(f"draft_dists[{i}]", f"draft token {draft_tokens[i]} has probability 0 in the p it was drawn from")
-        if not sampling.temperature >= 0:  # also rejects NaN
-            raise InvalidArgument("sampling.temperature", f"must be >= 0, got {sampling.temperature}")
-        if sampling.top_k < 0:
-            raise InvalidArgument("sampling.top_k", f"must be >= 0, got {sampling.top_k}")
-        if not 0 < sampling.top_p <= 1:
-            raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sampling.top_p}")
+        check_sampling(sampling)
 
     def _validate_tree(self, call: VerifyCall) -> None:
         tree, vocab = call.tree, self.lm.vocab_size

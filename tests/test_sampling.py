@@ -52,3 +52,21 @@ def test_derived_seeds_are_stable_and_distinct():
     assert derive_seed(1, 10, "target") == derive_seed(1, 10, "target")
     assert len({derive_seed(1, 10, "target"), derive_seed(1, 11, "target"), derive_seed(2, 10, "target"), derive_seed(1, 10, "draft")}) == 4
     assert 0 <= derive_seed(2**64 - 1, 0, "x") < 2**63
+
+
+@pytest.mark.parametrize(("sampling", "field"), [
+    (SamplingConfig(temperature=float("nan")), "sampling.temperature"),
+    (SamplingConfig(temperature=-0.5), "sampling.temperature"),
+    (SamplingConfig(top_k=-1), "sampling.top_k"),
+    (SamplingConfig(top_p=0.0), "sampling.top_p"),
+    (SamplingConfig(top_p=1.5), "sampling.top_p"),
+])
+def test_one_sampling_check_names_the_wire_field(sampling, field):
+    """The coordinator's validator and the target engine call this one check: the same field, the same error."""
+    from specdec.errors import InvalidArgument
+    from specdec.spec.sampling import check_sampling
+
+    with pytest.raises(InvalidArgument) as caught:
+        check_sampling(sampling)
+    assert caught.value.field == field
+    assert check_sampling(SamplingConfig(0.7, 5, 0.9, 1)) == SamplingConfig(0.7, 5, 0.9, 1)

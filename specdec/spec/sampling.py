@@ -13,10 +13,12 @@ import hashlib
 
 import torch
 
+from specdec.errors import InvalidArgument
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """A request's sampling parameters, already validated (see validate_sampling)."""
+    """A request's sampling parameters, already validated (check_sampling)."""
 
     temperature: float = 0.0  # 0 means greedy: the argmax, no randomness at all
     top_k: int = 0  # 0 means no top-k truncation
@@ -26,6 +28,24 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def check_temperature(temperature: float, field: str = "temperature") -> None:
+    """The one temperature check of every service: >= 0, and not NaN (which `< 0` lets through and
+    which then poisons every probability)."""
+    if not temperature >= 0:
+        raise InvalidArgument(field, f"must be >= 0, got {temperature}")
+
+
+def check_sampling(sampling: SamplingConfig, prefix: str = "sampling.") -> SamplingConfig:
+    """The request checks the coordinator's validator and the target engine share: the field names
+    are the wire's (`prefix` + name), so a client sees the same error from either. Returns `sampling`."""
+    check_temperature(sampling.temperature, prefix + "temperature")
+    if sampling.top_k < 0:
+        raise InvalidArgument(prefix + "top_k", f"must be >= 0, got {sampling.top_k}")
+    if not 0 < sampling.top_p <= 1:
+        raise InvalidArgument(prefix + "top_p", f"must be in (0, 1], got {sampling.top_p}")
+    return sampling
 
 
 def scale_logits(logits: torch.Tensor, temperature: float) -> torch.Tensor:
