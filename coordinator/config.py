@@ -115,11 +115,11 @@ class CoordinatorConfig:
         256, "Most HTTP connections one client address holds open at once; past it a new one is closed at once. 0: no cap.")
     max_queue: int = option(64, "Requests waiting for a running slot; past it RESOURCE_EXHAUSTED at once, with a retry-after hint.")
     verify_token_budget: int = option(
-        8,
+        -1,
         "Verified positions per target pass the running requests share: each drafts at most budget // running"
-        " - 1 tokens, none once the batch is full. Set it near the knee of the target's cost curve: where a "
-        "pass over that many positions starts costing more than one (small on a CPU, far more on a GPU). 0: "
-        "no load cap.",
+        " - 1 tokens, none once the batch is full (the response statistics count those steps: "
+        "load_capped_steps). -1: sized from the measured costs, the most positions a pass verifies before "
+        "it costs 1.5 times a one-position pass (about 8 on a 2-core CPU, up to 256 on a GPU); 0: no load cap.",
     )
     rpc_timeout_s: float = option(30.0, "Deadline of each call to the draft and target services.")
     target_retry_s: float = option(
@@ -142,7 +142,9 @@ class CoordinatorConfig:
     def __post_init__(self):
         if not 0 <= self.decode_ahead <= MAX_DECODE_AHEAD:
             raise ValueError(f"--decode-ahead must be in [0, {MAX_DECODE_AHEAD}], got {self.decode_ahead}")
-        for flag in ("max_concurrent_requests", "max_queue", "verify_token_budget", "target_retry_s", "max_streams_per_client",
+        if self.verify_token_budget < -1:
+            raise ValueError(f"--verify-token-budget must be >= -1, got {self.verify_token_budget}")
+        for flag in ("max_concurrent_requests", "max_queue", "target_retry_s", "max_streams_per_client",
                      "stream_stall_timeout_s", "max_prompt_chars", "http_header_timeout_s", "max_connections_per_client"):
             if not getattr(self, flag) >= 0:  # NaN too
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")

@@ -14,7 +14,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
+from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, knee
 from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.loop import SpeculativeLoop, releases_done
@@ -144,6 +144,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         self.tokenizer = tokenizer
         self.target_info = target_info
         self.loop = make_loop(self.config, target, draft, draft_info, self.admission.draft_cap)
+        cost_model = self.loop.cost_model
+        self.admission.measured_budget = lambda: knee(cost_model.costs())  # --verify-token-budget -1
 
     def _spec(self, request) -> tuple[GenerationSpec, list[str]]:
         """The request as a validated spec and its stop strings: the checks are coordinator/validate.py's,

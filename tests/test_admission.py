@@ -145,3 +145,22 @@ def test_steps_the_load_cap_left_without_a_draft_are_reported(tmp_path):
         assert "specdec:spec_decode_load_capped_steps" in metrics
     finally:
         stack.stop()
+
+
+def test_the_default_budget_is_read_off_the_measured_cost_curve():
+    """-1: the knee of the target's V(n) (specdec.spec.costs.knee): 8 on the CPU prior's curve, far more
+    on a flat (GPU-like) one, and 8 until a cost model is attached."""
+    from specdec.spec.costs import MODEL_DRAFT_PRIOR, Costs, knee
+
+    assert knee(MODEL_DRAFT_PRIOR) == 8
+    flat = Costs(0.001, tuple(0.003 + 1e-6 * n for n in range(len(MODEL_DRAFT_PRIOR.verify))), 0.0)
+    assert knee(flat) == 256
+    steep = Costs(0.001, tuple(0.003 * (1 + n) for n in range(len(MODEL_DRAFT_PRIOR.verify))), 0.0)
+    assert knee(steep) == 1
+    admission = Admission(max_running=0, max_queue=0, verify_token_budget=-1)
+    admission.running = 4
+    assert admission.draft_cap() == 8 // 4 - 1
+    admission.measured_budget = lambda: knee(flat)
+    assert admission.draft_cap() == 256 // 4 - 1
+    with pytest.raises(ValueError):
+        Admission(1, 1, verify_token_budget=-2)

@@ -60,8 +60,14 @@ def test_greedy_model_draft_matches_target_generate(env, references, draft_lengt
         assert list(response.token_ids) == expected, f"prompt {prompt}"
         totals["drafted"] += response.stats.draft_tokens
         totals["accepted"] += response.stats.accepted_tokens
-    # The check is meaningful only if speculation really happened, with accepts and rejects.
-    assert 0 < totals["accepted"] < totals["drafted"]
+    # The check is meaningful only if speculation really happened, with accepts and rejects: a fixed
+    # length always drafts. Adaptive drafts by measured costs, and on a busy machine a draft of one
+    # token can rightly look unprofitable (a clean-clone run beside a compiler drafted none): the
+    # fixed lengths cover the mechanism, the adaptive cases the identity.
+    if adaptive:
+        assert totals["accepted"] <= totals["drafted"]
+    else:
+        assert 0 < totals["accepted"] < totals["drafted"]
 
 
 @pytest.mark.parametrize("where", ["ngram", "ngram-in-coordinator"])

@@ -8,13 +8,15 @@
   little more for a few extra positions (on CPUs a forward over 16 new tokens costs about twice
   one: docs/benchmarks.md), but once the batch's rows already fill those positions, every draft token adds its full
   cost. So the running requests share a budget of verified positions per target pass: each may
-  draft at most budget // running - 1 tokens (the -1 is its own next token). With the default 8:
-  one request drafts up to 7, 2 up to 3, 4 up to 1, 8 or more none at all. The default is the
-  knee measured on a 2-core CPU: 8 streams through the three services made more tokens per second
-  with budget 8 than with 16 (one draft token each), on chat prompts and on long grounded ones
-  alike, although the n-gram drafts were accepted half the time there. A GPU's knee is far
-  higher (the gpu overlay sets 128). The draft-length policy (coordinator/policy/draft_length.py)
-  still chooses within that cap by acceptance and cost.
+  draft at most budget // running - 1 tokens (the -1 is its own next token). With a budget of 8:
+  one request drafts up to 7, 2 up to 3, 4 up to 1, 8 or more none at all. 8 is the knee measured
+  on a 2-core CPU: 8 streams through the three services made more tokens per second with budget 8
+  than with 16 (one draft token each), on chat prompts and on long grounded ones alike, although
+  the n-gram drafts were accepted half the time there. A GPU's knee is far higher. So the default
+  (-1) reads the budget off the measured cost curve (specdec/spec/costs.py: knee): the most
+  positions a pass verifies before it costs 1.5 times one position, which is 8 on the CPU's curve.
+  The draft-length policy (coordinator/policy/draft_length.py) still chooses within that cap by
+  acceptance and cost.
 """
 
 from __future__ import annotations
@@ -67,9 +69,12 @@ class Admission:
                  on_queue: Callable[[int], None] | None = None, on_admit: Callable[[float], None] | None = None):
         """`on_queue(depth)` hears every change of the queue's length (the queue-depth gauge);
         `on_admit(seconds)` how long each admitted request waited for its slot (the queue-time histogram)."""
-        if max_running < 0 or max_queue < 0 or verify_token_budget < 0:
-            raise ValueError("max_running, max_queue and verify_token_budget must be >= 0")
+        if max_running < 0 or max_queue < 0 or verify_token_budget < -1:
+            raise ValueError("max_running and max_queue must be >= 0, verify_token_budget >= -1")
         self.max_running, self.max_queue, self.budget = max_running, max_queue, verify_token_budget
+        # verify_token_budget -1: the budget is sized from the measured costs (costs.knee), by this
+        # callable once the coordinator has a cost model; 8 before it has one.
+        self.measured_budget: Callable[[], int] | None = None
         self.running = 0
         self._waiting: collections.deque[asyncio.Future] = collections.deque()
         self._mean_seconds = 5.0  # decayed mean request duration, for the retry hint
@@ -138,6 +143,7 @@ class Admission:
 
     def draft_cap(self) -> int:
         """Most draft tokens a request may verify per step now (module docstring); large when unlimited."""
-        if not self.budget:
+        budget = self.budget if self.budget >= 0 else (self.measured_budget() if self.measured_budget else 8)
+        if not budget:
             return 1 << 16
-        return max(0, self.budget // max(1, self.running) - 1)
+        return max(0, budget // max(1, self.running) - 1)

@@ -147,6 +147,29 @@ class CostModel:
                          mean(self._wire, self.prior.wire_per_step), mean(self._ask, self.prior.draft_per_ask))
 
 
+def knee(costs: Costs, factor: float = 1.5, most: int = 256) -> int:
+    """The most positions one target pass may verify before it costs `factor` times a one-position
+    pass: the verify-token budget the running requests share when none is configured. At 1.5 the
+    CPU prior's curve gives 8, the budget 8 streams measured best with on 2 cores
+    (coordinator/policy/admission.py); a GPU's flat curve gives `most`.
+
+    Below the knee a pass is bound by reading the weights, and more positions (other requests' or
+    drafted ones) ride along nearly free; past it they are paid for one by one. Measured V(n) where
+    the model has it (n <= len(costs.verify)), then the line through the curve's last half, which on
+    a GPU is nearly flat (the knee lies far beyond one request's proposal) and on a CPU steep.
+    """
+    v, limit = costs.verify, factor * costs.verify[0]
+    inside = [n for n in range(1, len(v) + 1) if v[n - 1] <= limit]
+    n = inside[-1] if inside else 1
+    if n < len(v):
+        return n
+    half = len(v) // 2
+    slope = (v[-1] - v[half - 1]) / (len(v) - half)
+    if slope <= 0:
+        return most
+    return max(1, min(most, len(v) + int((limit - v[-1]) / slope)))
+
+
 def best_prefix(confidence: list[float], costs: Costs) -> int:
     """The prefix length g of a proposal (0..len) with the most expected tokens per second, where
     confidence[k - 1] is the probability that its first k tokens are all accepted."""
