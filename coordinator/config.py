@@ -115,11 +115,12 @@ class CoordinatorConfig:
         256, "Most HTTP connections one client address holds open at once; past it a new one is closed at once. 0: no cap.")
     max_queue: int = option(64, "Requests waiting for a running slot; past it RESOURCE_EXHAUSTED at once, with a retry-after hint.")
     verify_token_budget: int = option(
-        -1,
+        8,
         "Verified positions per target pass the running requests share: each drafts at most budget // running"
         " - 1 tokens, none once the batch is full (the response statistics count those steps: "
-        "load_capped_steps). -1: sized from the measured costs, the most positions a pass verifies before "
-        "it costs 1.5 times a one-position pass (about 8 on a 2-core CPU, up to 256 on a GPU); 0: no load cap.",
+        "load_capped_steps). 8 measured best on 2 CPU cores; a GPU's knee is far higher. -1: read off the "
+        "measured costs, the most positions a pass verifies before it costs 1.5 times one (noisy on a busy "
+        "machine, hence not the default); 0: no load cap.",
     )
     rpc_timeout_s: float = option(30.0, "Deadline of each call to the draft and target services.")
     target_retry_s: float = option(

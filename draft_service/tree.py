@@ -31,7 +31,7 @@ from specdec.errors import InvalidArgument
 from specdec.kv.store import Sequence
 from specdec.spec.sampling import check_temperature, truncated_probs
 from specdec.forward.tree import forward_masked
-from specdec.spec.tree import check_tree_bounds
+from specdec.spec.tree import DraftTree, SparseDist, check_tree_bounds
 
 TREE_FIELDS = {"budget": "tree.budget", "top_k": "tree.top_k", "shape": "tree.shape"}
 
@@ -48,10 +48,9 @@ class TreeSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class TreeDraft:
-    parents: list[int]
-    tokens: list[int]
-    child_dists: list[tuple[list[int], list[float]]]  # per position (root, nodes); [] when greedy
+class TreeDraft(DraftTree):
+    """The one tree type (specdec/spec/tree.py: DraftTree) with the draft's compute time for it."""
+
     compute_seconds: float = 0.0
 
 
@@ -79,7 +78,7 @@ class TreeBuilder:
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.nodes: list[_Node] = []
         self.logits: dict[int, torch.Tensor] = {}  # position (-1: root) -> draft logits [V]
-        self.child_dists: dict[int, tuple[list[int], list[float]]] = {}  # position -> drawn from
+        self.child_dists: dict[int, SparseDist] = {}  # position -> drawn from
         self.length = len(seq.tokens)
 
     @property
@@ -204,7 +203,7 @@ class TreeBuilder:
         index = {old: new for new, old in enumerate(keep)}
         parents = [index[self.nodes[i].parent] if self.nodes[i].parent >= 0 else -1 for i in keep]
         tokens = [self.nodes[i].token for i in keep]
-        dists: list[tuple[list[int], list[float]]] = []
+        dists: list[SparseDist] = []
         if self.sampling:
             dists = [self.child_dists.get(-1, ([], []))] + [self.child_dists.get(i, ([], [])) for i in keep]
             for j in range(len(keep)):

@@ -24,7 +24,7 @@ from specdec.spec.sampling import (SamplingConfig, TokenLogprob, check_sampling,
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch
-from specdec.spec.tree import check_parents, tree_depth
+from specdec.spec.tree import DraftTree, SparseDist, check_parents, tree_depth
 from specdec.spec.treeplan import TreePlan, draft_probs, plan_tree, tree_verdict
 from specdec.serving.batcher import Requeue
 from specdec.spec.verify import verify_greedy, verify_rejection
@@ -47,20 +47,6 @@ class StepResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftTree:
-    """A tree proposal (specdec/spec/tree.py): node i continues parents[i] (-1: the root).
-
-    child_dists: empty, or one per position (0: the root, i + 1: node i): the sparse distribution
-    that position's children were drawn from, in index order without replacement; an empty one
-    means its children were chosen deterministically (one-hot p each).
-    """
-
-    parents: list[int]
-    tokens: list[int]
-    child_dists: list[tuple[list[int], list[float]]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass(frozen=True)
 class VerifyCall:
     """One Verify request, as the engine sees it (the servicer translates the protobuf)."""
 
@@ -68,7 +54,7 @@ class VerifyCall:
     known_len: int
     append: list[int]
     draft_tokens: list[int]
-    draft_dists: list[tuple[list[int], list[float]]]
+    draft_dists: list[SparseDist]
     sampling: SamplingConfig
     tree: DraftTree | None = None  # a tree proposal instead of draft_tokens
     return_features: bool = False  # for a feature draft (specdec/model/feature_draft.py)
@@ -103,7 +89,7 @@ class TargetEngine:
         known_len: int,
         append: list[int],
         draft_tokens: list[int],
-        draft_dists: list[tuple[list[int], list[float]]],
+        draft_dists: list[SparseDist],
         sampling: SamplingConfig,
         return_features: bool = False,
         decode_ahead: int = 0,
@@ -415,7 +401,7 @@ class TargetEngine:
             draft_probs(tree.parents, tree.tokens, tree.child_dists, call.sampling, vocab)
 
     @staticmethod
-    def _dense_draft_probs(tokens: list[int], dists: list[tuple[list[int], list[float]]], vocab: int) -> torch.Tensor:
+    def _dense_draft_probs(tokens: list[int], dists: list[SparseDist], vocab: int) -> torch.Tensor:
         """[G, V] draft probabilities; a token sent without a distribution was drawn with p = 1 (one-hot)."""
         p = torch.zeros(len(tokens), vocab)
         for i, token in enumerate(tokens):

@@ -147,7 +147,7 @@ def test_steps_the_load_cap_left_without_a_draft_are_reported(tmp_path):
         stack.stop()
 
 
-def test_the_default_budget_is_read_off_the_measured_cost_curve():
+def test_budget_minus_one_is_read_off_the_measured_cost_curve():
     """-1: the knee of the target's V(n) (specdec.spec.costs.knee): 8 on the CPU prior's curve, far more
     on a flat (GPU-like) one, and 8 until a cost model is attached."""
     from specdec.spec.costs import MODEL_DRAFT_PRIOR, Costs, knee

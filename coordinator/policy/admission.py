@@ -12,11 +12,12 @@
   one request drafts up to 7, 2 up to 3, 4 up to 1, 8 or more none at all. 8 is the knee measured
   on a 2-core CPU: 8 streams through the three services made more tokens per second with budget 8
   than with 16 (one draft token each), on chat prompts and on long grounded ones alike, although
-  the n-gram drafts were accepted half the time there. A GPU's knee is far higher. So the default
-  (-1) reads the budget off the measured cost curve (specdec/spec/costs.py: knee): the most
-  positions a pass verifies before it costs 1.5 times one position, which is 8 on the CPU's curve.
-  The draft-length policy (coordinator/policy/draft_length.py) still chooses within that cap by
-  acceptance and cost.
+  the n-gram drafts were accepted half the time there. A GPU's knee is far higher (the gpu overlay
+  sets 128). -1 reads the budget off the measured cost curve instead (specdec/spec/costs.py: knee):
+  the most positions a pass verifies before it costs 1.5 times one position, 8 on the CPU prior's
+  curve. Not the default: the per-request V(n) it reads is noisy on a busy machine (a clean-clone
+  run read a knee of 2 off a tiny model's). The draft-length policy
+  (coordinator/policy/draft_length.py) still chooses within that cap by acceptance and cost.
 """
 
 from __future__ import annotations

@@ -38,6 +38,25 @@ from specdec.errors import InvalidArgument
 from specdec.limits import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 from specdec.spec.verify import sample_from
 
+# A sparse distribution as the services exchange it: token ids and their probabilities, in the
+# order drawn; ([], []) for none (the token was chosen deterministically: one-hot p).
+SparseDist = tuple[list[int], list[float]]
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTree:
+    """A tree proposal, the one type the draft service builds and the target verifies: node i
+    continues parents[i] (-1: the root).
+
+    child_dists: empty, or one per position (0: the root, i + 1: node i): the sparse distribution
+    that position's children were drawn from, in index order without replacement; an empty one
+    means its children were chosen deterministically (one-hot p each).
+    """
+
+    parents: list[int]
+    tokens: list[int]
+    child_dists: list[SparseDist] = dataclasses.field(default_factory=list)
+
 ROOT = -1
 
 
