@@ -18,7 +18,8 @@ from specdec.model.features import FeatureRows
 from specdec.spec.costs import Costs
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.tree import tree_depth
-from target_service.engine import DraftTree, TargetEngine, VerifyCall
+from specdec.spec.tree import DraftTree
+from target_service.engine import TargetEngine, VerifyCall
 
 
 def _forward_seconds(costs: Costs, positions: int) -> float:

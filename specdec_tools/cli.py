@@ -345,27 +345,12 @@ def _version() -> str:
     return package_version()
 
 
-def _openmp_spin() -> None:
-    """A bounded spin for OpenMP's idle team threads, set before torch loads libgomp.
-
-    libgomp lets an idle team thread spin a while before it sleeps, but once it counts more threads
-    than cores it spins almost not at all ("throttled"): every parallel region of a forward then
-    sleeps and wakes its threads, and on a machine other processes share a woken thread waits for
-    the scheduler. A service's forward is hundreds of short regions: on the 2-core VM, with a test
-    suite running beside it, the fp32 target decoded 1.5-2.4 tokens/s that way against 63 with an
-    explicit spin count, and the same on a quiet machine (52-54 both). Any spin count set at all
-    turns the throttling off; this one is short, so idle services still sleep. A user's
-    OMP_WAIT_POLICY or GOMP_SPINCOUNT wins."""
-    import os
-
-    if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
-        os.environ["GOMP_SPINCOUNT"] = "20000"
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "torch" not in sys.modules:
-        _openmp_spin()
+        from specdec.serving.openmp import bounded_spin
+
+        bounded_spin()
     if argv and argv[0] in ("--version", "-V"):
         print(f"specdec {_version()}")
         return 0

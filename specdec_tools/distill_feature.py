@@ -148,10 +148,11 @@ def train(args, draft: FeatureDraft, head: torch.Tensor, data: list[dict]) -> li
     agreements: list[float] = []
 
     device = next(draft.fc.parameters()).device
+    head = head.to(device)
 
     def loss_of(chosen: list[int], rng: random.Random):
         batch = [t.to(device, non_blocking=True) for t in make_batch([data[i] for i in chosen], args.seq_len, rng)]
-        loss, agreement = feature_loss(draft, head.to(device), batch, args.reg, args.unroll)
+        loss, agreement = feature_loss(draft, head, batch, args.reg, args.unroll)
         agreements.append(agreement)
         return loss, f", agreement {statistics.fmean(agreements[-20:]):.3f}"
 

@@ -15,7 +15,8 @@ from specdec.serving.wire import logprobs_to_proto
 from specdec.spec.sampling import SamplingConfig
 from target_service.config import TargetConfig
 from target_service.batcher import VerifyBatcher
-from target_service.engine import DraftTree, TargetEngine, VerifyCall
+from specdec.spec.tree import DraftTree
+from target_service.engine import TargetEngine, VerifyCall
 
 log = structlog.get_logger(__name__)
 

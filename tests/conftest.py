@@ -1,9 +1,10 @@
 import os
 
-# Before torch loads libgomp: the bounded spin `specdec` sets for its own processes (specdec_tools/cli.py,
-# _openmp_spin), so that in-process engines and the services the tests start behave as users' do.
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+from specdec.serving.openmp import bounded_spin
+
+# Before torch loads libgomp: the spin `specdec` sets for its own processes, so that in-process
+# engines and the services the tests start behave as users' do.
+bounded_spin()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

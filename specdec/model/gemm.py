@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import pathlib
 import time
 
 import structlog
@@ -155,11 +154,7 @@ def resolve_weights(weights: str, device: torch.device, dtype: torch.dtype, rows
 
 
 def _int8_dot_products() -> bool:
-    try:
-        flags = next((line for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return bool({"avx512_vnni", "avx_vnni"} & set(flags.split()))
+    return bool({"avx512_vnni", "avx_vnni"} & gemm_kernel.cpu_flags())
 
 
 def apply(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, rows: int, min_rows: int,

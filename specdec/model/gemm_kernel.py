@@ -141,6 +141,15 @@ class Parts:
         self.spans = [(start, n) for start, (n, _) in zip(starts, outputs)]
 
 
+def cpu_flags() -> set[str]:
+    """The feature flags /proc/cpuinfo lists for this CPU (empty where there is none)."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line for line in text.splitlines() if line.startswith("flags")), "").split())
+
+
 def _cpu_signature() -> str:
     # -march=native compiles for this CPU: the model name and feature flags say which one it is.
     try:

@@ -1,0 +1,99 @@
+"""Where a CPU decode step's time goes: the embedded target decoding alone in one process.
+
+    .venv/bin/python benchmarks/decode_profile.py --weights gguf-a8            # tok/s, 3 runs
+    .venv/bin/py-spy record --rate 100 --format raw -o /tmp/decode.raw -- \
+        .venv/bin/python benchmarks/decode_profile.py --weights gguf-a8
+    .venv/bin/python benchmarks/decode_profile.py --summarise /tmp/decode.raw   # shares by place
+    .venv/bin/python benchmarks/decode_profile.py --attention                   # the attention kernel alone
+
+The decode runs through TargetEngine.verify with no draft, one token a step, as specdec-off serves
+it. `--summarise` reads py-spy's raw output and prints each place's share of the samples under
+`verify` (a ctypes call's line holds the C kernel's own time). `--attention` times the row-exact
+attention kernel on one query row over T keys in SmolLM2's shape (9 heads, 3 KV heads, D = 64).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+
+def decode(weights: str, tokens: int, runs: int) -> None:
+    from specdec.model import gemm
+    from specdec.model.lm import CausalLM
+    from specdec.model.loading import DEFAULT_TARGET, load_model
+    from specdec.spec.sampling import SamplingConfig
+    from target_service.engine import TargetEngine
+
+    loaded = load_model(DEFAULT_TARGET, "cpu")
+    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, weights, loaded.path)
+    ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Write a short story about a robot learning to paint."}],
+                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    engine = TargetEngine(CausalLM(loaded.model, loaded.device))
+    for run in range(runs):
+        out, known = list(ids), 0
+        start = time.perf_counter()
+        for _ in range(tokens):
+            result = engine.verify(f"run-{run}", known, out[known:], [], [], SamplingConfig())
+            out.append(result.next_token)
+            known = result.cached_len
+        print(f"{weights}: {tokens / (time.perf_counter() - start):.1f} tok/s", flush=True)
+
+
+def summarise(raw: str, top: int) -> None:
+    own, total = collections.Counter(), 0
+    for line in open(raw):
+        stack, count = line.rsplit(" ", 1)
+        frames = stack.split(";")
+        if any("verify" in f for f in frames):
+            total += int(count)
+            own[frames[-1]] += int(count)
+    print(f"{total} samples under verify")
+    for place, count in own.most_common(top):
+        print(f"{100 * count / total:5.1f}%  {place}")
+
+
+def attention(repeats: int) -> None:
+    import torch
+
+    from specdec.model import gemm_kernel
+
+    kernel = gemm_kernel.load()
+    heads, heads_kv, dim = 9, 3, 64
+    for keys in (64, 256, 1024):
+        q, k, v = torch.randn(1, heads, 1, dim), torch.randn(1, heads_kv, keys, dim), torch.randn(1, heads_kv, keys, dim)
+        out = torch.empty(1, 1, heads, dim)
+        qs, ks, vs = q.stride(), k.stride(), v.stride()
+        args = (q.data_ptr(), qs[0], qs[1], qs[2], k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1], vs[2],
+                None, 0, 0, 0, 1, heads, heads_kv, 1, keys, dim, dim ** -0.5, out.data_ptr())
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for _ in range(repeats // 10):
+                kernel.attention(*args)
+            start = time.perf_counter()
+            for _ in range(repeats):
+                kernel.attention(*args)
+            print(f"{keys} keys, {threads} thread(s): {1e6 * (time.perf_counter() - start) / repeats:.1f} us a call")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--weights", default="gguf-a8")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--summarise", metavar="RAW", help="py-spy raw output to summarise instead of decoding")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--attention", action="store_true", help="time the attention kernel instead of decoding")
+    args = parser.parse_args()
+    if args.summarise:
+        summarise(args.summarise, args.top)
+    elif args.attention:
+        attention(2000)
+    else:
+        decode(args.weights, args.tokens, args.runs)
+
+
+if __name__ == "__main__":
+    main()
