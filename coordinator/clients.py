@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import math
 import os
 import socket
 import time
@@ -118,6 +119,18 @@ def call_timeout(limit: float) -> float:
     if remaining <= 0:
         raise DeadlineExceeded("the request's deadline passed")
     return min(limit, remaining)
+
+
+# A step's call gets --rpc-timeout-s. A call that also feeds a long prompt gets that much per this
+# many positions it feeds: the target feeds a long prompt in chunks with the other sequences' steps
+# between them (chunked prefill), so on a busy CPU a 4,000-token prompt progresses for minutes, and
+# a single step's timeout cut such requests off while they were being served.
+PREFILL_POSITIONS_PER_TIMEOUT = 256
+
+
+def step_timeout(limit: float, positions: int) -> float:
+    """The timeout of a call that feeds `positions` new tokens (within the request's deadline)."""
+    return call_timeout(limit * max(1, math.ceil(positions / PREFILL_POSITIONS_PER_TIMEOUT)))
 
 
 def _metadata(sequence_id: str) -> tuple[tuple[str, str], ...]:
@@ -269,10 +282,11 @@ class TargetClient:
             try:
                 if self.sessions.enabled:
                     response = await self.sessions.exchange(sequence_id, pb.VerifySessionRequest(verify=request),
-                                                            call_timeout(self.timeout_s))
+                                                            step_timeout(self.timeout_s, len(request.append_tokens)))
                     if response is not None:
                         return response.verify
-                return await self.stub.Verify(request, timeout=call_timeout(self.timeout_s), metadata=_metadata(sequence_id))
+                return await self.stub.Verify(request, timeout=step_timeout(self.timeout_s, len(request.append_tokens)),
+                                              metadata=_metadata(sequence_id))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     raise SequenceNotFound(sequence_id, exc.details() or "") from exc
@@ -321,14 +335,15 @@ class DraftClient:
             answer = None
             if progress is None and self.sessions.enabled:  # a run-ahead watches its tokens arrive: it streams
                 answer = await self.sessions.exchange(sequence_id, pb.ProposeSessionRequest(propose=request),
-                                                      call_timeout(self.timeout_s))
+                                                      step_timeout(self.timeout_s, len(append)))
             if answer is not None:
                 messages = list(answer.tokens)
                 size += answer.ByteSize()
                 compute = answer.compute_seconds
             else:
                 messages = []
-                async for message in self.stub.Propose(request, timeout=call_timeout(self.timeout_s), metadata=_metadata(sequence_id)):
+                async for message in self.stub.Propose(request, timeout=step_timeout(self.timeout_s, len(append)),
+                                                       metadata=_metadata(sequence_id)):
                     messages.append(message)
                     size += message.ByteSize()
                     if progress is not None:
@@ -352,7 +367,8 @@ class DraftClient:
                                         temperature=temperature, seed=seed)
         start = time.perf_counter()
         try:
-            response = await self.stub.ProposeTree(request, timeout=call_timeout(self.timeout_s), metadata=_metadata(sequence_id))
+            response = await self.stub.ProposeTree(request, timeout=step_timeout(self.timeout_s, len(append)),
+                                                   metadata=_metadata(sequence_id))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise SequenceNotFound(sequence_id, exc.details() or "") from exc

@@ -122,7 +122,9 @@ class CoordinatorConfig:
         "measured costs, the most positions a pass verifies before it costs 1.5 times one (noisy on a busy "
         "machine, hence not the default); 0: no load cap.",
     )
-    rpc_timeout_s: float = option(30.0, "Deadline of each call to the draft and target services.")
+    rpc_timeout_s: float = option(
+        30.0, "Deadline of each call to the draft and target services; a call that feeds a long prompt gets this "
+        "much per 256 prompt tokens (the target feeds it in chunks between other sequences' steps).")
     target_retry_s: float = option(
         10.0,
         "How long Verify is retried while the target answers UNAVAILABLE (a restart), never past the "

@@ -18,7 +18,7 @@ import torch
 from draft_service.drafters.base import DraftSettings, Drafter, Proposal
 from draft_service.tree import TreeDraft, TreeSettings, check_tree_settings
 from specdec.errors import InvalidArgument
-from specdec.forward.batching import forward_batch
+from specdec.forward.batching import forward_batch, pad_groups
 from specdec.kv.store import Sequence, SequenceStore
 from specdec.limits import MAX_DRAFT_TOKENS
 from specdec.model.features import FeatureRows
@@ -104,11 +104,13 @@ class DraftEngine:
             else:
                 rows.append(i)
         self.drafter.forwards += len(rows)
-        if len(rows) == 1:
-            out[rows[0]] = lm.forward(seqs[rows[0]], keep=1)[0]  # alone: no batch buffer to gather and copy back
-        elif rows:
-            logits, state = forward_batch(lm, [seqs[i] for i in rows], [[] for _ in rows], [1] * len(rows))
-            for row, i in enumerate(rows):
+        groups = ([rows] if rows else []) if getattr(lm, "static", False) else [[rows[j] for j in group] for group in pad_groups([seqs[i].cached for i in rows])]
+        for group in groups:  # rows of very unlike cache lengths in passes of their own (PAD_KEYS)
+            if len(group) == 1:
+                out[group[0]] = lm.forward(seqs[group[0]], keep=1)[0]  # alone: no batch buffer to gather and copy back
+                continue
+            logits, state = forward_batch(lm, [seqs[i] for i in group], [[] for _ in group], [1] * len(group))
+            for row, i in enumerate(group):
                 state.write_back(row, seqs[i], lm, len(seqs[i].tokens))
                 out[i] = logits[row][0]
         return out

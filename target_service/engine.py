@@ -23,7 +23,7 @@ from specdec.model.lm import CausalLM, feed
 from specdec.spec.sampling import (SamplingConfig, TokenLogprob, check_sampling, ban_tokens, chosen_logprobs, generator_for, target_probs,
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
-from specdec.forward.batching import batchable, forward_batch
+from specdec.forward.batching import batchable, forward_batch, pad_groups
 from specdec.spec.tree import DraftTree, SparseDist, check_parents, tree_depth
 from specdec.spec.treeplan import TreePlan, draft_probs, plan_tree, tree_verdict
 from specdec.serving.batcher import Requeue
@@ -152,7 +152,9 @@ class TargetEngine:
         return FeatureRows(before, hidden[: len(seq.tokens) - before].float().cpu())
 
     def verify_batch(self, calls: list[VerifyCall], decode_ahead: bool = True) -> list[StepResult | SpecdecError]:
-        """Verifies several sequences' proposals in ONE forward pass (specdec/forward/batching.py).
+        """Verifies several sequences' proposals in ONE forward pass (specdec/forward/batching.py),
+        or a few where the rows' cache lengths differ so much that padding them to the longest
+        would cost more than another pass (pad_groups).
 
         Each row fails on its own: a row with a bad field or a lost sequence gets its error back
         and the others go ahead. Rows must name distinct sequences (the batcher sees to it). The
@@ -182,39 +184,55 @@ class TargetEngine:
         if chunked:
             self._learn(prefill_token_s=(time.perf_counter() - start) / chunked)
             start = time.perf_counter()
-        if len(rows) == 1 or (rows and not self.batchable):
-            for index, seq in rows:  # row by row: one row, or a model whose cache cannot be padded
-                call = calls[index]
-                if call.tree is not None:
-                    results[index] = self._tree_row(call, seq, start, len(rows))
-                    continue
-                before = seq.cached
-                with self._capturing(call.return_features) as hidden:
-                    logits = self.lm.forward(seq, call.draft_tokens, keep=len(call.draft_tokens) + 1)
-                result = self._finish(call, seq, logits, start, len(rows), hidden[0][0] if hidden else None, before)
-                seq.crop_cache(len(seq.tokens))
-                # Decoding ahead would hold the other rows up for several forwards: alone only.
-                results[index] = self._decode_ahead(call, seq, result, start) if decode_ahead and len(rows) == 1 else result
-        elif rows:
-            seqs = [seq for _, seq in rows]
-            plans = [self._plan(calls[index]) if calls[index].tree is not None else None for index, _ in rows]
-            extras = [plan.tokens if plan else calls[index].draft_tokens for plan, (index, _) in zip(plans, rows)]
-            trees = [plan.parents if plan else None for plan in plans]
-            befores = [seq.cached for seq in seqs]
-            with self._capturing(any(calls[index].return_features for index, _ in rows)) as hidden:
-                logits, state = forward_batch(self.lm, seqs, extras, [len(extra) + 1 for extra in extras], trees)
-            for row, ((index, seq), plan) in enumerate(zip(rows, plans)):
-                if plan is not None:
-                    length = len(seq.tokens)  # the canonical tokens, before the accepted path joins them
-                    results[index], path = self._finish_tree(calls[index], seq, plan, logits[row], start, len(rows))
-                    state.write_back(row, seq, self.lm, length, [length + node for node in path])
-                    continue
-                results[index] = self._finish(calls[index], seq, logits[row], start, len(rows),
-                                              hidden[0][row] if hidden else None, befores[row])
-                state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
+        if not self.batchable:  # a model whose cache cannot be padded: row by row
+            groups = [[row] for row in rows]
+        elif getattr(self.lm, "static", False):  # fixed-shape passes pad nothing
+            groups = [rows] if rows else []
+        else:  # rows of very unlike cache lengths in passes of their own (PAD_KEYS)
+            groups = [[rows[i] for i in group] for group in pad_groups([seq.cached for _, seq in rows])]
+        for group in groups:
+            if len(group) == 1:
+                self._row(calls[group[0][0]], group[0][1], results, group[0][0], start, len(rows),
+                          decode_ahead and len(rows) == 1)
+            else:
+                self._rows(calls, group, results, start, len(rows))
         if rows:
             self._learn(step_s=time.perf_counter() - start)
         return results
+
+    def _row(self, call: VerifyCall, seq: Sequence, results: list, index: int, start: float, batch_size: int,
+             decode_ahead: bool) -> None:
+        """One row's forward on its own; it decodes ahead only when it is the pass's only row
+        (decoding ahead would hold the other rows up for several forwards)."""
+        if call.tree is not None:
+            results[index] = self._tree_row(call, seq, start, batch_size)
+            return
+        before = seq.cached
+        with self._capturing(call.return_features) as hidden:
+            logits = self.lm.forward(seq, call.draft_tokens, keep=len(call.draft_tokens) + 1)
+        result = self._finish(call, seq, logits, start, batch_size, hidden[0][0] if hidden else None, before)
+        seq.crop_cache(len(seq.tokens))
+        results[index] = self._decode_ahead(call, seq, result, start) if decode_ahead else result
+
+    def _rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]], results: list, start: float,
+              batch_size: int) -> None:
+        """Several rows (chains and trees mixed) in ONE batched forward."""
+        seqs = [seq for _, seq in rows]
+        plans = [self._plan(calls[index]) if calls[index].tree is not None else None for index, _ in rows]
+        extras = [plan.tokens if plan else calls[index].draft_tokens for plan, (index, _) in zip(plans, rows)]
+        trees = [plan.parents if plan else None for plan in plans]
+        befores = [seq.cached for seq in seqs]
+        with self._capturing(any(calls[index].return_features for index, _ in rows)) as hidden:
+            logits, state = forward_batch(self.lm, seqs, extras, [len(extra) + 1 for extra in extras], trees)
+        for row, ((index, seq), plan) in enumerate(zip(rows, plans)):
+            if plan is not None:
+                length = len(seq.tokens)  # the canonical tokens, before the accepted path joins them
+                results[index], path = self._finish_tree(calls[index], seq, plan, logits[row], start, batch_size)
+                state.write_back(row, seq, self.lm, length, [length + node for node in path])
+                continue
+            results[index] = self._finish(calls[index], seq, logits[row], start, batch_size,
+                                          hidden[0][row] if hidden else None, befores[row])
+            state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
 
     # A chunk may take this many times a step of the other sequences: their time per token grows by
     # at most that much (plus one) while a long prompt is fed. One keeps the others' worst steps

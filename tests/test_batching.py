@@ -361,3 +361,39 @@ def test_other_sequences_step_between_the_chunks_of_a_long_prompt(target):
     results = asyncio.run(main())
     assert finished[-1] == "long"
     assert results[0] == decode(engine(target), "alone", long_prompt, 2)
+
+
+# -- passes split by cache length (batching.pad_groups) --------------------------------------------------
+
+def test_pad_groups_keeps_like_lengths_together_and_a_long_cache_apart():
+    assert batching.pad_groups([60, 4000, 100, 3990, 80]) == [[0, 4, 2], [3, 1]]
+    assert batching.pad_groups([10, 20, 30], budget=30) == [[0, 1, 2]]  # padding 3 x 30 - 60 = 30
+    assert batching.pad_groups([10, 20, 30], budget=29) == [[0, 1], [2]]
+    assert batching.pad_groups([]) == [] and batching.pad_groups([5]) == [[0]]
+
+
+def test_rows_of_unlike_cache_lengths_verify_in_passes_of_their_own(target, monkeypatch):
+    """A row whose cache is far longer than the others' would make every row pay for its keys in
+    padding: it gets a pass of its own, and every row's verdict is the one it gets alone."""
+    import target_service.engine as target_engine
+
+    passes: list[int] = []
+    real = target_engine.forward_batch
+
+    def counted(lm, seqs, *args, **kwargs):
+        passes.append(len(seqs))
+        return real(lm, seqs, *args, **kwargs)
+
+    monkeypatch.setattr(target_engine, "forward_batch", counted)
+    monkeypatch.setattr(target_engine, "pad_groups", lambda cached: batching.pad_groups(cached, budget=64))
+    batched, single = engine(target), engine(target)
+    pool = [p[:6] for p in prompts(3, seed=31)] + [(prompts(1, seed=32)[0] * 20)[:120]]
+    for eng in (batched, single):
+        for i, p in enumerate(pool):
+            eng.verify(f"s{i}", 0, p, [], [], GREEDY)
+    calls = [VerifyCall(f"s{i}", len(p), [], [3, 5], [], GREEDY) for i, p in enumerate(pool)]
+    results = batched.verify_batch(calls, decode_ahead=False)
+    assert passes == [3]  # the three short rows together; the long one alone, without forward_batch
+    for call, result in zip(calls, results):
+        alone = single.verify(call.sequence_id, call.known_len, [], call.draft_tokens, [], GREEDY)
+        assert (result.accepted, result.next_token, result.cached_len) == (alone.accepted, alone.next_token, alone.cached_len)

@@ -61,6 +61,30 @@ def _layer_kv(seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor] | 
     return cache_layer.keys, cache_layer.values  # [1, H, c_i, D]
 
 
+# Padded key rows (rows x longest cache - the keys the rows really hold) one pass may carry before a
+# row goes to a pass of its own. Every row of a batch is padded to the longest cache, and on a CPU a
+# padded key costs as much in copies and attention as a real one: beside ten chat rows, a row with
+# 4,000 cached positions made their step 25 times slower than the two passes run apart
+# (docs/benchmarks.md, "Long prompts beside short ones"). A pass of its own costs one more read of
+# the weights, which this many padded keys outweigh.
+PAD_KEYS = 2048
+
+
+def pad_groups(cached: list[int], budget: int = PAD_KEYS) -> list[list[int]]:
+    """Indices of `cached` (each row's cache length) split into passes whose padding stays within
+    `budget` key rows: by length, shortest first, so rows of like length share a pass."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(cached)), key=cached.__getitem__):
+        if groups and (len(groups[-1]) + 1) * cached[i] - (total + cached[i]) <= budget:
+            groups[-1].append(i)
+            total += cached[i]
+        else:
+            groups.append([i])
+            total = cached[i]
+    return groups
+
+
 @torch.inference_mode()
 def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], keeps: list[int],
                   trees: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], "BatchState"]:
