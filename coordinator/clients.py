@@ -18,7 +18,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from coordinator.protocol import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
+from coordinator.protocol import DraftOutcome, Progress, TreeSpec, VerifyOutcome
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import DeadlineExceeded, SequenceNotFound
@@ -27,6 +27,7 @@ from specdec.serving.rpc import CHANNEL_OPTIONS
 from specdec.serving.logs import REQUEST_ID_METADATA
 from specdec.serving.wire import logprobs_from_proto
 from specdec.spec.sampling import SamplingConfig
+from specdec.spec.tree import EMPTY_DIST, SparseDist
 
 log = structlog.get_logger(__name__)
 
@@ -224,14 +225,13 @@ class TargetClient:
         return response.info
 
     async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
-                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False,
+                     draft_dists: list[SparseDist], sampling: SamplingConfig, return_features: bool = False,
                      decode_ahead: int = 0, logprobs: int | None = None, eos_banned_until: int = 0) -> VerifyOutcome:
         request = pb.VerifyRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append,
                                    draft_tokens=draft_tokens, sampling=_sampling_proto(sampling), return_features=return_features,
                                    decode_ahead=decode_ahead, logprobs=logprobs, eos_banned_until=eos_banned_until)
-        if not sampling.greedy and any(d is not None for d in draft_dists):
-            for dist in draft_dists:
-                ids, probs = dist if dist is not None else ([], [])
+        if not sampling.greedy and any(ids for ids, _ in draft_dists):  # all one-hot: the target assumes it
+            for ids, probs in draft_dists:
                 request.draft_dists.add(token_ids=ids, probs=probs)
         start = time.perf_counter()
         response = await self._verify_call(sequence_id, request)
@@ -245,14 +245,13 @@ class TargetClient:
                              logprobs=logprobs_from_proto(response.logprobs))
 
     async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
-                          tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:
+                          tokens: list[int], child_dists: list[SparseDist], sampling: SamplingConfig) -> VerifyOutcome:
         request = pb.VerifyRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append,
                                    sampling=_sampling_proto(sampling))
         request.draft_tree.parents.extend(parents)
         request.draft_tree.tokens.extend(tokens)
-        if not sampling.greedy and any(d is not None for d in child_dists):
-            for dist in child_dists:
-                ids, probs = dist if dist is not None else ([], [])
+        if not sampling.greedy and any(ids for ids, _ in child_dists):
+            for ids, probs in child_dists:
                 request.draft_tree.child_dists.add(token_ids=ids, probs=probs)
         start = time.perf_counter()
         response = await self._verify_call(sequence_id, request)
@@ -339,7 +338,7 @@ class DraftClient:
             raise
         wall = time.perf_counter() - start
         tokens = [m.token_id for m in messages]
-        dists: list[Dist] = [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else None for m in messages]
+        dists = [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else EMPTY_DIST for m in messages]
         confidence = [m.cumulative_prob for m in messages]
         if answer is None:  # a stream says only what its last token had cost by then
             compute = messages[-1].compute_seconds if messages else 0.0
@@ -359,7 +358,7 @@ class DraftClient:
             raise
         wall = time.perf_counter() - start
         tree_pb = response.tree
-        dists: list[Dist] = [(list(d.token_ids), list(d.probs)) if d.token_ids else None for d in tree_pb.child_dists]
+        dists = [(list(d.token_ids), list(d.probs)) if d.token_ids else EMPTY_DIST for d in tree_pb.child_dists]
         return DraftOutcome(list(tree_pb.tokens), dists, response.compute_seconds, wall,
                             request.ByteSize() + response.ByteSize(), parents=list(tree_pb.parents))
 

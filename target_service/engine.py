@@ -24,7 +24,7 @@ from specdec.spec.sampling import (SamplingConfig, TokenLogprob, check_sampling,
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch
-from specdec.spec.tree import DraftTree, SparseDist, check_parents, tree_depth
+from specdec.spec.tree import EMPTY_DIST, DraftTree, SparseDist, check_parents, tree_depth
 from specdec.spec.treeplan import TreePlan, draft_probs, plan_tree, tree_verdict
 from specdec.serving.batcher import Requeue
 from specdec.spec.verify import verify_greedy, verify_rejection
@@ -405,7 +405,7 @@ class TargetEngine:
         """[G, V] draft probabilities; a token sent without a distribution was drawn with p = 1 (one-hot)."""
         p = torch.zeros(len(tokens), vocab)
         for i, token in enumerate(tokens):
-            ids, probs = dists[i] if dists else ([], [])
+            ids, probs = dists[i] if dists else EMPTY_DIST
             if ids:
                 p[i, torch.tensor(ids, dtype=torch.long)] = torch.tensor(probs, dtype=torch.float32)
             else:

@@ -50,7 +50,7 @@ def test_engines_sample_exactly_the_target_distribution():
         sampling = SamplingConfig(seed=seed, **sampling_base)
         proposals = list(draft.propose("s", 0, prompt, DraftSettings(2, 0.0, sampling.temperature, derive_seed(seed, 3, "draft"))))
         tokens = [p.token for p in proposals]
-        dists = [(p.dist_ids, p.dist_probs) for p in proposals]
+        dists = [p.dist for p in proposals]
         result = target.verify("s", 0, prompt, tokens, dists, sampling)
         emitted = tokens[: result.accepted] + [result.next_token]
         accepted_total += result.accepted

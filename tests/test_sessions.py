@@ -12,6 +12,7 @@ import pytest
 from coordinator.clients import DraftClient, TargetClient
 from specdec.errors import SequenceNotFound
 from specdec.spec.sampling import SamplingConfig
+from specdec.spec.tree import EMPTY_DIST
 from tests import tiny
 from tests.stack import Stack
 
@@ -36,7 +37,7 @@ async def _steps(client: TargetClient, sequence_id: str, prompt: list[int], step
     out = await client.verify(sequence_id, 0, prompt, [], [], SamplingConfig())
     known, verdicts = len(prompt), [(out.accepted, out.next_token)]
     for _ in range(steps):
-        out = await client.verify(sequence_id, known, [out.next_token], [5, 6, 7], [None] * 3, SamplingConfig())
+        out = await client.verify(sequence_id, known, [out.next_token], [5, 6, 7], [EMPTY_DIST] * 3, SamplingConfig())
         known += 1 + out.accepted
         verdicts.append((out.accepted, out.next_token))
     return verdicts
@@ -107,7 +108,7 @@ def test_a_propose_session_answers_as_the_stream_does(services):
                 client.sessions.enabled = True
                 assert not opened
                 assert session == streamed and all(len(tokens) == 6 for tokens, _, _ in session)
-                assert all(d is not None for _, _, dists in session for d in dists) == (temperature > 0)
+                assert all(ids for _, _, dists in session for ids, _ in dists) == (temperature > 0)
         finally:
             await client.close()
 
