@@ -16,9 +16,9 @@ from draft_service.engine import DraftEngine
 from draft_service.tree import TreeSettings
 from specdec.model.features import FeatureRows
 from specdec.spec.costs import Costs
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.tree import DraftTree, SparseDist, tree_depth
-from target_service.engine import TargetEngine, VerifyCall
+from specdec.spec.tree import tree_depth
+from specdec.spec.request import VerifyCall
+from target_service.engine import TargetEngine
 
 
 def _forward_seconds(costs: Costs, positions: int) -> float:
@@ -43,24 +43,12 @@ class LocalVerifier:
         compute = _forward_seconds(costs, positions) + decoded * _forward_seconds(costs, 1)
         return compute, compute + costs.wire_per_step
 
-    async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
-                     draft_dists: list[SparseDist], sampling: SamplingConfig, return_features: bool = False,
-                     decode_ahead: int = 0, logprobs: int | None = None, eos_banned_until: int = 0) -> VerifyOutcome:
+    async def verify(self, call: VerifyCall) -> VerifyOutcome:
         start = time.perf_counter()
-        result = self.engine.verify(sequence_id, known_len, append, draft_tokens, draft_dists, sampling, return_features, decode_ahead,
-                                    logprobs, eos_banned_until)
-        compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, len(append) + len(draft_tokens),
-                                      len(result.decoded))
-        return VerifyOutcome(result.accepted, result.next_token, compute, wall, features=result.features, decoded=result.decoded,
-                             logprobs=result.logprobs)
-
-    async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
-                          tokens: list[int], child_dists: list[SparseDist], sampling: SamplingConfig) -> VerifyOutcome:
-        start = time.perf_counter()
-        call = VerifyCall(sequence_id, known_len, append, [], [], sampling, DraftTree(parents, tokens, child_dists))
-        result = self.engine.verify_tree(call)
-        compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, len(append) + len(tokens))
-        return VerifyOutcome(result.accepted, result.next_token, compute, wall, path=result.path)
+        result = self.engine.verify_tree(call) if call.tree is not None else self.engine.verify(call)
+        compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, call.new_positions, len(result.decoded))
+        return VerifyOutcome(result.accepted, result.next_token, compute, wall, path=result.path, features=result.features,
+                             decoded=result.decoded, logprobs=result.logprobs)
 
     async def release(self, sequence_id: str) -> None:
         self.engine.release(sequence_id)

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Protocol
 
 from specdec.model.features import FeatureRows
+from specdec.spec.request import VerifyCall
 from specdec.spec.sampling import SamplingConfig, TokenLogprob
 from specdec.spec.tree import SparseDist, tree_depth
 
@@ -86,12 +87,9 @@ class Proposer(Protocol):
 
 
 class Verifier(Protocol):
-    async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
-                     draft_dists: list[SparseDist], sampling: SamplingConfig, return_features: bool = False,
-                     decode_ahead: int = 0, logprobs: int | None = None, eos_banned_until: int = 0) -> VerifyOutcome: ...
-
-    async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
-                          tokens: list[int], child_dists: list[SparseDist], sampling: SamplingConfig) -> VerifyOutcome: ...
+    async def verify(self, call: VerifyCall) -> VerifyOutcome:
+        """A chain, or a tree (call.tree): the one request type the target engine takes too."""
+        ...
 
     async def release(self, sequence_id: str) -> None: ...
 

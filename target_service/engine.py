@@ -24,7 +24,8 @@ from specdec.spec.sampling import (SamplingConfig, TokenLogprob, check_sampling,
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch
-from specdec.spec.tree import EMPTY_DIST, DraftTree, SparseDist, check_parents, tree_depth
+from specdec.spec.request import VerifyCall
+from specdec.spec.tree import EMPTY_DIST, SparseDist, check_parents, tree_depth
 from specdec.spec.treeplan import TreePlan, draft_probs, plan_tree, tree_verdict
 from specdec.serving.batcher import Requeue
 from specdec.spec.verify import verify_greedy, verify_rejection
@@ -46,29 +47,6 @@ class StepResult:
     logprobs: tuple[TokenLogprob, ...] = ()  # asked for: one per token made canonical (accepted, next, decoded)
 
 
-@dataclasses.dataclass(frozen=True)
-class VerifyCall:
-    """One Verify request, as the engine sees it (the servicer translates the protobuf)."""
-
-    sequence_id: str
-    known_len: int
-    append: list[int]
-    draft_tokens: list[int]
-    draft_dists: list[SparseDist]
-    sampling: SamplingConfig
-    tree: DraftTree | None = None  # a tree proposal instead of draft_tokens
-    return_features: bool = False  # for a feature draft (specdec/model/feature_draft.py)
-    decode_ahead: int = 0  # after the verdict, decode up to this many more tokens alone (_decode_ahead)
-    logprobs: int | None = None  # report the log-probabilities of the tokens made canonical, with this many alternatives
-    eos_banned_until: int = 0  # positions below this never get an end-of-sequence token (a request's min_tokens)
-    prefill: int = 0  # canonical tokens the target holds but has not fed yet (a prompt fed in chunks)
-
-    @property
-    def new_positions(self) -> int:
-        """Positions this call feeds the target (what batching pads to)."""
-        return self.prefill + len(self.append) + len(self.draft_tokens) + (len(self.tree.tokens) if self.tree else 0)
-
-
 class TargetEngine:
     """Not thread-safe: the servicer runs every call on one worker thread, in arrival order."""
 
@@ -83,22 +61,8 @@ class TargetEngine:
         self.batchable = batchable(lm)
         self.trees = supports_trees(lm)
 
-    def verify(
-        self,
-        sequence_id: str,
-        known_len: int,
-        append: list[int],
-        draft_tokens: list[int],
-        draft_dists: list[SparseDist],
-        sampling: SamplingConfig,
-        return_features: bool = False,
-        decode_ahead: int = 0,
-        logprobs: int | None = None,
-        eos_banned_until: int = 0,
-    ) -> StepResult:
+    def verify(self, call: VerifyCall) -> StepResult:
         """One sequence's chain: verify_batch's one-row path, with its error raised."""
-        call = VerifyCall(sequence_id, known_len, append, draft_tokens, draft_dists, sampling, return_features=return_features,
-                          decode_ahead=decode_ahead, logprobs=logprobs, eos_banned_until=eos_banned_until)
         result = self.verify_batch([call])[0]
         while isinstance(result, Requeue):  # a long prompt, fed a chunk a call
             result = self.verify_batch([result.call])[0]
@@ -352,7 +316,7 @@ class TargetEngine:
 
     def warm_up(self) -> None:
         """One prefill and one verification so the first real request pays no lazy initialisation."""
-        self.verify("__warmup__", 0, [0, 1, 2, 3], [4, 5], [], SamplingConfig())
+        self.verify(VerifyCall("__warmup__", 0, [0, 1, 2, 3], [4, 5], [], SamplingConfig()))
         self.store.release("__warmup__", retire=False)  # warm-ups may run again
         ids, greedy = ("__warmup__", "__warmup2__"), SamplingConfig()
         first = self.verify_batch([VerifyCall(ids[0], 0, [0, 1, 2, 3], [4, 5], [], greedy), VerifyCall(ids[1], 0, [0, 1], [4], [], greedy)])

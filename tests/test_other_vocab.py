@@ -27,6 +27,7 @@ from protos import specdec_pb2 as pb
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig, derive_seed, target_probs
 from specdec.model.vocab import TokenText, VocabMap, common_prefix, incomplete_tail, utf8_segments
+from specdec.spec.request import VerifyCall
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.stack import Stack
@@ -320,7 +321,7 @@ def test_intersection_rule_samples_exactly_the_target_distribution(pair):
             ids, probs = p.dist
             assert len(ids) == len(probs) and abs(sum(probs) - 1) < 1e-5 and p.token in ids
         tokens = [p.token for p in proposals]
-        result = target.verify("s", 0, prompt, tokens, [p.dist for p in proposals], sampling)
+        result = target.verify(VerifyCall("s", 0, prompt, tokens, [p.dist for p in proposals], sampling))
         emitted = tokens[: result.accepted] + [result.next_token]
         accepted_total += result.accepted
         drafted_total += len(tokens)
