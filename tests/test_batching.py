@@ -171,7 +171,7 @@ def test_batched_sampling_equals_unbatched(target):
             calls.append(VerifyCall(base.sequence_id, base.known_len, base.append, base.draft_tokens, dists, sampling))
         results = batched.verify_batch(calls)
         for d, call, result in zip(step, calls, results):
-            alone = single.verify(VerifyCall(call.sequence_id, call.known_len, call.append, call.draft_tokens, call.draft_dists, call.sampling))
+            alone = single.verify(call)
             assert (result.accepted, result.next_token, result.cached_len) == (alone.accepted, alone.next_token, alone.cached_len)
             d.apply(call, result)
 
