@@ -29,7 +29,8 @@ from specdec.model.lm import CausalLM  # noqa: E402
 from specdec.model.static import StaticLM  # noqa: E402
 from specdec.spec.sampling import SamplingConfig  # noqa: E402
 from specdec_tools.tinymodels import real_shape  # noqa: E402
-from target_service.engine import TargetEngine, VerifyCall  # noqa: E402
+from specdec.spec.request import VerifyCall  # noqa: E402
+from target_service.engine import TargetEngine  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -42,7 +43,7 @@ def engine_decode(engine: TargetEngine, prompt: list[int], n: int) -> tuple[list
     tokens, known = list(prompt), 0
     start = time.perf_counter()
     while len(tokens) - len(prompt) < n:
-        result = engine.verify("d", known, tokens[known:], [], [], SamplingConfig())
+        result = engine.verify(VerifyCall("d", known, tokens[known:], [], [], SamplingConfig()))
         tokens.append(result.next_token)
         known = result.cached_len
     seconds = time.perf_counter() - start
@@ -61,7 +62,7 @@ def engine_speculate(engine: TargetEngine, prompt: list[int], reference: list[in
         step += 1
         if draft and step % 4 == 0:
             draft[-1] = (draft[-1] + 1) % engine.lm.vocab_size
-        result = engine.verify("s", known, tokens[known:], draft, [], SamplingConfig())
+        result = engine.verify(VerifyCall("s", known, tokens[known:], draft, [], SamplingConfig()))
         tokens += draft[:result.accepted] + [result.next_token]
         known = result.cached_len
     seconds = time.perf_counter() - start

@@ -23,6 +23,7 @@ def decode(weights: str, tokens: int, runs: int) -> None:
     from specdec.model import gemm
     from specdec.model.lm import CausalLM
     from specdec.model.loading import DEFAULT_TARGET, load_model
+    from specdec.spec.request import VerifyCall
     from specdec.spec.sampling import SamplingConfig
     from target_service.engine import TargetEngine
 
@@ -36,7 +37,7 @@ def decode(weights: str, tokens: int, runs: int) -> None:
         out, known = list(ids), 0
         start = time.perf_counter()
         for _ in range(tokens):
-            result = engine.verify(f"run-{run}", known, out[known:], [], [], SamplingConfig())
+            result = engine.verify(VerifyCall(f"run-{run}", known, out[known:], [], [], SamplingConfig()))
             out.append(result.next_token)
             known = result.cached_len
         print(f"{weights}: {tokens / (time.perf_counter() - start):.1f} tok/s", flush=True)

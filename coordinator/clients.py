@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from coordinator.protocol import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
+from coordinator.protocol import DraftOutcome, Progress, TreeSpec, VerifyOutcome
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import DeadlineExceeded, SequenceNotFound
@@ -27,7 +27,9 @@ from specdec.model.features import FeatureRows
 from specdec.serving.rpc import CHANNEL_OPTIONS
 from specdec.serving.logs import REQUEST_ID_METADATA
 from specdec.serving.wire import logprobs_from_proto
+from specdec.spec.request import VerifyCall
 from specdec.spec.sampling import SamplingConfig
+from specdec.spec.tree import EMPTY_DIST
 
 log = structlog.get_logger(__name__)
 
@@ -143,6 +145,26 @@ def _sampling_proto(sampling: SamplingConfig) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed)
 
 
+def _verify_proto(call: VerifyCall) -> pb.VerifyRequest:
+    """The wire's VerifyRequest for `call`. Distributions travel only when sampling, and only if some
+    token has one: the target takes a missing one as one-hot (EMPTY_DIST)."""
+    request = pb.VerifyRequest(sequence_id=call.sequence_id, known_len=call.known_len, append_tokens=call.append,
+                               draft_tokens=call.draft_tokens, sampling=_sampling_proto(call.sampling),
+                               return_features=call.return_features, decode_ahead=call.decode_ahead, logprobs=call.logprobs,
+                               eos_banned_until=call.eos_banned_until)
+    sampled = not call.sampling.greedy
+    if sampled and any(ids for ids, _ in call.draft_dists):
+        for ids, probs in call.draft_dists:
+            request.draft_dists.add(token_ids=ids, probs=probs)
+    if call.tree is not None:
+        request.draft_tree.parents.extend(call.tree.parents)
+        request.draft_tree.tokens.extend(call.tree.tokens)
+        if sampled and any(ids for ids, _ in call.tree.child_dists):
+            for ids, probs in call.tree.child_dists:
+                request.draft_tree.child_dists.add(token_ids=ids, probs=probs)
+    return request
+
+
 # A target that restarts (a crash, a rolling update) answers UNAVAILABLE until it is back. Verify is
 # retried for up to this long after the first such failure (never past the request's deadline), so
 # requests ride through a quick restart instead of failing; the channel's retry policy above only
@@ -236,42 +258,18 @@ class TargetClient:
         response = await self.stub.GetInfo(pb.TargetServiceGetInfoRequest(), timeout=timeout_s or self.timeout_s, wait_for_ready=True)
         return response.info
 
-    async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
-                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False,
-                     decode_ahead: int = 0, logprobs: int | None = None, eos_banned_until: int = 0) -> VerifyOutcome:
-        request = pb.VerifyRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append,
-                                   draft_tokens=draft_tokens, sampling=_sampling_proto(sampling), return_features=return_features,
-                                   decode_ahead=decode_ahead, logprobs=logprobs, eos_banned_until=eos_banned_until)
-        if not sampling.greedy and any(d is not None for d in draft_dists):
-            for dist in draft_dists:
-                ids, probs = dist if dist is not None else ([], [])
-                request.draft_dists.add(token_ids=ids, probs=probs)
+    async def verify(self, call: VerifyCall) -> VerifyOutcome:
+        request = _verify_proto(call)
         start = time.perf_counter()
-        response = await self._verify_call(sequence_id, request)
+        response = await self._verify_call(call.sequence_id, request)
         wall = time.perf_counter() - start
         features = None
         if response.HasField("features"):
             f = response.features
             features = FeatureRows.from_wire(f.start, f.rows, f.dim, f.data, "VerifyResponse.features")
         return VerifyOutcome(response.accepted, response.next_token, response.compute_seconds, wall,
-                             request.ByteSize() + response.ByteSize(), features=features, decoded=tuple(response.decoded_tokens),
-                             logprobs=logprobs_from_proto(response.logprobs))
-
-    async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
-                          tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:
-        request = pb.VerifyRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append,
-                                   sampling=_sampling_proto(sampling))
-        request.draft_tree.parents.extend(parents)
-        request.draft_tree.tokens.extend(tokens)
-        if not sampling.greedy and any(d is not None for d in child_dists):
-            for dist in child_dists:
-                ids, probs = dist if dist is not None else ([], [])
-                request.draft_tree.child_dists.add(token_ids=ids, probs=probs)
-        start = time.perf_counter()
-        response = await self._verify_call(sequence_id, request)
-        wall = time.perf_counter() - start
-        return VerifyOutcome(response.accepted, response.next_token, response.compute_seconds, wall,
-                             request.ByteSize() + response.ByteSize(), tuple(response.accepted_path))
+                             request.ByteSize() + response.ByteSize(), tuple(response.accepted_path), features,
+                             tuple(response.decoded_tokens), logprobs_from_proto(response.logprobs))
 
     async def _verify_call(self, sequence_id: str, request: pb.VerifyRequest) -> pb.VerifyResponse:
         """One Verify, retried while the target is UNAVAILABLE (see TARGET_RETRY_S). Safe to repeat:
@@ -354,7 +352,7 @@ class DraftClient:
             raise
         wall = time.perf_counter() - start
         tokens = [m.token_id for m in messages]
-        dists: list[Dist] = [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else None for m in messages]
+        dists = [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else EMPTY_DIST for m in messages]
         confidence = [m.cumulative_prob for m in messages]
         if answer is None:  # a stream says only what its last token had cost by then
             compute = messages[-1].compute_seconds if messages else 0.0
@@ -375,7 +373,7 @@ class DraftClient:
             raise
         wall = time.perf_counter() - start
         tree_pb = response.tree
-        dists: list[Dist] = [(list(d.token_ids), list(d.probs)) if d.token_ids else None for d in tree_pb.child_dists]
+        dists = [(list(d.token_ids), list(d.probs)) if d.token_ids else EMPTY_DIST for d in tree_pb.child_dists]
         return DraftOutcome(list(tree_pb.tokens), dists, response.compute_seconds, wall,
                             request.ByteSize() + response.ByteSize(), parents=list(tree_pb.parents))
 

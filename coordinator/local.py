@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import time
 
-from coordinator.protocol import DraftOutcome, Dist, Progress, TreeSpec, VerifyOutcome
+from coordinator.protocol import DraftOutcome, Progress, TreeSpec, VerifyOutcome
 from draft_service.drafters.base import DraftSettings
 from draft_service.engine import DraftEngine
 from draft_service.tree import TreeSettings
 from specdec.model.features import FeatureRows
 from specdec.spec.costs import Costs
-from specdec.spec.sampling import SamplingConfig
 from specdec.spec.tree import tree_depth
-from specdec.spec.tree import DraftTree
-from target_service.engine import TargetEngine, VerifyCall
+from specdec.spec.request import VerifyCall
+from target_service.engine import TargetEngine
 
 
 def _forward_seconds(costs: Costs, positions: int) -> float:
@@ -44,26 +43,12 @@ class LocalVerifier:
         compute = _forward_seconds(costs, positions) + decoded * _forward_seconds(costs, 1)
         return compute, compute + costs.wire_per_step
 
-    async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
-                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False,
-                     decode_ahead: int = 0, logprobs: int | None = None, eos_banned_until: int = 0) -> VerifyOutcome:
+    async def verify(self, call: VerifyCall) -> VerifyOutcome:
         start = time.perf_counter()
-        dists = [d if d is not None else ([], []) for d in draft_dists] if any(d is not None for d in draft_dists) else []
-        result = self.engine.verify(sequence_id, known_len, append, draft_tokens, dists, sampling, return_features, decode_ahead,
-                                    logprobs, eos_banned_until)
-        compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, len(append) + len(draft_tokens),
-                                      len(result.decoded))
-        return VerifyOutcome(result.accepted, result.next_token, compute, wall, features=result.features, decoded=result.decoded,
-                             logprobs=result.logprobs)
-
-    async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
-                          tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome:
-        start = time.perf_counter()
-        dists = [d if d is not None else ([], []) for d in child_dists] if any(d is not None for d in child_dists) else []
-        call = VerifyCall(sequence_id, known_len, append, [], [], sampling, DraftTree(parents, tokens, dists))
-        result = self.engine.verify_tree(call)
-        compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, len(append) + len(tokens))
-        return VerifyOutcome(result.accepted, result.next_token, compute, wall, path=result.path)
+        result = self.engine.verify_tree(call) if call.tree is not None else self.engine.verify(call)
+        compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, call.new_positions, len(result.decoded))
+        return VerifyOutcome(result.accepted, result.next_token, compute, wall, path=result.path, features=result.features,
+                             decoded=result.decoded, logprobs=result.logprobs)
 
     async def release(self, sequence_id: str) -> None:
         self.engine.release(sequence_id)
@@ -93,19 +78,18 @@ class LocalProposer:
         proposals = list(self.engine.propose(sequence_id, known_len, append, settings, features))
         for p in proposals if progress is not None else ():
             progress.arrived(p.token)
-        dists: list[Dist] = [(p.dist_ids, p.dist_probs) if p.dist_ids is not None else None for p in proposals]
         wall = time.perf_counter() - start
         compute, wall = self._seconds(wall, wall, len(proposals))
-        return DraftOutcome([p.token for p in proposals], dists, compute, wall, confidence=[p.cumulative_prob for p in proposals])
+        return DraftOutcome([p.token for p in proposals], [p.dist for p in proposals], compute, wall,
+                            confidence=[p.cumulative_prob for p in proposals])
 
     async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
                            max_depth: int, temperature: float, seed: int) -> DraftOutcome:
         start = time.perf_counter()
         settings = TreeSettings(tree.budget, tree.top_k, tuple(tree.shape), max_depth, temperature, seed)
         drafted = self.engine.propose_tree(sequence_id, known_len, append, settings)
-        dists: list[Dist] = [d if d[0] else None for d in drafted.child_dists]
         compute, wall = self._seconds(drafted.compute_seconds, time.perf_counter() - start, tree_depth(drafted.parents))
-        return DraftOutcome(drafted.tokens, dists, compute, wall, parents=drafted.parents)
+        return DraftOutcome(drafted.tokens, drafted.child_dists, compute, wall, parents=drafted.parents)
 
     async def release(self, sequence_id: str) -> None:
         self.engine.release(sequence_id)

@@ -26,7 +26,9 @@ from coordinator.state import SequenceState
 from specdec.errors import SequenceNotFound
 from specdec.serving import metrics
 from specdec.model.features import FeatureLog
+from specdec.spec.request import VerifyCall
 from specdec.spec.sampling import SamplingConfig, TokenLogprob, derive_seed
+from specdec.spec.tree import DraftTree
 
 log = structlog.get_logger(__name__)
 
@@ -332,18 +334,13 @@ class SpeculativeLoop:
 
     async def _verify_call(self, sequence_id, known, append, draft: DraftOutcome, spec: GenerationSpec,
                            decode_ahead: int = 0) -> VerifyOutcome:
-        sampling = spec.sampling
         if draft.parents is not None and draft.tokens:
-            return await self.verifier.verify_tree(sequence_id, known, append, draft.parents, draft.tokens, draft.dists, sampling)
-        extra: dict = {"return_features": True} if self.features else {}
-        if decode_ahead:
-            extra["decode_ahead"] = decode_ahead
-        if spec.logprobs is not None:
-            extra["logprobs"] = spec.logprobs
-        if spec.min_tokens:
-            extra["eos_banned_until"] = len(spec.prompt_ids) + spec.min_tokens
-        return await self.verifier.verify(sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [],
-                                          sampling, **extra)
+            tree = DraftTree(draft.parents, draft.tokens, draft.dists)
+            return await self.verifier.verify(VerifyCall(sequence_id, known, append, [], [], spec.sampling, tree))
+        return await self.verifier.verify(VerifyCall(
+            sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [], spec.sampling,
+            return_features=self.features, decode_ahead=decode_ahead, logprobs=spec.logprobs,
+            eos_banned_until=len(spec.prompt_ids) + spec.min_tokens if spec.min_tokens else 0))
 
     def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyOutcome, appended: int,
                  asked: bool = False) -> None:

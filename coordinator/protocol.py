@@ -14,16 +14,15 @@ import dataclasses
 from typing import Protocol
 
 from specdec.model.features import FeatureRows
+from specdec.spec.request import VerifyCall
 from specdec.spec.sampling import SamplingConfig, TokenLogprob
-from specdec.spec.tree import tree_depth
-
-Dist = tuple[list[int], list[float]] | None  # sparse distribution a draft token was drawn from
+from specdec.spec.tree import SparseDist, tree_depth
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftOutcome:
     tokens: list[int]
-    dists: list[Dist]  # chains: per token; trees: per position (root, then nodes), the children's p
+    dists: list[SparseDist]  # chains: per token; trees: per position (root, then nodes), the children's p (EMPTY_DIST: one-hot)
     compute_seconds: float
     wall_seconds: float
     wire_bytes: int = 0
@@ -88,12 +87,9 @@ class Proposer(Protocol):
 
 
 class Verifier(Protocol):
-    async def verify(self, sequence_id: str, known_len: int, append: list[int], draft_tokens: list[int],
-                     draft_dists: list[Dist], sampling: SamplingConfig, return_features: bool = False,
-                     decode_ahead: int = 0, logprobs: int | None = None, eos_banned_until: int = 0) -> VerifyOutcome: ...
-
-    async def verify_tree(self, sequence_id: str, known_len: int, append: list[int], parents: list[int],
-                          tokens: list[int], child_dists: list[Dist], sampling: SamplingConfig) -> VerifyOutcome: ...
+    async def verify(self, call: VerifyCall) -> VerifyOutcome:
+        """A chain, or a tree (call.tree): the one request type the target engine takes too."""
+        ...
 
     async def release(self, sequence_id: str) -> None: ...
 

@@ -21,6 +21,7 @@ from coordinator.protocol import GenerationSpec, TreeSpec
 from protos import specdec_pb2 as pb
 from specdec.errors import InvalidArgument
 from specdec.limits import MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_REQUEST_ID
+from specdec.spec.checks import check_token_ids
 from specdec.spec.tree import check_tree_bounds
 from specdec.spec.sampling import SamplingConfig, check_sampling
 
@@ -71,9 +72,7 @@ def _text_ids(request: Request, tokenizer, vocab: int) -> Sequence[int]:
 
 def _token_ids(request: Request, tokenizer, vocab: int) -> Sequence[int]:
     ids = list(request.token_ids.ids)
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidArgument("token_ids", f"token id {bad[0]} outside the target's vocabulary [0, {vocab})")
+    check_token_ids("token_ids", ids, vocab)  # the target's own check: the same refusal from either
     return ids
 
 

@@ -104,8 +104,11 @@ class DraftEngine:
             else:
                 rows.append(i)
         self.drafter.forwards += len(rows)
-        groups = ([rows] if rows else []) if getattr(lm, "static", False) else [[rows[j] for j in group] for group in pad_groups([seqs[i].cached for i in rows])]
-        for group in groups:  # rows of very unlike cache lengths in passes of their own (PAD_KEYS)
+        if getattr(lm, "static", False):  # fixed-shape passes pad nothing
+            groups = [rows] if rows else []
+        else:  # rows of very unlike cache lengths in passes of their own (PAD_KEYS)
+            groups = [[rows[j] for j in group] for group in pad_groups([seqs[i].cached for i in rows])]
+        for group in groups:
             if len(group) == 1:
                 out[group[0]] = lm.forward(seqs[group[0]], keep=1)[0]  # alone: no batch buffer to gather and copy back
                 continue

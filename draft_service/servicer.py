@@ -101,9 +101,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                     cumulative_prob=proposal.cumulative_prob,
                     compute_seconds=proposal.compute_seconds,
                 )
-                if proposal.dist_ids is not None:
-                    message.dist.token_ids.extend(proposal.dist_ids)
-                    message.dist.probs.extend(proposal.dist_probs)
+                ids, probs = proposal.dist
+                if ids:  # a chosen token sends no dist at all
+                    message.dist.token_ids.extend(ids)
+                    message.dist.probs.extend(probs)
                 yield message
             m.propose_seconds.observe(spent[0])
 

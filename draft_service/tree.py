@@ -31,7 +31,7 @@ from specdec.errors import InvalidArgument
 from specdec.kv.store import Sequence
 from specdec.spec.sampling import check_temperature, truncated_probs
 from specdec.forward.tree import forward_masked
-from specdec.spec.tree import DraftTree, SparseDist, check_tree_bounds
+from specdec.spec.tree import EMPTY_DIST, DraftTree, SparseDist, check_tree_bounds
 
 TREE_FIELDS = {"budget": "tree.budget", "top_k": "tree.top_k", "shape": "tree.shape"}
 
@@ -205,8 +205,8 @@ class TreeBuilder:
         tokens = [self.nodes[i].token for i in keep]
         dists: list[SparseDist] = []
         if self.sampling:
-            dists = [self.child_dists.get(-1, ([], []))] + [self.child_dists.get(i, ([], [])) for i in keep]
+            dists = [self.child_dists.get(-1, EMPTY_DIST)] + [self.child_dists.get(i, EMPTY_DIST) for i in keep]
             for j in range(len(keep)):
                 if j not in parents:
-                    dists[j + 1] = ([], [])  # drawn from, but no child was kept: nothing to send
+                    dists[j + 1] = EMPTY_DIST  # drawn from, but no child was kept: nothing to send
         return TreeDraft(parents, tokens, dists)

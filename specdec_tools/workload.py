@@ -87,6 +87,7 @@ def engine_outputs(target: str, prompts: list[list[int]], max_new: int, device: 
     `specdec serve target --device DEVICE` computes it; cut after the first end-of-sequence token."""
     from specdec.model.loading import load_model
     from specdec.model.static import exact_lm
+    from specdec.spec.request import VerifyCall
     from specdec.spec.sampling import SamplingConfig
     from target_service.engine import TargetEngine
 
@@ -96,7 +97,7 @@ def engine_outputs(target: str, prompts: list[list[int]], max_new: int, device: 
     for number, prompt in enumerate(prompts):
         tokens, known, name = list(prompt), 0, f"reference-{number}"
         while len(tokens) - len(prompt) < max_new and not (len(tokens) > len(prompt) and tokens[-1] in engine.lm.eos_token_ids):
-            result = engine.verify(name, known, tokens[known:], [], [], SamplingConfig())
+            result = engine.verify(VerifyCall(name, known, tokens[known:], [], [], SamplingConfig()))
             tokens.append(result.next_token)
             known = result.cached_len
         engine.store.release(name)

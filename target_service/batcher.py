@@ -14,7 +14,8 @@ from __future__ import annotations
 import operator
 
 from specdec.serving.batcher import ContinuousBatcher
-from target_service.engine import StepResult, VerifyCall
+from specdec.spec.request import VerifyCall
+from target_service.engine import StepResult
 
 
 class VerifyBatcher(ContinuousBatcher[VerifyCall, StepResult]):

@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 
 import structlog
 import torch
 
-from specdec.limits import MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_TREE_NODES
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, SequenceStore
 from specdec.model.lm import CausalLM, feed
-from specdec.spec.sampling import (SamplingConfig, TokenLogprob, check_sampling, ban_tokens, chosen_logprobs, generator_for, target_probs,
+from specdec.spec.sampling import (SamplingConfig, TokenLogprob, ban_tokens, chosen_logprobs, generator_for, target_probs,
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch, pad_groups
-from specdec.spec.tree import DraftTree, SparseDist, check_parents, tree_depth
-from specdec.spec.treeplan import TreePlan, draft_probs, plan_tree, tree_verdict
+from specdec.spec.checks import check_verify_call
+from specdec.spec.request import VerifyCall
+from specdec.spec.tree import EMPTY_DIST, SparseDist, tree_depth
+from specdec.spec.treeplan import TreePlan, plan_tree, tree_verdict
 from specdec.serving.batcher import Requeue
 from specdec.spec.verify import verify_greedy, verify_rejection
 
@@ -46,29 +46,6 @@ class StepResult:
     logprobs: tuple[TokenLogprob, ...] = ()  # asked for: one per token made canonical (accepted, next, decoded)
 
 
-@dataclasses.dataclass(frozen=True)
-class VerifyCall:
-    """One Verify request, as the engine sees it (the servicer translates the protobuf)."""
-
-    sequence_id: str
-    known_len: int
-    append: list[int]
-    draft_tokens: list[int]
-    draft_dists: list[SparseDist]
-    sampling: SamplingConfig
-    tree: DraftTree | None = None  # a tree proposal instead of draft_tokens
-    return_features: bool = False  # for a feature draft (specdec/model/feature_draft.py)
-    decode_ahead: int = 0  # after the verdict, decode up to this many more tokens alone (_decode_ahead)
-    logprobs: int | None = None  # report the log-probabilities of the tokens made canonical, with this many alternatives
-    eos_banned_until: int = 0  # positions below this never get an end-of-sequence token (a request's min_tokens)
-    prefill: int = 0  # canonical tokens the target holds but has not fed yet (a prompt fed in chunks)
-
-    @property
-    def new_positions(self) -> int:
-        """Positions this call feeds the target (what batching pads to)."""
-        return self.prefill + len(self.append) + len(self.draft_tokens) + (len(self.tree.tokens) if self.tree else 0)
-
-
 class TargetEngine:
     """Not thread-safe: the servicer runs every call on one worker thread, in arrival order."""
 
@@ -83,22 +60,8 @@ class TargetEngine:
         self.batchable = batchable(lm)
         self.trees = supports_trees(lm)
 
-    def verify(
-        self,
-        sequence_id: str,
-        known_len: int,
-        append: list[int],
-        draft_tokens: list[int],
-        draft_dists: list[SparseDist],
-        sampling: SamplingConfig,
-        return_features: bool = False,
-        decode_ahead: int = 0,
-        logprobs: int | None = None,
-        eos_banned_until: int = 0,
-    ) -> StepResult:
+    def verify(self, call: VerifyCall) -> StepResult:
         """One sequence's chain: verify_batch's one-row path, with its error raised."""
-        call = VerifyCall(sequence_id, known_len, append, draft_tokens, draft_dists, sampling, return_features=return_features,
-                          decode_ahead=decode_ahead, logprobs=logprobs, eos_banned_until=eos_banned_until)
         result = self.verify_batch([call])[0]
         while isinstance(result, Requeue):  # a long prompt, fed a chunk a call
             result = self.verify_batch([result.call])[0]
@@ -313,21 +276,7 @@ class TargetEngine:
         return StepResult(len(path), next_token, len(seq.tokens), time.perf_counter() - start, batch_size, caller_path), path
 
     def _prepare(self, call: VerifyCall) -> Sequence:
-        self._validate(call.append, call.draft_tokens, call.draft_dists, call.sampling)
-        if call.tree is not None:
-            self._validate_tree(call)
-        if call.return_features and call.tree is not None:
-            raise InvalidArgument("return_features", "is for chains: a draft_tree cannot ask for features")
-        if call.return_features and not self.lm.has_features:
-            raise InvalidArgument("return_features", "this target model has no final norm to read hidden states from")
-        if not 0 <= call.decode_ahead <= MAX_DECODE_AHEAD:
-            raise InvalidArgument("decode_ahead", f"must be in [0, {MAX_DECODE_AHEAD}], got {call.decode_ahead}")
-        if call.decode_ahead and call.tree is not None:
-            raise InvalidArgument("decode_ahead", "is for chains: a draft_tree cannot decode ahead")
-        if call.logprobs is not None and not 0 <= call.logprobs <= MAX_LOGPROBS:
-            raise InvalidArgument("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {call.logprobs}")
-        if call.tree is not None and (call.logprobs is not None or call.eos_banned_until):
-            raise InvalidArgument("draft_tree", "logprobs and eos_banned_until are for chains")
+        check_verify_call(call, self.lm.vocab_size, self.lm.has_features)
         seq = self.store.sync(call.sequence_id, call.known_len, call.append)
         total = len(seq.tokens) + (tree_depth(call.tree.parents) if call.tree is not None else len(call.draft_tokens))
         if self.lm.max_context and total > self.lm.max_context:
@@ -370,7 +319,7 @@ class TargetEngine:
 
     def warm_up(self) -> None:
         """One prefill and one verification so the first real request pays no lazy initialisation."""
-        self.verify("__warmup__", 0, [0, 1, 2, 3], [4, 5], [], SamplingConfig())
+        self.verify(VerifyCall("__warmup__", 0, [0, 1, 2, 3], [4, 5], [], SamplingConfig()))
         self.store.release("__warmup__", retire=False)  # warm-ups may run again
         ids, greedy = ("__warmup__", "__warmup2__"), SamplingConfig()
         first = self.verify_batch([VerifyCall(ids[0], 0, [0, 1, 2, 3], [4, 5], [], greedy), VerifyCall(ids[1], 0, [0, 1], [4], [], greedy)])
@@ -379,63 +328,15 @@ class TargetEngine:
         for sequence_id in ids:
             self.store.release(sequence_id, retire=False)
 
-    def _validate(self, append, draft_tokens, draft_dists, sampling: SamplingConfig) -> None:
-        vocab = self.lm.vocab_size
-        for field, ids in (("append_tokens", append), ("draft_tokens", draft_tokens)):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidArgument(field, f"token id {bad[0]} outside the target's vocabulary [0, {vocab})")
-        if len(draft_tokens) > MAX_DRAFT_TOKENS:
-            raise InvalidArgument("draft_tokens", f"at most {MAX_DRAFT_TOKENS} per call, got {len(draft_tokens)}")
-        if draft_dists and len(draft_dists) != len(draft_tokens):
-            raise InvalidArgument("draft_dists", f"one per draft token: got {len(draft_dists)} for {len(draft_tokens)} tokens")
-        for i, (ids, probs) in enumerate(draft_dists):
-            if (ids or probs) and not _is_distribution(ids, probs, vocab):
-                raise InvalidArgument(f"draft_dists[{i}]", "needs distinct in-vocabulary ids, one prob each, in [0, 1], summing to 1")
-            if ids and not any(t == draft_tokens[i] and p > 0 for t, p in zip(ids, probs)):
-                raise InvalidArgument(f"draft_dists[{i}]", f"draft token {draft_tokens[i]} has probability 0 in the p it was drawn from")
-        check_sampling(sampling)
-
-    def _validate_tree(self, call: VerifyCall) -> None:
-        tree, vocab = call.tree, self.lm.vocab_size
-        if call.draft_tokens:
-            raise InvalidArgument("draft_tree", "send draft_tokens or draft_tree, not both")
-        if len(tree.tokens) > MAX_TREE_NODES:
-            raise InvalidArgument("draft_tree.tokens", f"at most {MAX_TREE_NODES} nodes per call, got {len(tree.tokens)}")
-        if len(tree.parents) != len(tree.tokens):
-            raise InvalidArgument("draft_tree.parents", f"one per node: got {len(tree.parents)} for {len(tree.tokens)} tokens")
-        check_parents(list(tree.parents), "draft_tree.parents")
-        bad = [t for t in tree.tokens if not 0 <= t < vocab]
-        if bad:
-            raise InvalidArgument("draft_tree.tokens", f"token id {bad[0]} outside the target's vocabulary [0, {vocab})")
-        if tree.child_dists and len(tree.child_dists) != len(tree.tokens) + 1:
-            raise InvalidArgument("draft_tree.child_dists",
-                                  f"one per position (root + nodes): got {len(tree.child_dists)} for {len(tree.tokens) + 1}")
-        for j, (ids, probs) in enumerate(tree.child_dists):
-            if (ids or probs) and not _is_distribution(ids, probs, vocab):
-                raise InvalidArgument(f"draft_tree.child_dists[{j}]",
-                                      "needs distinct in-vocabulary ids, one prob each, in [0, 1], summing to 1")
-        if not call.sampling.greedy:  # raises for a child its distribution could not have drawn
-            draft_probs(tree.parents, tree.tokens, tree.child_dists, call.sampling, vocab)
-
     @staticmethod
     def _dense_draft_probs(tokens: list[int], dists: list[SparseDist], vocab: int) -> torch.Tensor:
         """[G, V] draft probabilities; a token sent without a distribution was drawn with p = 1 (one-hot)."""
         p = torch.zeros(len(tokens), vocab)
         for i, token in enumerate(tokens):
-            ids, probs = dists[i] if dists else ([], [])
+            ids, probs = dists[i] if dists else EMPTY_DIST
             if ids:
                 p[i, torch.tensor(ids, dtype=torch.long)] = torch.tensor(probs, dtype=torch.float32)
             else:
                 p[i, token] = 1.0
         return p
 
-
-def _is_distribution(ids: list[int], probs: list[float], vocab: int) -> bool:
-    """A sparse p the rejection sampler can use: NaN, inf or mass that does not sum to 1 would skew it."""
-    return (
-        len(ids) == len(probs) == len(set(ids))
-        and all(0 <= t < vocab for t in ids)
-        and all(0 <= p <= 1 for p in probs)  # also rejects NaN
-        and abs(math.fsum(probs) - 1) <= 1e-3
-    )

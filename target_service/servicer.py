@@ -16,7 +16,8 @@ from specdec.spec.sampling import SamplingConfig
 from target_service.config import TargetConfig
 from target_service.batcher import VerifyBatcher
 from specdec.spec.tree import DraftTree
-from target_service.engine import TargetEngine, VerifyCall
+from specdec.spec.request import VerifyCall
+from target_service.engine import TargetEngine
 
 log = structlog.get_logger(__name__)
 

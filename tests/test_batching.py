@@ -21,7 +21,8 @@ from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
 from specdec.serving.batcher import Requeue
 from target_service.batcher import VerifyBatcher
-from target_service.engine import StepResult, TargetEngine, VerifyCall
+from specdec.spec.request import VerifyCall
+from target_service.engine import StepResult, TargetEngine
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
 
 GREEDY = SamplingConfig()
@@ -91,7 +92,7 @@ def test_batched_greedy_equals_unbatched_and_the_target_alone(target):
         calls = [d.call() for d in step]
         results = batched.verify_batch(calls)
         for d, call, result in zip(step, calls, results):
-            alone = single.verify(call.sequence_id, call.known_len, call.append, call.draft_tokens, [], GREEDY)
+            alone = single.verify(VerifyCall(call.sequence_id, call.known_len, call.append, call.draft_tokens, [], GREEDY))
             assert (result.accepted, result.next_token, result.cached_len) == (alone.accepted, alone.next_token, alone.cached_len)
             d.apply(call, result)
         sizes.append(len(step))
@@ -135,7 +136,7 @@ def test_rows_fail_alone_and_rollback_rows_match(target):
     p = prompts(3, seed=5)
     for eng in (batched, single):
         for i in range(2):
-            eng.verify(f"r{i}", 0, p[i], [1, 2, 3], [], GREEDY)  # hold prompt + accepted drafts
+            eng.verify(VerifyCall(f"r{i}", 0, p[i], [1, 2, 3], [], GREEDY))  # hold prompt + accepted drafts
     calls = [
         VerifyCall("r0", len(p[0]) - 2, p[0][-2:], [7, 8], [], GREEDY),  # roll back two tokens, re-send them
         VerifyCall("lost", 5, [1], [2], [], GREEDY),
@@ -148,7 +149,7 @@ def test_rows_fail_alone_and_rollback_rows_match(target):
     assert results[3].field == "draft_tokens"
     for index in (0, 2, 4):
         call = calls[index]
-        alone = single.verify(call.sequence_id, call.known_len, call.append, call.draft_tokens, [], GREEDY)
+        alone = single.verify(VerifyCall(call.sequence_id, call.known_len, call.append, call.draft_tokens, [], GREEDY))
         assert results[index] == StepResult(alone.accepted, alone.next_token, alone.cached_len, results[index].compute_seconds, 3)
 
 
@@ -170,7 +171,7 @@ def test_batched_sampling_equals_unbatched(target):
             calls.append(VerifyCall(base.sequence_id, base.known_len, base.append, base.draft_tokens, dists, sampling))
         results = batched.verify_batch(calls)
         for d, call, result in zip(step, calls, results):
-            alone = single.verify(call.sequence_id, call.known_len, call.append, call.draft_tokens, call.draft_dists, call.sampling)
+            alone = single.verify(call)
             assert (result.accepted, result.next_token, result.cached_len) == (alone.accepted, alone.next_token, alone.cached_len)
             d.apply(call, result)
 
@@ -294,9 +295,9 @@ def test_a_lone_sequence_runs_from_its_own_call_and_newcomers_wait_for_the_model
 
     first, (second, newcomer), direct = asyncio.run(main())
     assert direct == ["a"] and most[0] == 1  # a's first call met the window; its second ran directly
-    expected = single.verify("a", 0, p[0], [], [], GREEDY)
-    assert (first.next_token, second.next_token) == (expected.next_token, single.verify("a", expected.cached_len, [expected.next_token], [], [], GREEDY).next_token)
-    assert newcomer.next_token == single.verify("b", 0, p[1], [], [], GREEDY).next_token
+    expected = single.verify(VerifyCall("a", 0, p[0], [], [], GREEDY))
+    assert (first.next_token, second.next_token) == (expected.next_token, single.verify(VerifyCall("a", expected.cached_len, [expected.next_token], [], [], GREEDY)).next_token)
+    assert newcomer.next_token == single.verify(VerifyCall("b", 0, p[1], [], [], GREEDY)).next_token
 
 
 # -- chunked prefill (TargetEngine max_prefill_tokens, batcher Requeue) ---------------------------------
@@ -304,7 +305,7 @@ def test_a_lone_sequence_runs_from_its_own_call_and_newcomers_wait_for_the_model
 def decode(eng: TargetEngine, name: str, prompt: list[int], n: int) -> list[int]:
     tokens, known = list(prompt), 0
     for _ in range(n):
-        result = eng.verify(name, known, tokens[known:], [], [], GREEDY)
+        result = eng.verify(VerifyCall(name, known, tokens[known:], [], [], GREEDY))
         tokens.append(result.next_token)
         known = result.cached_len
     return tokens[len(prompt):]
@@ -390,10 +391,10 @@ def test_rows_of_unlike_cache_lengths_verify_in_passes_of_their_own(target, monk
     pool = [p[:6] for p in prompts(3, seed=31)] + [(prompts(1, seed=32)[0] * 20)[:120]]
     for eng in (batched, single):
         for i, p in enumerate(pool):
-            eng.verify(f"s{i}", 0, p, [], [], GREEDY)
+            eng.verify(VerifyCall(f"s{i}", 0, p, [], [], GREEDY))
     calls = [VerifyCall(f"s{i}", len(p), [], [3, 5], [], GREEDY) for i, p in enumerate(pool)]
     results = batched.verify_batch(calls, decode_ahead=False)
     assert passes == [3]  # the three short rows together; the long one alone, without forward_batch
     for call, result in zip(calls, results):
-        alone = single.verify(call.sequence_id, call.known_len, [], call.draft_tokens, [], GREEDY)
+        alone = single.verify(call)
         assert (result.accepted, result.next_token, result.cached_len) == (alone.accepted, alone.next_token, alone.cached_len)

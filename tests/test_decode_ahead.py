@@ -24,7 +24,9 @@ from specdec.errors import InvalidArgument
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
 from target_service.batcher import VerifyBatcher
-from target_service.engine import DraftTree, TargetEngine, VerifyCall
+from specdec.spec.tree import DraftTree
+from specdec.spec.request import VerifyCall
+from target_service.engine import TargetEngine
 from tests import tiny
 from tests.stack import Stack
 from tests.test_loop import MAX_NEW, run
@@ -44,10 +46,10 @@ def engine(pair) -> TargetEngine:
 
 
 def one_at_a_time(target: TargetEngine, sequence_id: str, prompt: list[int], steps: int, sampling: SamplingConfig) -> list[int]:
-    out = target.verify(sequence_id, 0, prompt, [], [], sampling)
+    out = target.verify(VerifyCall(sequence_id, 0, prompt, [], [], sampling))
     tokens, known = [out.next_token], len(prompt)
     for _ in range(steps):
-        out = target.verify(sequence_id, known, [tokens[-1]], [], [], sampling)
+        out = target.verify(VerifyCall(sequence_id, known, [tokens[-1]], [], [], sampling))
         known += 1
         tokens.append(out.next_token)
     return tokens
@@ -58,13 +60,13 @@ def test_decoded_tokens_are_the_ones_single_steps_make(pair, sampling):
     target = engine(pair)
     for n, prompt in enumerate(tiny.prompts(3, seed=21)):
         expected = one_at_a_time(target, f"single{n}", prompt, 9, sampling)
-        out = target.verify(f"ahead{n}", 0, prompt, [], [], sampling, decode_ahead=5)
+        out = target.verify(VerifyCall(f"ahead{n}", 0, prompt, [], [], sampling, decode_ahead=5))
         got = [out.next_token, *out.decoded]
         eos_cut = next((i + 1 for i, t in enumerate(got) if t == tiny.EOS), None)
         assert got == expected[: len(got)] and (len(got) == 6 or eos_cut == len(got))
         if eos_cut is None:  # the target holds all but the last token, and goes on from there
             assert out.cached_len == len(prompt) + 5
-            more = target.verify(f"ahead{n}", out.cached_len, [got[-1]], [], [], sampling, decode_ahead=3)
+            more = target.verify(VerifyCall(f"ahead{n}", out.cached_len, [got[-1]], [], [], sampling, decode_ahead=3))
             assert [more.next_token, *more.decoded] == expected[6:10]
 
 
@@ -72,12 +74,12 @@ def test_decoding_ahead_follows_a_verified_draft_and_stops_after_eos(pair):
     target = engine(pair)
     prompt = tiny.prompts(1, seed=4)[0]
     reference = tiny.reference_greedy(pair[0], prompt, 12)
-    out = target.verify("s", 0, prompt, reference[:3], [], GREEDY, decode_ahead=4)
+    out = target.verify(VerifyCall("s", 0, prompt, reference[:3], [], GREEDY, decode_ahead=4))
     assert out.accepted == 3 and [out.next_token, *out.decoded] == reference[3:8]
     # A sequence whose next greedy token is EOS: nothing is decoded past it.
     ending = next((p for p in tiny.prompts(40, seed=9) if tiny.reference_greedy(pair[0], p, 1) == [tiny.EOS]), None)
     if ending is not None:
-        out = target.verify("e", 0, ending, [], [], GREEDY, decode_ahead=6)
+        out = target.verify(VerifyCall("e", 0, ending, [], [], GREEDY, decode_ahead=6))
         assert out.next_token == tiny.EOS and out.decoded == ()
 
 
@@ -129,10 +131,10 @@ class CountingVerifier(LocalVerifier):
         super().__init__(engine)
         self.aheads: list[int] = []  # decode_ahead of each call
 
-    async def verify(self, *args, **kwargs):
+    async def verify(self, call):
         self.calls += 1
-        self.aheads.append(kwargs.get("decode_ahead", 0))
-        return await super().verify(*args, **kwargs)
+        self.aheads.append(call.decode_ahead)
+        return await super().verify(call)
 
 
 def test_speculation_off_decodes_in_chunks_with_the_targets_own_tokens(pair):
@@ -208,7 +210,7 @@ def test_decoded_tokens_cross_the_wire_and_a_bad_value_names_its_field(pair, ser
     async def main():
         client = TargetClient(service, timeout_s=30)
         try:
-            return await client.verify("wire", 0, prompt, [], [], GREEDY, decode_ahead=4)
+            return await client.verify(VerifyCall("wire", 0, prompt, [], [], GREEDY, decode_ahead=4))
         finally:
             await client.close()
 

@@ -119,9 +119,10 @@ def test_out_of_vocabulary_tokens_get_probability_zero(run):
     for i, prompt in enumerate(tiny.prompts(8)):
         for proposal in engine.propose(f"s{i}", 0, prompt, DraftSettings(6, 0.0, 1.0, seed=i)):
             assert proposal.token in kept
-            for token, p in zip(proposal.dist_ids, proposal.dist_probs):
+            ids, probs = proposal.dist
+            for token, p in zip(ids, probs):
                 assert p == 0.0 or token in kept
-            assert abs(sum(proposal.dist_probs) - 1) < 1e-5
+            assert abs(sum(probs) - 1) < 1e-5
 
 
 def test_missing_corpus_and_wrong_target_are_clear_errors(run, tmp_path):

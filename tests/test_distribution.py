@@ -396,7 +396,7 @@ class CutByOwnProbability(ModelDrafter):
         if state.cumulative < settings.min_cumulative_prob:
             return None
         state.drafted += 1
-        return Proposal(int(ids[choice]), ids.tolist(), probs.tolist(), state.cumulative, 0.0)
+        return Proposal(int(ids[choice]), (ids.tolist(), probs.tolist()), state.cumulative, 0.0)
 
 
 def test_the_check_fails_a_wrong_verifier(models):
@@ -427,7 +427,8 @@ def test_threshold_stop_keeps_the_drawn_token(rule, expected):
             zeros += int(sample_u[i] < 0.5)
             continue
         p = torch.zeros(1, 1, 2)
-        p[0, 0, proposal.dist_ids] = torch.tensor(proposal.dist_probs)
+        ids, probs = proposal.dist
+        p[0, 0, ids] = torch.tensor(probs)
         verdict = verify_rejection(q, torch.tensor([[proposal.token]]), p, torch.tensor([1]), accept_u[i:i + 1], sample_u[i:i + 1])
         zeros += int((proposal.token if verdict.accepted[0] else verdict.next_tokens[0]) == 0)
     # 6,000 draws: the standard error is 0.0065, so 0.025 is ~4 of them, and 0.5 vs 0.55 is ~8.

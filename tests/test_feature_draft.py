@@ -22,7 +22,8 @@ from specdec.model.feature_draft import load_feature_draft, save_feature_draft
 from specdec.model.features import FeatureLog, FeatureRows
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
-from target_service.engine import TargetEngine, VerifyCall
+from specdec.spec.request import VerifyCall
+from target_service.engine import TargetEngine
 from tests import tiny
 from tests.stack import Stack
 from tests.test_decode_ahead import CountingVerifier
@@ -60,18 +61,18 @@ def final_hidden(model, tokens: list[int]) -> torch.Tensor:
 def test_verify_returns_the_final_hidden_states_of_the_positions_it_made_canonical(target):
     engine = TargetEngine(CausalLM(target, CPU))
     prompt = tiny.prompts()[1]
-    first = engine.verify("s", 0, prompt, [], [], SamplingConfig(), return_features=True)
+    first = engine.verify(VerifyCall("s", 0, prompt, [], [], SamplingConfig(), return_features=True))
     assert first.features.start == 0 and first.features.rows == len(prompt)
     torch.testing.assert_close(first.features.values, final_hidden(target, prompt), atol=1e-4, rtol=1e-4)
     # a draft of the target's own tokens with one wrong at the end: the accepted ones come back
     expected = tiny.reference_greedy(target, prompt, 5)
     draft = expected[1:4] + [(expected[4] + 1) % 256]
-    step = engine.verify("s", len(prompt), [first.next_token], draft, [], SamplingConfig(), return_features=True)
+    step = engine.verify(VerifyCall("s", len(prompt), [first.next_token], draft, [], SamplingConfig(), return_features=True))
     assert step.accepted == 3
     assert step.features.start == len(prompt) and step.features.end == step.cached_len == len(prompt) + 4
     canonical = prompt + expected[:4]
     torch.testing.assert_close(step.features.values, final_hidden(target, canonical)[len(prompt):], atol=1e-4, rtol=1e-4)
-    plain = engine.verify("t", 0, prompt, [], [], SamplingConfig())
+    plain = engine.verify(VerifyCall("t", 0, prompt, [], [], SamplingConfig()))
     assert plain.features is None
 
 
@@ -89,13 +90,13 @@ def test_decoding_ahead_returns_the_features_of_every_position_it_fed(target):
     engine = TargetEngine(CausalLM(target, CPU))
     prompt = tiny.prompts()[2]
     expected = tiny.reference_greedy(target, prompt, 8)
-    out = engine.verify("s", 0, prompt, [], [], SamplingConfig(), return_features=True, decode_ahead=4)
+    out = engine.verify(VerifyCall("s", 0, prompt, [], [], SamplingConfig(), return_features=True, decode_ahead=4))
     assert [out.next_token, *out.decoded] == expected[:5]
     # the prompt, next_token and the decoded tokens but the last: what the target now holds
     assert out.features.start == 0 and out.features.end == out.cached_len == len(prompt) + 4
     torch.testing.assert_close(out.features.values, final_hidden(target, prompt + expected[:4]), atol=1e-4, rtol=1e-4)
     # after a verified draft, the decoded positions follow the accepted ones
-    more = engine.verify("s", out.cached_len, [expected[4]], expected[5:7], [], SamplingConfig(), return_features=True, decode_ahead=1)
+    more = engine.verify(VerifyCall("s", out.cached_len, [expected[4]], expected[5:7], [], SamplingConfig(), return_features=True, decode_ahead=1))
     assert more.accepted == 2 and more.features.start == len(prompt) + 4 and more.features.end == more.cached_len
     canonical = prompt + expected[:7] + [more.next_token]
     torch.testing.assert_close(more.features.values, final_hidden(target, canonical)[len(prompt) + 4:], atol=1e-4, rtol=1e-4)
@@ -121,8 +122,8 @@ class FeatureGaps(CountingVerifier):
 
     end = gaps = 0
 
-    async def verify(self, *args, **kwargs):
-        out = await super().verify(*args, **kwargs)
+    async def verify(self, call):
+        out = await super().verify(call)
         if out.features is not None:
             self.gaps += out.features.start != self.end
             self.end = out.features.end

@@ -19,6 +19,7 @@ from specdec.model import gemm_kernel
 from specdec.kv.store import Sequence
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
+from specdec.spec.request import VerifyCall
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
 from tests import tiny
@@ -150,10 +151,10 @@ def test_a_prefill_through_the_kernel_agrees_with_the_stock_one_and_decodes_the_
     torch.testing.assert_close(logits["packed"], logits["stock"], atol=1e-4, rtol=1e-4)
     assert torch.equal(logits["packed"].argmax(-1), logits["stock"].argmax(-1))
     engine = TargetEngine(CausalLM(model, CPU))  # and greedy decoding after a kernel prefill is the target's own
-    out, tokens = engine.verify("p", 0, prompt, [], [], SamplingConfig()), []
+    out, tokens = engine.verify(VerifyCall("p", 0, prompt, [], [], SamplingConfig())), []
     tokens.append(out.next_token)
     for _ in range(MAX_NEW - 1):
-        out = engine.verify("p", len(prompt) + len(tokens) - 1, tokens[-1:], [], [], SamplingConfig())
+        out = engine.verify(VerifyCall("p", len(prompt) + len(tokens) - 1, tokens[-1:], [], [], SamplingConfig()))
         tokens.append(out.next_token)
     expected = tiny.reference_greedy(target, prompt, MAX_NEW)
     assert tokens[:len(expected)] == expected

@@ -14,6 +14,7 @@ from specdec.errors import SequenceNotFound, SequenceReleased
 from specdec.kv.store import SequenceStore
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
+from specdec.spec.request import VerifyCall
 from target_service.engine import TargetEngine
 from tests import tiny
 
@@ -42,7 +43,7 @@ def test_random_propose_verify_rollback_keeps_caches_exact(models):
     for step in range(40):
         gamma = rng.randrange(0, 6)
         proposals = [p.token for p in draft.propose("s", draft_known, canonical[draft_known:], DraftSettings(gamma, 0.0, 0.0, step))]
-        result = target.verify("s", target_known, canonical[target_known:], proposals, [], SamplingConfig())
+        result = target.verify(VerifyCall("s", target_known, canonical[target_known:], proposals, [], SamplingConfig()))
         target_known = len(canonical) + result.accepted
         draft_known = len(canonical) + result.accepted if proposals else len(canonical)
         canonical += proposals[: result.accepted] + [result.next_token]
@@ -60,7 +61,7 @@ def test_target_greedy_step_equals_argmax_of_fresh_forward(models):
     target_model, _ = models
     engine = TargetEngine(CausalLM(target_model, torch.device("cpu")))
     prompt = [5, 6, 7, 8, 9]
-    result = engine.verify("t", 0, prompt, [], [], SamplingConfig())
+    result = engine.verify(VerifyCall("t", 0, prompt, [], [], SamplingConfig()))
     assert result.accepted == 0 and result.cached_len == len(prompt)
     assert result.next_token == int(fresh_logits(target_model, prompt).argmax())
 

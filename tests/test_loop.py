@@ -52,12 +52,12 @@ class EvictingVerifier(LocalVerifier):
 
     calls = 0
 
-    async def verify(self, *args, **kwargs):
+    async def verify(self, call):
         self.calls += 1
         if self.calls % 3 == 0:
             for sequence_id in list(self.engine.store._sequences):
                 self.engine.store.release(sequence_id, retire=False)  # an eviction, not a Release
-        return await super().verify(*args, **kwargs)
+        return await super().verify(call)
 
 
 class FlakyProposer(LocalProposer):

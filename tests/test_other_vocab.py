@@ -27,6 +27,7 @@ from protos import specdec_pb2 as pb
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig, derive_seed, target_probs
 from specdec.model.vocab import TokenText, VocabMap, common_prefix, incomplete_tail, utf8_segments
+from specdec.spec.request import VerifyCall
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.stack import Stack
@@ -317,9 +318,10 @@ def test_intersection_rule_samples_exactly_the_target_distribution(pair):
         settings = DraftSettings(2, 0.0, sampling.temperature, derive_seed(seed, len(prompt), "draft"))
         proposals = list(draft.propose("s", 0, prompt, settings))
         for p in proposals:
-            assert len(p.dist_ids) == len(p.dist_probs) and abs(sum(p.dist_probs) - 1) < 1e-5 and p.token in p.dist_ids
+            ids, probs = p.dist
+            assert len(ids) == len(probs) and abs(sum(probs) - 1) < 1e-5 and p.token in ids
         tokens = [p.token for p in proposals]
-        result = target.verify("s", 0, prompt, tokens, [(p.dist_ids, p.dist_probs) for p in proposals], sampling)
+        result = target.verify(VerifyCall("s", 0, prompt, tokens, [p.dist for p in proposals], sampling))
         emitted = tokens[: result.accepted] + [result.next_token]
         accepted_total += result.accepted
         drafted_total += len(tokens)

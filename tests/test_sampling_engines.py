@@ -18,6 +18,7 @@ from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig, derive_seed, target_probs
+from specdec.spec.request import VerifyCall
 from target_service.engine import TargetEngine
 
 VOCAB, SAMPLES, FALSE_ALARM = 12, 4_000, 1e-4
@@ -50,8 +51,8 @@ def test_engines_sample_exactly_the_target_distribution():
         sampling = SamplingConfig(seed=seed, **sampling_base)
         proposals = list(draft.propose("s", 0, prompt, DraftSettings(2, 0.0, sampling.temperature, derive_seed(seed, 3, "draft"))))
         tokens = [p.token for p in proposals]
-        dists = [(p.dist_ids, p.dist_probs) for p in proposals]
-        result = target.verify("s", 0, prompt, tokens, dists, sampling)
+        dists = [p.dist for p in proposals]
+        result = target.verify(VerifyCall("s", 0, prompt, tokens, dists, sampling))
         emitted = tokens[: result.accepted] + [result.next_token]
         accepted_total += result.accepted
         first.append(emitted[0])

@@ -12,6 +12,8 @@ import pytest
 from coordinator.clients import DraftClient, TargetClient
 from specdec.errors import SequenceNotFound
 from specdec.spec.sampling import SamplingConfig
+from specdec.spec.tree import EMPTY_DIST
+from specdec.spec.request import VerifyCall
 from tests import tiny
 from tests.stack import Stack
 
@@ -33,10 +35,10 @@ def target(services):
 
 async def _steps(client: TargetClient, sequence_id: str, prompt: list[int], steps: int = 6) -> list[tuple[int, int]]:
     """Greedy steps that always propose the same three tokens: some accepted, most not."""
-    out = await client.verify(sequence_id, 0, prompt, [], [], SamplingConfig())
+    out = await client.verify(VerifyCall(sequence_id, 0, prompt, [], [], SamplingConfig()))
     known, verdicts = len(prompt), [(out.accepted, out.next_token)]
     for _ in range(steps):
-        out = await client.verify(sequence_id, known, [out.next_token], [5, 6, 7], [None] * 3, SamplingConfig())
+        out = await client.verify(VerifyCall(sequence_id, known, [out.next_token], [5, 6, 7], [EMPTY_DIST] * 3, SamplingConfig()))
         known += 1 + out.accepted
         verdicts.append((out.accepted, out.next_token))
     return verdicts
@@ -67,12 +69,12 @@ def test_a_failed_exchange_fails_like_a_unary_call_and_drops_its_stream(target):
         client = TargetClient(target, timeout_s=30)
         try:
             with pytest.raises(SequenceNotFound):  # NOT_FOUND ends the stream...
-                await client.verify("never-made", 5, [1], [], [], SamplingConfig())
+                await client.verify(VerifyCall("never-made", 5, [1], [], [], SamplingConfig()))
             assert not len(client.sessions)
             await _steps(client, "after", tiny.prompts(1, seed=4)[0], steps=1)  # ...and the next call opens a new one
             client.timeout_s = 1e-4  # no answer comes back this fast: the exchange times out as a unary call would
             with pytest.raises(grpc.aio.AioRpcError) as late:
-                await client.verify("after", 0, [1, 2, 3], [], [], SamplingConfig())
+                await client.verify(VerifyCall("after", 0, [1, 2, 3], [], [], SamplingConfig()))
             assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             assert "after" not in client.sessions  # a late answer must not be read as the next call's
         finally:
@@ -107,7 +109,7 @@ def test_a_propose_session_answers_as_the_stream_does(services):
                 client.sessions.enabled = True
                 assert not opened
                 assert session == streamed and all(len(tokens) == 6 for tokens, _, _ in session)
-                assert all(d is not None for _, _, dists in session for d in dists) == (temperature > 0)
+                assert all(ids for _, _, dists in session for ids, _ in dists) == (temperature > 0)
         finally:
             await client.close()
 
@@ -158,10 +160,10 @@ def test_a_stream_removed_by_a_connection_reset_is_retried_like_unavailable(targ
             prompt = tiny.prompts(1, seed=5)[0]
             if not retried:
                 with pytest.raises(grpc.aio.AioRpcError) as failed:
-                    await client.verify("reset", 0, prompt, [], [], SamplingConfig())
+                    await client.verify(VerifyCall("reset", 0, prompt, [], [], SamplingConfig()))
                 assert failed.value.code() == grpc.StatusCode.UNKNOWN and len(calls) == 1
                 return
-            out = await client.verify("reset", 0, prompt, [], [], SamplingConfig())
+            out = await client.verify(VerifyCall("reset", 0, prompt, [], [], SamplingConfig()))
             assert len(calls) == 2 and out.next_token == tiny.reference_greedy(tiny.tiny_pair(seed=0)[0], prompt, 1)[0]
         finally:
             await client.close()

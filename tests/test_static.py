@@ -17,7 +17,9 @@ from specdec.kv.store import Sequence
 from specdec.model import static
 from specdec.model.static import StaticLM, attention_reference, exact_lm, static_supported
 from specdec.spec.sampling import SamplingConfig
-from target_service.engine import DraftTree, TargetEngine, VerifyCall
+from specdec.spec.tree import DraftTree
+from specdec.spec.request import VerifyCall
+from target_service.engine import TargetEngine
 from specdec_tools.tinymodels import real_shape
 
 GREEDY = SamplingConfig()
@@ -40,7 +42,7 @@ def decode_alone(engine: TargetEngine, name: str, prompt: list[int], n: int) -> 
     """The target alone: one Verify with no draft tokens per token."""
     tokens, known = list(prompt), 0
     while len(tokens) - len(prompt) < n:
-        result = engine.verify(name, known, tokens[known:], [], [], GREEDY)
+        result = engine.verify(VerifyCall(name, known, tokens[known:], [], [], GREEDY))
         tokens.append(result.next_token)
         known = result.cached_len
     engine.store.release(name)
@@ -184,10 +186,10 @@ def test_sequences_past_the_slots_are_evicted_and_refilled():
     engine = TargetEngine(lm, max_sequences=64)
     assert engine.store.max_sequences == 2
     for name in ("a", "b", "c"):
-        engine.verify(name, 0, [1, 2, 3], [], [], GREEDY)
+        engine.verify(VerifyCall(name, 0, [1, 2, 3], [], [], GREEDY))
     assert "a" not in engine.store and len(engine.store) == 2
     engine.store.release("b")
-    engine.verify("d", 0, [4, 5], [], [], GREEDY)
+    engine.verify(VerifyCall("d", 0, [4, 5], [], [], GREEDY))
     free = StaticLM(small_model().float(), torch.device("cpu"), pass_rows=4, slots=1)
     held = free.new_cache()
     with pytest.raises(Overloaded):

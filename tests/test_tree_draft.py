@@ -27,7 +27,9 @@ from specdec.errors import InvalidArgument
 from specdec.kv.store import Sequence
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
-from target_service.engine import DraftTree, TargetEngine, VerifyCall
+from specdec.spec.tree import DraftTree
+from specdec.spec.request import VerifyCall
+from target_service.engine import TargetEngine
 from specdec.spec.tree import depths, path_to
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
 

@@ -16,7 +16,9 @@ import torch
 from specdec.errors import InvalidArgument
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
-from target_service.engine import DraftTree, TargetEngine, VerifyCall
+from specdec.spec.tree import DraftTree
+from specdec.spec.request import VerifyCall
+from target_service.engine import TargetEngine
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
 
 GREEDY = SamplingConfig()
@@ -81,7 +83,7 @@ def test_cache_after_a_tree_step_equals_the_cache_of_the_accepted_chain(target):
     a, b = engine(target), engine(target)
     tree_result = a.verify_tree(VerifyCall("x", 0, prompt, [], [], GREEDY, tree))
     assert tree_result.path == (1, 4, 6) and tree_result.next_token == reference[3]
-    chain_result = b.verify("x", 0, prompt, reference[:3], [], GREEDY)
+    chain_result = b.verify(VerifyCall("x", 0, prompt, reference[:3], [], GREEDY))
     assert chain_result.accepted == 3 and chain_result.next_token == tree_result.next_token
     seq_a, seq_b = a.store.sync("x", len(prompt) + 3, [tree_result.next_token]), b.store.sync("x", len(prompt) + 3, [chain_result.next_token])
     assert seq_a.tokens == seq_b.tokens and seq_a.cached == seq_b.cached == len(prompt) + 3
@@ -110,7 +112,7 @@ def test_a_chain_shaped_tree_verifies_exactly_as_the_chain(target, sampling):
                 probs[-1] = 1.0 - sum(probs[:-1])
                 dists.append((ids, probs))
         tree = DraftTree(list(range(-1, gamma - 1)), draft, dists + [([], [])] if dists else [])  # position j: node j's p
-        chain = b.verify("s", known, tokens[known:], draft, dists, sampling)
+        chain = b.verify(VerifyCall("s", known, tokens[known:], draft, dists, sampling))
         via_tree = a.verify_tree(VerifyCall("s", known, tokens[known:], [], [], sampling, tree))
         assert (via_tree.accepted, via_tree.next_token, via_tree.cached_len) == (chain.accepted, chain.next_token, chain.cached_len)
         tokens += draft[:chain.accepted] + [chain.next_token]

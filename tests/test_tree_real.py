@@ -16,7 +16,8 @@ import torch
 from specdec.model.lm import CausalLM
 from specdec.model.loading import DEFAULT_TARGET, load_model
 from specdec.spec.sampling import SamplingConfig
-from target_service.engine import TargetEngine, VerifyCall
+from specdec.spec.request import VerifyCall
+from target_service.engine import TargetEngine
 from tests.test_tree_engine import random_tree
 
 pytestmark = pytest.mark.slow

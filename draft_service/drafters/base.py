@@ -20,15 +20,15 @@ from typing import Any, Protocol, runtime_checkable
 from draft_service.tree import TreeDraft, TreeSettings
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
+from specdec.spec.tree import EMPTY_DIST, SparseDist
 
 
 @dataclasses.dataclass(frozen=True)
 class Proposal:
-    """One drafted token and the distribution it was drawn from (None: drawn with p = 1)."""
+    """One drafted token and the distribution it was drawn from (EMPTY_DIST: chosen, p = 1)."""
 
     token: int
-    dist_ids: list[int] | None
-    dist_probs: list[float] | None
+    dist: SparseDist
     cumulative_prob: float
     compute_seconds: float
 
@@ -84,6 +84,7 @@ def chain_tree(drafter: Drafter, seq: Sequence, settings: TreeSettings, start: f
     chain the target rejected."""
     chain = DraftSettings(min(settings.budget, settings.max_depth), 0.0, settings.temperature, settings.seed)
     proposals = list(drafter.propose(seq, chain, start))
-    dists = [(p.dist_ids, p.dist_probs) for p in proposals if p.dist_ids is not None]
-    child_dists = dists + [([], [])] if len(dists) == len(proposals) and dists else []
+    dists = [p.dist for p in proposals]
+    # every token drawn: each one's p, and none after the leaf; a chosen token anywhere: none at all (one-hot)
+    child_dists = dists + [EMPTY_DIST] if dists and all(ids for ids, _ in dists) else []
     return TreeDraft(list(range(-1, len(proposals) - 1)), [p.token for p in proposals], child_dists)

@@ -22,6 +22,7 @@ from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import truncated_probs
+from specdec.spec.tree import EMPTY_DIST
 
 
 class ModelDrafter:
@@ -104,17 +105,17 @@ class ModelDrafter:
             if state.cumulative * prob < settings.min_cumulative_prob:
                 state.stopped = True  # not confident enough: verifying it would likely waste the slot
                 return None
-            ids = probs = None
+            dist = EMPTY_DIST
         else:
             top_ids, top_probs = truncated_probs(logits, settings.temperature, self.top_k)
             choice = int(torch.multinomial(top_probs, 1, generator=state.generator))
             token, prob = int(top_ids[choice]), float(top_probs[choice])
-            ids, probs = top_ids.tolist(), top_probs.tolist()
+            dist = (top_ids.tolist(), top_probs.tolist())
         state.cumulative *= prob
         state.drafted += 1
         if state.cumulative < settings.min_cumulative_prob:
             state.stopped = True  # decided from tokens 1..i, before token i+1 is drawn
-        return Proposal(token, ids, probs, state.cumulative, time.perf_counter() - state.start)
+        return Proposal(token, dist, state.cumulative, time.perf_counter() - state.start)
 
 
 @dataclasses.dataclass

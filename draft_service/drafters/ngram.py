@@ -25,6 +25,7 @@ from draft_service.drafters.base import DraftSettings, Proposal, chain_tree
 from draft_service.tree import TreeDraft, TreeSettings
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
+from specdec.spec.tree import EMPTY_DIST
 
 
 class NgramIndex:
@@ -191,8 +192,8 @@ class NgramDrafter:
             index.last = (len(seq.tokens), seq.tokens[-1], proposal, n)
         for token, cumulative in zip(proposal, self.calibration.survival(n, len(proposal))):
             seq.tokens.append(token)
-            one_hot = ([token], [1.0]) if settings.temperature > 0 else (None, None)
-            yield Proposal(token, *one_hot, cumulative, time.perf_counter() - start)
+            one_hot = ([token], [1.0]) if settings.temperature > 0 else EMPTY_DIST
+            yield Proposal(token, one_hot, cumulative, time.perf_counter() - start)
 
     def _learn(self, index: NgramIndex, tokens: list[int]) -> None:
         """Scores the last proposal against the canonical tokens that have replaced it (the store

@@ -36,6 +36,7 @@ from specdec.model.features import FeatureRows
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import truncated_probs
 from specdec.model.vocab import VocabMap, common_prefix, incomplete_tail, is_char_start
+from specdec.spec.tree import EMPTY_DIST
 
 # Draft tokens re-tokenized behind the first changed byte: a new token can merge with a few before it.
 LOOK_BEHIND = 3
@@ -173,7 +174,7 @@ class CrossVocabDrafter:
             target = int(self.to_target[token])
             self._append_draft(state, token)
             seq.tokens.append(target)
-            yield Proposal(target, self.to_target[top_ids].tolist(), top_probs.tolist(), cumulative,
+            yield Proposal(target, (self.to_target[top_ids].tolist(), top_probs.tolist()), cumulative,
                            time.perf_counter() - start)
 
     def _greedy(self, seq: Sequence, state: CrossState, settings: DraftSettings, start: float) -> Iterator[Proposal]:
@@ -198,7 +199,7 @@ class CrossVocabDrafter:
             for target in settled[len(proposed): settings.max_tokens]:
                 proposed.append(target)
                 seq.tokens.append(target)
-                yield Proposal(target, None, None, cumulative, time.perf_counter() - start)
+                yield Proposal(target, EMPTY_DIST, cumulative, time.perf_counter() - start)
             if final or len(proposed) >= settings.max_tokens:
                 return
 

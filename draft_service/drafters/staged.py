@@ -23,6 +23,7 @@ import torch
 from draft_service.drafters.base import DraftSettings, Proposal
 from draft_service.drafters.ngram import NgramIndex
 from specdec.kv.store import Sequence
+from specdec.spec.tree import EMPTY_DIST
 
 MAX_GUESS = 8  # guessed positions per draft forward: past a few, a wrong guess only costs compute
 
@@ -55,7 +56,7 @@ def draft_staged(drafter, seq: Sequence, settings: DraftSettings, start: float, 
             return
         seq.tokens.append(token)
         index.append(token)
-        yield Proposal(token, None, None, cumulative, time.perf_counter() - start)
+        yield Proposal(token, EMPTY_DIST, cumulative, time.perf_counter() - start)
         left = settings.max_tokens - i - 1
         if not left:
             return

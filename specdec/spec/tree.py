@@ -39,8 +39,10 @@ from specdec.limits import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 from specdec.spec.verify import sample_from
 
 # A sparse distribution as the services exchange it: token ids and their probabilities, in the
-# order drawn; ([], []) for none (the token was chosen deterministically: one-hot p).
-SparseDist = tuple[list[int], list[float]]
+# order drawn. Empty ids mean none: the token was chosen deterministically, so its p is one-hot.
+# Every layer (drafters, coordinator, wire, target) says "none" this one way, so nothing converts.
+SparseDist = tuple[Sequence[int], Sequence[float]]
+EMPTY_DIST: SparseDist = ((), ())  # immutable: shared by every one-hot token
 
 
 @dataclasses.dataclass(frozen=True)
