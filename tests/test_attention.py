@@ -23,19 +23,25 @@ class Module(torch.nn.Module):
     num_key_value_groups = 3
 
 
-def _qkv(rows: int, keys: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv(rows: int, keys: int, seed: int = 0, dim: int = 40) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(2, 6, rows, 40, generator=g), torch.randn(2, 2, keys, 40, generator=g) * 2,
-            torch.randn(2, 2, keys, 40, generator=g))
+    return (torch.randn(2, 6, rows, dim, generator=g), torch.randn(2, 2, keys, dim, generator=g) * 2,
+            torch.randn(2, 2, keys, dim, generator=g))
 
 
-def test_agrees_with_sdpa_with_and_without_masks():
+# Head sizes 64 and 128 run the kernel's tiles of several query rows (csrc/attention.c attend_tile),
+# any other size its one-row path: each must give a row the same bits alone or among others.
+DIMS = (40, 64, 128)
+
+
+@pytest.mark.parametrize("dim", DIMS)
+def test_agrees_with_sdpa_with_and_without_masks(dim):
     module = Module().eval()
-    q, k, v = _qkv(7, 7)
+    q, k, v = _qkv(7, 7, dim=dim)
     ours, _ = attention.attention_forward(module, q, k, v, None, scaling=0.2)
     theirs, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.2)
     assert torch.allclose(ours, theirs, atol=1e-5)
-    q, k, v = _qkv(5, 30, seed=1)
+    q, k, v = _qkv(5, 30, seed=1, dim=dim)
     allowed = torch.rand(2, 1, 5, 30, generator=torch.Generator().manual_seed(2)) > 0.4
     allowed[..., 0] = True
     ours, _ = attention.attention_forward(module, q, k, v, allowed, scaling=0.2)
@@ -45,18 +51,27 @@ def test_agrees_with_sdpa_with_and_without_masks():
     assert torch.equal(attention.attention_forward(module, q, k, v, additive, scaling=0.2)[0], ours)
 
 
-def test_a_rows_output_is_the_same_alone_masked_or_among_others():
+@pytest.mark.parametrize("dim", DIMS)
+def test_a_rows_output_is_the_same_alone_masked_or_among_others(dim):
     module = Module().eval()
-    q, k, v = _qkv(6, 20, seed=3)
+    q, k, v = _qkv(6, 20, seed=3, dim=dim)
     mask = torch.ones(2, 1, 6, 20, dtype=torch.bool).tril(diagonal=14)  # causal: row i sees keys 0..14+i
     together, _ = attention.attention_forward(module, q, k, v, mask, scaling=0.2)
+    prompt_q = torch.cat([q, q[:, :, :3]], dim=2)[:, :, :9]  # a prompt: 9 rows over its own 9 keys, unmasked
+    prompt, _ = attention.attention_forward(module, prompt_q, k[:, :, :9], v[:, :, :9], None, scaling=0.2)
+    prompt_masked, _ = attention.attention_forward(module, prompt_q, k[:, :, :9], v[:, :, :9],
+                                                   torch.ones(2, 1, 9, 9, dtype=torch.bool).tril(), scaling=0.2)
+    assert torch.equal(prompt, prompt_masked)
     for i in range(6):
         seen = 15 + i
         alone, _ = attention.attention_forward(module, q[:, :, i:i + 1], k[:, :, :seen], v[:, :, :seen], None, scaling=0.2)
         assert torch.equal(alone[:, 0], together[:, i]), i
+        # in a tile of its own, starting at this row, beside rows that see more
+        later, _ = attention.attention_forward(module, q[:, :, i:], k, v, mask[:, :, i:], scaling=0.2)
+        assert torch.equal(later[:, 0], together[:, i]), i
     # padding in front of the keys (a batch's row): the same keys in the same order give the same bits
-    padded_k = torch.cat([torch.randn(2, 2, 3, 40), k], dim=2)
-    padded_v = torch.cat([torch.randn(2, 2, 3, 40), v], dim=2)
+    padded_k = torch.cat([torch.randn(2, 2, 3, dim), k], dim=2)
+    padded_v = torch.cat([torch.randn(2, 2, 3, dim), v], dim=2)
     padded_mask = torch.cat([torch.zeros(2, 1, 6, 3, dtype=torch.bool), mask], dim=3)
     padded, _ = attention.attention_forward(module, q, padded_k, padded_v, padded_mask, scaling=0.2)
     assert torch.equal(padded, together)

@@ -38,6 +38,24 @@ static inline float lanes_sum(fvec s) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* lanes_sum of 16 vectors at once, lane u of the result being lanes_sum(s[u]) to the bit: the same
+ * additions of the same pairs (halves added pairwise, then (b0 + b2) + (b1 + b3)), done for 16 keys
+ * in 15 vector additions instead of one horizontal tree per key. */
+static inline fvec reduce16(const fvec *s) {
+    fvec a[8], b[4], c[2];
+    for (int j = 0; j < 8; j++)
+        a[j] = __builtin_shufflevector(s[2 * j], s[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               __builtin_shufflevector(s[2 * j], s[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int j = 0; j < 4; j++)
+        b[j] = __builtin_shufflevector(a[2 * j], a[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               __builtin_shufflevector(a[2 * j], a[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int j = 0; j < 2; j++)
+        c[j] = __builtin_shufflevector(b[2 * j], b[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               __builtin_shufflevector(b[2 * j], b[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 /* The dot product of two D-float rows: 16-lane partial sums in index order, then lanes_sum. */
 static inline float dot(const float *a, const float *b, int D) {
     fvec s = {0};
@@ -69,15 +87,161 @@ static inline fvec vexp(fvec x) {
     return y * (fvec)e;
 }
 
+/* A tile: query rows [i0, i0 + R) of head h of batch row b, computed as row_exact's contract says,
+ * each row alone in its arithmetic. Why tiles: one row at a time, a key's 64 floats were loaded
+ * once per query and the output sums lived in memory, so each key's multiply-adds waited on the
+ * previous key's store; a prompt's chunk has hundreds of rows that read the same keys. A tile reads
+ * each key once for its R rows and keeps their sums in registers. Every row's numbers are the
+ * same whatever R, i0 and the other rows are: the same dot() per key, the same packed-score exp
+ * and sum, the same key-order accumulation, so a decode step (one row) and a chunk agree bitwise.
+ * DV (D / 16) and R are constants at each call site, so the compiler keeps acc in registers. */
+static inline __attribute__((always_inline)) void attend_tile(
+    const int DV, const int R, const float *q, long qsi, const float *kb, long kst, const float *vb, long vst,
+    const uint8_t *mask, long msi, int rows, int first_last, int masked, int T, float scale,
+    float *scores, int *index, long stride, float *out, long osi) {
+    int n[8], last[8];
+    float mx[8];
+    int lastmax = 0;
+    for (int r = 0; r < rows; r++) {
+        n[r] = 0;
+        mx[r] = -INFINITY;
+        last[r] = masked ? T - 1 : first_last + r;
+        lastmax = last[r] > lastmax ? last[r] : lastmax;
+    }
+    /* scores 16 keys at a time: each row's 16 dot products, reduced together (reduce16) */
+    fvec mxv[8];
+    for (int r = 0; r < rows; r++) mxv[r] = (fvec){0} - INFINITY;
+    for (int t0 = 0; t0 <= lastmax; t0 += VL) {
+        int nk = lastmax + 1 - t0 < VL ? lastmax + 1 - t0 : VL;
+        for (int r = 0; r < rows; r++) {
+            if (t0 > last[r]) continue;
+            const float *qr = q + r * qsi;
+            fvec qv[8], sv[VL];
+            for (int dv = 0; dv < DV; dv++) qv[dv] = *(const fvec *)(qr + dv * VL);
+            for (int u = 0; u < VL; u++) {
+                fvec s = {0};
+                if (u < nk) {
+                    const float *kt = kb + (t0 + u) * kst;
+                    for (int dv = 0; dv < DV; dv++) s = s + qv[dv] * *(const fvec *)(kt + dv * VL);
+                }
+                sv[u] = s;
+            }
+            fvec sc = reduce16(sv) * scale;
+            float *sr = scores + r * stride;
+            int *ir = index + r * stride;
+            if (!masked && t0 + VL - 1 <= last[r]) { /* a whole block of allowed keys: stored as they are */
+                *(fvec *)(sr + n[r]) = sc;
+                for (int u = 0; u < VL; u++) ir[n[r] + u] = t0 + u;
+                n[r] += VL;
+                ivec more = sc > mxv[r];
+                mxv[r] = (fvec)(((ivec)sc & more) | ((ivec)mxv[r] & ~more));
+                continue;
+            }
+            for (int u = 0; u < nk; u++) {
+                int t = t0 + u;
+                if (t > last[r] || (masked && !mask[r * msi + t])) continue;
+                sr[n[r]] = sc[u];
+                ir[n[r]++] = t;
+                mx[r] = sc[u] > mx[r] ? sc[u] : mx[r];
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int u = 0; u < VL; u++) mx[r] = mxv[r][u] > mx[r] ? mxv[r][u] : mx[r];
+    float inv[8];
+    int nmax = 0;
+    for (int r = 0; r < rows; r++) {
+        float *sr = scores + r * stride;
+        fvec sums = {0};
+        int j = 0;
+        for (; j + VL <= n[r]; j += VL) {
+            fvec e = vexp(*(const fvec *)(sr + j) - mx[r]);
+            *(fvec *)(sr + j) = e;
+            sums = sums + e;
+        }
+        float sum = lanes_sum(sums);
+        if (j < n[r]) {
+            fvec rest = (fvec){0} - 87.0f;
+            for (int l = 0; l < n[r] - j; l++) rest[l] = sr[j + l] - mx[r];
+            fvec e = vexp(rest);
+            for (int l = 0; l < n[r] - j; l++) {
+                sr[j + l] = e[l];
+                sum += e[l];
+            }
+        }
+        inv[r] = n[r] ? 1.0f / sum : 0.0f; /* a row that may see nothing (padding): zeros, as torch's kernels give */
+        nmax = n[r] > nmax ? n[r] : nmax;
+    }
+    fvec acc[R][8];
+    for (int r = 0; r < R; r++)
+        for (int dv = 0; dv < DV; dv++) acc[r][dv] = (fvec){0};
+    for (int j = 0; j < nmax; j++)
+        for (int r = 0; r < R; r++) {
+            if (r >= rows || j >= n[r]) continue;
+            const float *vt = vb + index[r * stride + j] * vst;
+            fvec e = (fvec){0} + scores[r * stride + j];
+            for (int dv = 0; dv < DV; dv++) acc[r][dv] = acc[r][dv] + e * *(const fvec *)(vt + dv * VL);
+        }
+    for (int r = 0; r < rows; r++)
+        for (int dv = 0; dv < DV; dv++) *(fvec *)(out + r * osi + dv * VL) = acc[r][dv] * inv[r];
+}
+
+/* The same for any D: one row a tile, the sums in memory (models whose head size is not 64 or 128). */
+static void attend_row(const float *qi, const float *kb, long kst, const float *vb, long vst, const uint8_t *mi,
+                       int last, int D, float scale, float *scores, int *index, float *acc, float *o) {
+    int n = 0;
+    float mx = -INFINITY;
+    for (int t = 0; t <= last; t++) {
+        if (mi && !mi[t]) continue;
+        float sc = dot(qi, kb + t * kst, D) * scale;
+        scores[n] = sc;
+        index[n++] = t;
+        mx = sc > mx ? sc : mx;
+    }
+    if (!n) {
+        for (int d = 0; d < D; d++) o[d] = 0.0f;
+        return;
+    }
+    fvec sums = {0};
+    int j = 0;
+    for (; j + VL <= n; j += VL) {
+        fvec e = vexp(*(const fvec *)(scores + j) - mx);
+        *(fvec *)(scores + j) = e;
+        sums = sums + e;
+    }
+    float sum = lanes_sum(sums);
+    if (j < n) {
+        fvec rest = (fvec){0} - 87.0f;
+        for (int l = 0; l < n - j; l++) rest[l] = scores[j + l] - mx;
+        fvec e = vexp(rest);
+        for (int l = 0; l < n - j; l++) {
+            scores[j + l] = e[l];
+            sum += e[l];
+        }
+    }
+    for (int d = 0; d < D; d++) acc[d] = 0.0f;
+    for (j = 0; j < n; j++) {
+        const float *vt = vb + index[j] * vst;
+        float e = scores[j];
+        for (int d = 0; d < D; d++) acc[d] += e * vt[d];
+    }
+    float inv = 1.0f / sum;
+    for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+}
+
+#define TILE_ROWS 4 /* rows a tile: D = 64 keeps 4 rows' sums in 16 vector registers, D = 128 two rows' */
+
 int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, long ksb, long ksh, long kst,
                  const float *v, long vsb, long vsh, long vst, const uint8_t *mask, long msb, long msh, long msi,
                  int B, int H, int Hkv, int Mq, int T, int D, float scale, float *out) {
     if (B < 1 || H < 1 || Hkv < 1 || H % Hkv || Mq < 1 || T < Mq || D < 1) return -1;
     int group = H / Hkv, failed = 0;
+    int R = D == 64 ? TILE_ROWS : D == 128 ? TILE_ROWS / 2 : 1, tiles = (Mq + R - 1) / R;
+    long stride = (long)T + VL;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * ((size_t)T + VL)), *acc = malloc(sizeof(float) * (size_t)D);
-        int *index = malloc(sizeof(int) * (size_t)T);
+        float *scores = malloc(sizeof(float) * (size_t)(stride * R)), *acc = malloc(sizeof(float) * (size_t)D);
+        int *index = malloc(sizeof(int) * (size_t)(stride * R));
         if (!scores || !acc || !index) {
 #pragma omp atomic write
             failed = 1;
@@ -85,52 +249,22 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
 #pragma omp for collapse(3) schedule(static)
         for (int b = 0; b < B; b++)
             for (int h = 0; h < H; h++)
-                for (int i = 0; i < Mq; i++) {
+                for (int tile = 0; tile < tiles; tile++) {
                     if (!scores || !acc || !index) continue;
-                    const float *qi = q + b * qsb + h * qsh + i * qsi;
+                    int i0 = tile * R, rows = Mq - i0 < R ? Mq - i0 : R;
+                    const float *qi = q + b * qsb + h * qsh + i0 * qsi;
                     const float *kb = k + b * ksb + (h / group) * ksh, *vb = v + b * vsb + (h / group) * vsh;
-                    const uint8_t *mi = mask ? mask + b * msb + h * msh + i * msi : 0;
-                    int last = mask ? T - 1 : T - Mq + i;
-                    /* the allowed keys, in order: their scores and indices, packed */
-                    int n = 0;
-                    float mx = -INFINITY;
-                    for (int t = 0; t <= last; t++) {
-                        if (mi && !mi[t]) continue;
-                        float sc = dot(qi, kb + t * kst, D) * scale;
-                        scores[n] = sc;
-                        index[n++] = t;
-                        mx = sc > mx ? sc : mx;
-                    }
-                    float *o = out + (((size_t)b * Mq + i) * H + h) * D;
-                    if (!n) { /* a row that may see nothing (padding): zeros, as torch's kernels give */
-                        for (int d = 0; d < D; d++) o[d] = 0.0f;
-                        continue;
-                    }
-                    fvec sums = {0};
-                    int j = 0;
-                    for (; j + VL <= n; j += VL) {
-                        fvec e = vexp(*(const fvec *)(scores + j) - mx);
-                        *(fvec *)(scores + j) = e;
-                        sums = sums + e;
-                    }
-                    float sum = lanes_sum(sums);
-                    if (j < n) {
-                        fvec rest = (fvec){0} - 87.0f;
-                        for (int l = 0; l < n - j; l++) rest[l] = scores[j + l] - mx;
-                        fvec e = vexp(rest);
-                        for (int l = 0; l < n - j; l++) {
-                            scores[j + l] = e[l];
-                            sum += e[l];
-                        }
-                    }
-                    for (int d = 0; d < D; d++) acc[d] = 0.0f;
-                    for (j = 0; j < n; j++) {
-                        const float *vt = vb + index[j] * vst;
-                        float e = scores[j];
-                        for (int d = 0; d < D; d++) acc[d] += e * vt[d];
-                    }
-                    float inv = 1.0f / sum;
-                    for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
+                    const uint8_t *mi = mask ? mask + b * msb + h * msh + i0 * msi : 0;
+                    float *o = out + (((size_t)b * Mq + i0) * H + h) * D;
+                    long osi = (long)H * D;
+                    if (D == 64)
+                        attend_tile(4, TILE_ROWS, qi, qsi, kb, kst, vb, vst, mi, msi, rows, T - Mq + i0, mask != 0, T, scale,
+                                    scores, index, stride, o, osi);
+                    else if (D == 128)
+                        attend_tile(8, TILE_ROWS / 2, qi, qsi, kb, kst, vb, vst, mi, msi, rows, T - Mq + i0, mask != 0, T, scale,
+                                    scores, index, stride, o, osi);
+                    else
+                        attend_row(qi, kb, kst, vb, vst, mi, mask ? T - 1 : T - Mq + i0, D, scale, scores, index, acc, o);
                 }
         free(scores);
         free(acc);
