@@ -42,6 +42,61 @@ def test_policy_probes_now_and_then_when_not_drafting():
     assert policy.probe_every == policy.max_probe_every
 
 
+class CountingCosts(CostModel):
+    """A cost model that counts how often a policy weighs its costs."""
+
+    weighed = 0
+
+    def costs(self) -> Costs:
+        self.weighed += 1
+        return super().costs()
+
+
+def test_a_step_that_will_not_draft_weighs_no_costs():
+    """The coordinator plans every step of every running request on one event loop, and a batched
+    target pass waits for them all: a step that will not draft may cost no more than one without
+    speculation. Weighing the costs on every such step (a fit of the cost curve) made the idle
+    requests of a full batch slower than speculation off."""
+    model = CountingCosts(NGRAM_DRAFT_PRIOR)
+    cap = [0]
+    model.draft_cap = lambda: cap[0]
+    policy = DraftLengthPolicy(max_length=8, cost_model=model, prior=NGRAM_DRAFT_PRIOR)
+    for _ in range(40):  # a full batch: no draft, no probe, nothing weighed
+        assert policy.plan()[0] == 0 and policy.capped and not policy.probing
+        policy.observe(0, 0)
+    assert model.weighed == 0 and policy.idle_steps == 0 and policy.probe_every == policy.min_probe_every
+    assert policy.quiet_steps() is None  # a step without speculation: decode ahead as speculation off does
+    cap[0] = 7  # the batch thinned: drafting resumes at the next step
+    assert policy.plan()[0] > 0 and model.weighed == 1
+
+    idle = DraftLengthPolicy(max_length=8, cost_model=CountingCosts(NGRAM_DRAFT_PRIOR), prior=NGRAM_DRAFT_PRIOR,
+                             accepted_weight=0.01, rejected_weight=10.0)  # drafting does not pay
+    plans = []
+    for _ in range(40):
+        plans.append(idle.plan()[0])
+        idle.observe(plans[-1], 0)
+    # Probes back off as they always did (every 8, 16, then 32 steps); the costs are weighed at each
+    # probe and at the step after it, which starts the next stretch, and at the first step.
+    assert [i for i, g in enumerate(plans) if g] == [7, 15, 31]
+    assert idle.cost_model.weighed == len([0, 7, 8, 15, 16, 31, 32])
+
+
+def test_only_the_probe_step_backs_the_probes_off():
+    """A probe that found nothing doubles the wait for the next one, once: the steps after it (a
+    rest after its empty ask, a step the load cap left without a draft) are no probes."""
+    policy = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True, accepted_weight=0.01, rejected_weight=10.0)
+    while policy.plan()[0] == 0:
+        policy.observe(0, 0)
+    assert policy.probing
+    policy.asked(0)  # the probe's ask came back empty: a rest follows
+    policy.observe(0, 0)
+    assert policy.probe_every == 2 * policy.min_probe_every and policy.rest
+    while policy.rest:
+        assert policy.plan()[0] == 0
+        policy.observe(0, 0)
+    assert policy.probe_every == 2 * policy.min_probe_every
+
+
 def test_threshold_rises_after_rejections_and_falls_after_full_accepts():
     policy = DraftLengthPolicy(max_length=8)
     start = policy.threshold

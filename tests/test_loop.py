@@ -157,3 +157,63 @@ def test_fixed_costs_are_what_the_cost_model_learns(pair):
     assert learned.draft_per_token == pytest.approx(0.002) and learned.draft_per_ask == pytest.approx(0.0007)
     assert learned.wire_per_step == pytest.approx(0.0005)
     assert learned.verify[4] == pytest.approx(fixed.verify[4])  # four draft tokens and the bonus: V(5)
+
+
+class CountingProposer(LocalProposer):
+    """Records each Propose as (known_len, tokens appended, max_tokens)."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.calls: list[tuple[int, int, int]] = []
+
+    async def propose(self, sequence_id, known_len, append, max_tokens, *args, **kwargs):
+        self.calls.append((known_len, len(append), max_tokens))
+        return await super().propose(sequence_id, known_len, append, max_tokens, *args, **kwargs)
+
+
+def test_steps_that_will_not_draft_never_ask_the_draft(pair):
+    """Speculation on under a full batch (the load cap at 0) asks the draft nothing, and makes the
+    tokens speculation off makes. Once the cap lifts, one Propose brings the draft every token made
+    meanwhile (known_len and append, as after decoding ahead), and the output is still the target's."""
+    target, draft = engines(pair)
+    for prompt in tiny.prompts(3, seed=13):
+        expected = tiny.reference_greedy(pair[0], prompt, MAX_NEW)
+        full = CostModel(MODEL_DRAFT_PRIOR)
+        full.draft_cap = lambda: 0
+        proposer = CountingProposer(draft)
+        tokens, stats = run(SpeculativeLoop(LocalVerifier(target), proposer, full, MODEL_DRAFT_PRIOR), prompt, draft_length=8)
+        off, _ = run(SpeculativeLoop(LocalVerifier(target), proposer, full, MODEL_DRAFT_PRIOR), prompt, draft_length=0)
+        assert tokens == off == expected and proposer.calls == [] and stats.draft_tokens == 0 and stats.load_capped_steps
+
+        caps = iter([7, 0, 0, 0])  # drafts once, then three steps of a full batch, then room again
+        thinning = CostModel(MODEL_DRAFT_PRIOR)
+        thinning.draft_cap = lambda: next(caps, 7)
+        proposer = CountingProposer(draft)
+        tokens, stats = run(SpeculativeLoop(LocalVerifier(target), proposer, thinning, MODEL_DRAFT_PRIOR, decode_ahead=0),
+                            prompt, draft_length=8)
+        assert tokens == expected and len(proposer.calls) >= 2 and stats.load_capped_steps == 3
+        (known, appended, _), (caught_up, catch_up, _) = proposer.calls[:2]
+        assert (known, appended) == (0, len(prompt))
+        assert caught_up > 0 and catch_up >= 3  # the capped steps' tokens arrive with the next ask, in one call
+
+
+def test_a_request_that_drafts_nothing_costs_the_coordinator_what_speculation_off_does(pair):
+    """The policy weighs its costs (a fit of the cost curve) only on the steps where its answer can
+    change: never under a full batch, and between probes only at each probe. The coordinator runs
+    every request's steps on one event loop and a batched target pass waits for all of them, so
+    weighing on every step made a full batch with speculation on slower than with it off."""
+
+    class CountingCosts(CostModel):
+        weighed = 0
+
+        def costs(self):
+            self.weighed += 1
+            return super().costs()
+
+    target, draft = engines(pair)
+    prompt = tiny.prompts(1, seed=17)[0]
+    full = CountingCosts(MODEL_DRAFT_PRIOR)
+    full.draft_cap = lambda: 0
+    tokens, stats = run(SpeculativeLoop(LocalVerifier(target), LocalProposer(draft), full, MODEL_DRAFT_PRIOR, decode_ahead=0),
+                        prompt, draft_length=8)
+    assert tokens == tiny.reference_greedy(pair[0], prompt, MAX_NEW) and stats.steps == len(tokens) and full.weighed == 0

@@ -73,21 +73,40 @@ class DraftLengthPolicy:
         return self.accepted_weight / (self.accepted_weight + self.rejected_weight)
 
     def plan(self) -> tuple[int, float]:
-        """(max draft tokens, min cumulative probability) for the next step."""
+        """(max draft tokens, min cumulative probability) for the next step.
+
+        Called for every step of every running request on the coordinator's one event loop, and
+        a batched target pass waits for all of them: a step that will not draft must cost what a
+        step without speculation costs. So the costs are weighed only where the answer can change.
+        A full batch (the load cap at 0) leaves nothing to weigh; the cap is read again every step,
+        so drafting resumes as soon as the batch thins. Between probes the acceptance cannot change
+        (only a drafted step updates it), and the probe that ends the stretch weighs the costs
+        afresh: the same schedule as the steps a target decodes ahead (skip()), which are never
+        planned at all. Weighing every step cost the idle requests of a full batch more coordinator
+        time than the speculation it turned off saved.
+        """
         self.capped = False
+        self.probing = False  # only the step a probe drafts may back the probes off (observe())
         if not self.adaptive or self.max_length == 0:
             return self.max_length, 0.0
-        self.idle = False
         if self.rest:
             self.rest -= 1
+            self.idle = False
             return 0, self.threshold
         max_length = self.max_length
         if self.cost_model is not None and self.cost_model.draft_cap is not None:
             max_length = min(max_length, self.cost_model.draft_cap())  # speculation shrinks as the batch fills
-        self.capped = max_length == 0  # said in the response statistics and metrics: speculation off by load
+        if max_length == 0:
+            # Speculation off by load (said in the response statistics and metrics). Not a probe
+            # either: one could not draft, and an empty probe would back the real ones off.
+            self.capped, self.idle = True, False
+            return 0, self.threshold
+        if self.idle and (self.idle_steps + 1) % self.probe_every:
+            self.idle_steps += 1  # within the stretch between probes
+            return 0, self.threshold
+        self.idle = False
         costs = self.cost_model.costs() if self.cost_model is not None else self.prior
         gamma = best_length(self.acceptance, costs, max_length)
-        self.probing = False
         if gamma == 0:
             # Not drafting is best at the acceptance seen so far; draft once in a while anyway, or
             # the estimate could never recover when the text turns predictable. Probes that find
@@ -103,16 +122,20 @@ class DraftLengthPolicy:
         return gamma, self.threshold
 
     def quiet_steps(self) -> int | None:
-        """Steps after the one just planned that will not draft (None: no step will, speculation is
-        off). The coordinator lets the target decode those in the same exchange (decode_ahead):
-        a rest after empty asks, or the idle steps before the next probe. The idle count assumes
-        the acceptance stays where it is, which only a drafting step could change."""
+        """Steps after the one just planned that will not draft (None: as many as the coordinator
+        allows). The coordinator lets the target decode those in the same exchange (decode_ahead):
+        a rest after empty asks, or the idle steps before the next probe. None when speculation is
+        off, and when the load cap left no room: such a step is a step without speculation, and a
+        target decodes ahead only for a sequence running alone, which the cap no longer holds back.
+        The idle count assumes the acceptance stays where it is, which only a drafting step could change."""
         if self.max_length == 0:
             return None
         if not self.adaptive:
             return 0
         if self.rest:
             return self.rest
+        if self.capped:
+            return None
         if self.idle:
             return self.probe_every - 1 - self.idle_steps % self.probe_every
         return 0
