@@ -187,7 +187,7 @@ def test_steps_that_will_not_draft_never_ask_the_draft(pair):
 
         caps = iter([7, 0, 0, 0])  # drafts once, then three steps of a full batch, then room again
         thinning = CostModel(MODEL_DRAFT_PRIOR)
-        thinning.draft_cap = lambda: next(caps, 7)
+        thinning.draft_cap = lambda caps=caps: next(caps, 7)
         proposer = CountingProposer(draft)
         tokens, stats = run(SpeculativeLoop(LocalVerifier(target), proposer, thinning, MODEL_DRAFT_PRIOR, decode_ahead=0),
                             prompt, draft_length=8)
