@@ -129,20 +129,21 @@ class TargetEngine:
         start = time.perf_counter()
         results: list[StepResult | SpecdecError | None] = [None] * len(calls)
         rows: list[tuple[int, Sequence]] = []
-        # alone on the server, not only in this pass: the others may be drafting their next step
-        budget = full = self._chunk_budget(alone=bool(decode_ahead) and len(calls) == 1
-                                                  and len(self.store) == (calls[0].sequence_id in self.store))
-        chunked = 0  # tokens fed as a chunk this pass: one row's, the budget is the pass's
+        prepared: list[tuple[int, Sequence]] = []
         for index, call in enumerate(calls):
             try:
-                seq = self._prepare(call)
+                prepared.append((index, self._prepare(call)))
             except SpecdecError as exc:
                 results[index] = exc
-                continue
-            pending = len(seq.tokens) - seq.cached
-            if self.max_prefill_tokens and pending > max(full, self.MIN_CHUNK) and not call.return_features:
-                results[index], chunked, budget = self._chunk(call, seq, budget), chunked + budget, 0
-                continue
+        chunked = 0  # tokens fed as a chunk this pass: one row's, the budget is the pass's
+        for index, seq in prepared:
+            call, pending = calls[index], len(seq.tokens) - seq.cached
+            if self.max_prefill_tokens and pending > self.MIN_CHUNK and not call.return_features:
+                full = self._chunk_budget(alone=bool(decode_ahead) and not self._others_decode(seq))
+                if pending > max(full, self.MIN_CHUNK):
+                    budget = 0 if chunked else full
+                    results[index], chunked = self._chunk(call, seq, budget), chunked + budget
+                    continue
             rows.append((index, seq))
         if chunked:
             self._learn(prefill_token_s=(time.perf_counter() - start) / chunked)
@@ -197,6 +198,12 @@ class TargetEngine:
                                           hidden[0][row] if hidden else None, befores[row])
             state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
 
+    def _others_decode(self, seq: Sequence) -> bool:
+        """Whether another sequence held here has its prompt fed, or short enough to feed in one
+        pass: a long chunk would hold its steps up. Long prompts that are all still being fed
+        delay nobody's tokens by taking long chunks, and finish sooner."""
+        return any(other is not seq and len(other.tokens) - other.cached <= self.max_prefill_tokens for other in self.store)
+
     # A chunk may take this many times a step of the other sequences: their time per token grows by
     # at most that much (plus one) while a long prompt is fed. One keeps the others' worst steps
     # near twice their usual time; the long prompt pays with more, shorter passes.
@@ -207,7 +214,7 @@ class TargetEngine:
         """Canonical tokens one row may feed in this pass: --max-prefill-tokens-per-pass, less where
         the measured costs say a chunk that long would hold the other sequences' steps up for more
         than CHUNK_STEPS of their steps (on a CPU a few dozen prompt tokens cost as much as a step);
-        the only sequence the target holds, which delays nobody, feeds 8 times as much."""
+        a row that delays nobody's decoding (`alone`: _others_decode) feeds 8 times as much."""
         limit = self.max_prefill_tokens
         if not limit or alone:
             return limit * 8

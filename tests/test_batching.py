@@ -7,6 +7,7 @@ rollback rows, rows whose sequence was lost (NOT_FOUND) next to healthy ones, an
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures
 import random
 import threading
@@ -314,10 +315,11 @@ def decode(eng: TargetEngine, name: str, prompt: list[int], n: int) -> list[int]
 def test_a_prompt_fed_in_chunks_decodes_as_one_fed_whole(target):
     long_prompt = (prompts(1, seed=21)[0] * 30)[:150]
     chunked = TargetEngine(CausalLM(target, torch.device("cpu")), max_sequences=8, max_prefill_tokens=16)
-    # with other sequences about (decode_ahead False), a chunk of 16; a lone sequence feeds 8 times as much
+    decode(chunked, "other", prompts(1, seed=24)[0][:6], 1)  # another sequence decodes: a chunk of 16
     first = chunked.verify_batch([VerifyCall("c", 0, long_prompt, [], [], GREEDY)], decode_ahead=False)[0]
     assert isinstance(first, Requeue) and first.call.prefill == 150 - 16 and first.call.known_len == 150
     assert chunked.store._sequences["c"].cached == 16
+    chunked.release("other")  # nobody decodes: the long prompt feeds 8 times as much
     second = chunked.verify_batch([first.call])[0]
     assert isinstance(second, Requeue) and chunked.store._sequences["c"].cached == 16 + 128
     assert decode(chunked, "x", long_prompt, 12) == decode(engine(target), "x", long_prompt, 12)
@@ -398,3 +400,40 @@ def test_rows_of_unlike_cache_lengths_verify_in_passes_of_their_own(target, monk
     for call, result in zip(calls, results):
         alone = single.verify(call)
         assert (result.accepted, result.next_token, result.cached_len) == (alone.accepted, alone.next_token, alone.cached_len)
+
+
+def test_long_prompts_that_are_all_being_fed_take_long_chunks(target):
+    """Two long prompts and nobody decoding (nor, says the batcher, waiting to): a long chunk delays
+    nobody's tokens, so each pass feeds 8 times the per-pass bound; once a sequence decodes, chunks
+    shrink to the bound again."""
+    eng = TargetEngine(CausalLM(target, torch.device("cpu")), max_sequences=8, max_prefill_tokens=16)
+    a, b = (prompts(1, seed=25)[0] * 40)[:300], (prompts(1, seed=26)[0] * 40)[:300]
+    first = eng.verify_batch([VerifyCall("a", 0, a, [], [], GREEDY), VerifyCall("b", 0, b, [], [], GREEDY)])
+    assert all(isinstance(r, Requeue) for r in first)
+    assert (eng.store._sequences["a"].cached, eng.store._sequences["b"].cached) == (128, 0)  # one row a pass
+    decode(eng, "short", prompts(1, seed=27)[0][:6], 1)
+    eng.verify_batch([first[1].call])
+    assert eng.store._sequences["b"].cached == 16
+
+
+def test_the_batcher_counts_long_prompts_being_fed_as_nobody_waiting():
+    """The batcher's `alone`: no other active sequence would wait on this pass's extra work, those
+    whose last pass fed a chunk aside (a long prompt being fed has no tokens to wait for)."""
+    seen: list[tuple[str, bool]] = []
+
+    def run_batch(calls, alone):
+        seen.append((calls[0].sequence_id, alone))
+        return [Requeue(dataclasses.replace(call, prefill=0)) if call.prefill else StepResult(0, 1, 1, 0.0, len(calls))
+                for call in calls]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        run = lambda fn, *args: loop.run_in_executor(None, fn, *args)  # noqa: E731
+        batcher = VerifyBatcher(run, run_batch, window_s=0.05, max_batch_size=1)
+        await asyncio.gather(batcher.submit(VerifyCall("a", 0, [1], [], [], GREEDY, prefill=1)),
+                             batcher.submit(VerifyCall("b", 0, [1], [], [], GREEDY)))
+        batcher.close()
+
+    asyncio.run(main())
+    # a's chunk: b waits behind it; b's step: a is being fed, nobody waits; a's last pass: b is active
+    assert seen == [("a", False), ("b", True), ("a", False)]

@@ -92,6 +92,10 @@ class SequenceStore:
     def __contains__(self, sequence_id: str) -> bool:
         return sequence_id in self._sequences
 
+    def __iter__(self):
+        """The sequences held, least recently used first (a snapshot: safe to release while iterating)."""
+        return iter(list(self._sequences.values()))
+
     def sync(self, sequence_id: str, known_len: int, append: list[int]) -> Sequence:
         """Rolls the sequence back to `known_len` canonical tokens and appends `append`."""
         check_sequence_id(sequence_id)

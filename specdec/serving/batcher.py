@@ -108,6 +108,7 @@ class ContinuousBatcher(Generic[C, R]):
         self._arrived = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._active: dict[Hashable, float] = {}  # sequence -> time of its last call (monotonic)
+        self._prefilling: set[Hashable] = set()  # sequences whose last pass fed a chunk (Requeue)
         self._last_compute_s = 0.0
         self._running = False  # a pass is on the worker (from the loop, or a call run directly)
         self.batches = 0  # passes run, and the rows they carried (tests and metrics read these)
@@ -127,6 +128,7 @@ class ContinuousBatcher(Generic[C, R]):
     def released(self, key: Hashable) -> None:
         """A sequence left: do not wait for its next call."""
         self._active.pop(key, None)
+        self._prefilling.discard(key)
 
     def close(self) -> None:
         if self._task is not None:
@@ -169,6 +171,7 @@ class ContinuousBatcher(Generic[C, R]):
             if self._pending:  # calls that arrived meanwhile: the loop takes them now
                 self._arrived.set()
         self._count(results, time.perf_counter() - started)
+        self._note_prefills([call], results)
         if isinstance(results[0], Requeue):  # a prompt fed in chunks: its next chunk in the next pass
             return await self.submit(results[0].call)
         if isinstance(results[0], BaseException):
@@ -191,8 +194,10 @@ class ContinuousBatcher(Generic[C, R]):
                 self._arrived.set()
 
     async def _pass(self, batch: list[_Pending[C]]) -> None:
-        # Extra work for one sequence would hold the other active sequences' next calls up: only when alone.
-        alone = len(self._expected()) <= 1
+        # Extra work for this pass's rows (a long chunk, decoding ahead) would hold up the next calls
+        # of the other active sequences: only when there are none, long prompts still being fed
+        # aside (they have no tokens to wait for). The engine checks the sequences it holds itself.
+        alone = not (self._expected() - self._prefilling - {self._key(item.call) for item in batch})
         self._running = True
         started = time.perf_counter()
         try:
@@ -202,11 +207,19 @@ class ContinuousBatcher(Generic[C, R]):
         finally:
             self._running = False
         self._count(results, time.perf_counter() - started)
+        self._note_prefills([item.call for item in batch], results)
         for item, result in zip(batch, results):
             if isinstance(result, Requeue) and not item.future.done():
                 self._pending.append(_Pending(result.call, item.future))  # behind the rows that waited
                 continue
             _settle(item.future, result)
+
+    def _note_prefills(self, calls: list[C], results: Sequence[R | BaseException]) -> None:
+        for call, result in zip(calls, results):
+            if isinstance(result, Requeue):
+                self._prefilling.add(self._key(call))
+            else:
+                self._prefilling.discard(self._key(call))
 
     def _count(self, results: Sequence[R | BaseException], wall_s: float) -> None:
         self.batches += 1
