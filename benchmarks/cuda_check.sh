@@ -40,7 +40,7 @@ for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "
         shutil.copy(src / name, out / name)
 EOF
 timeout 200 python3 -m specdec_tools.cli bench --device cuda --target-model /tmp/rs --drafter ngram --prompts chat,grounded --limit 4 \
-  --max-new-tokens 64 --repeats 2 --draft-lengths 4 --tree-budgets '' --no-staged --no-llamacpp --out /tmp/bench > "$o/bench.txt" 2>&1
+  --max-new-tokens 64 --repeats 2 --draft-lengths 4 --tree-budgets 8 --no-staged --no-llamacpp --out /tmp/bench > "$o/bench.txt" 2>&1
 grep -v "sequence started\|^{" "$o/bench.txt" | tail -40; fi
 
 if [[ $steps == *4* ]]; then echo "== 4. loadtest"
