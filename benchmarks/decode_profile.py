@@ -9,7 +9,7 @@
 The decode runs through TargetEngine.verify with no draft, one token a step, as specdec-off serves
 it. `--summarise` reads py-spy's raw output and prints each place's share of the samples under
 `verify` (a ctypes call's line holds the C kernel's own time). `--attention` times the row-exact
-attention kernel on one query row over T keys in SmolLM2's shape (9 heads, 3 KV heads, D = 64).
+attention kernel on R query rows over T keys in SmolLM2's shape (9 heads, 3 KV heads, D = 64).
 """
 
 from __future__ import annotations
@@ -63,20 +63,25 @@ def attention(repeats: int) -> None:
 
     kernel = gemm_kernel.load()
     heads, heads_kv, dim = 9, 3, 64
-    for keys in (64, 256, 1024):
-        q, k, v = torch.randn(1, heads, 1, dim), torch.randn(1, heads_kv, keys, dim), torch.randn(1, heads_kv, keys, dim)
-        out = torch.empty(1, 1, heads, dim)
+    # one row: a decode step; 8 rows: a verify or a short chunk; 256 rows: a prompt's chunk
+    for rows, keys in ((1, 64), (1, 256), (1, 1024), (1, 4000), (8, 4000), (256, 2048), (256, 4096)):
+        q, k, v = torch.randn(1, heads, rows, dim), torch.randn(1, heads_kv, keys, dim), torch.randn(1, heads_kv, keys, dim)
+        out = torch.empty(1, rows, heads, dim)
         qs, ks, vs = q.stride(), k.stride(), v.stride()
         args = (q.data_ptr(), qs[0], qs[1], qs[2], k.data_ptr(), ks[0], ks[1], ks[2], v.data_ptr(), vs[0], vs[1], vs[2],
-                None, 0, 0, 0, 1, heads, heads_kv, 1, keys, dim, dim ** -0.5, out.data_ptr())
+                None, 0, 0, 0, 1, heads, heads_kv, rows, keys, dim, dim ** -0.5, out.data_ptr())
+        calls = max(3, repeats // (rows * keys // 64))
+        pairs = heads * rows * (keys - (rows - 1) / 2)  # causal: row i sees keys - rows + 1 + i
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for _ in range(repeats // 10):
+            for _ in range(max(1, calls // 10)):
                 kernel.attention(*args)
             start = time.perf_counter()
-            for _ in range(repeats):
+            for _ in range(calls):
                 kernel.attention(*args)
-            print(f"{keys} keys, {threads} thread(s): {1e6 * (time.perf_counter() - start) / repeats:.1f} us a call")
+            call_s = (time.perf_counter() - start) / calls
+            print(f"{rows} row(s) x {keys} keys, {threads} thread(s): {1e6 * call_s:.1f} us a call, "
+                  f"{1e9 * call_s / pairs:.2f} ns a query-key pair")
 
 
 def main() -> None:

@@ -170,3 +170,22 @@ def test_http_loadtest_with_ignore_eos_gets_exactly_the_lengths_asked(http_coord
     report = json.loads((tmp_path / "loadtest.json").read_text())
     for run in report["runs"]:
         assert run["failed"] == 0 and run["output_lengths"] == [40] * 4 and run["exact_lengths"] == 4
+
+
+@pytest.mark.slow
+def test_a_4000_token_prompt_does_not_make_victims_of_short_requests(tmp_path):
+    """Issue "Long prompts without victims", point 1, as its own loadtest on the embedded model:
+    with 4,000-token prompts in flight beside 10 streams of short requests, every request completes
+    (the long ones too), the short requests' tokens are the target's own, and their p99 time per
+    output token stays under 3x its value without the long prompts, measured in the same test.
+    (On a 2-core machine this ran at 2.4x: docs/benchmarks.md, "Long prompts beside short ones".)"""
+    common = ["--weights", "gguf-a8", "--concurrency", "10", "--num-requests", "20", "--max-new-tokens", "32",
+              "--prompts", "chat", "--max-prompts", "8", "--speculation", "on"]
+    assert loadtest.main(common + ["--out", str(tmp_path / "plain")]) == 0
+    assert loadtest.main(common + ["--long-prompt-tokens", "4000", "--long-every", "10", "--out", str(tmp_path / "long")]) == 0
+    plain, long = (json.loads((tmp_path / name / "loadtest.json").read_text())["runs"][0] for name in ("plain", "long"))
+    for run in (plain, long):
+        assert run["failed"] == 0 and run["completed"] == run["num_requests"] == run["identical"]
+    short = long["short_requests"]
+    assert short["completed"] < long["completed"]  # the long requests were in the run, and completed
+    assert short["p99_tpot_ms"] < 3 * plain["p99_tpot_ms"]
