@@ -206,12 +206,13 @@ class TargetEngine:
 
     # A chunk may take this share of a step of the other sequences: their time per token grows by
     # that much (plus the long sequence's own steps once it decodes) while a long prompt is fed.
-    # With a whole step, 4,000-token prompts beside ten streams made the short requests' p99 time
-    # per token 2.4-3.1x its value without them on a 2-core CPU; the long prompt pays with more,
-    # shorter passes. Chunk sizes follow the measured time per chunk token (fixed costs included),
-    # so the size converges to the one whose chunk takes this share.
-    CHUNK_STEPS = 0.5
-    MIN_CHUNK = 2  # tokens: at thousands of keys a token's attention alone can be a step's share
+    # Sizes follow the measured time per chunk token (fixed costs included), so a chunk converges to
+    # the size that takes this share. With a whole step, 4,000-token prompts beside ten streams
+    # cost the short requests 2.4-3.1x their p99 time per token on a 2-core CPU, with half a step
+    # 1.8-2.0x; but at half a step a chunk's fixed costs dominate on small models, and a burst of
+    # 120 prompts of 500 tokens no longer drained within 8 s (tests/test_shutdown.py).
+    CHUNK_STEPS = 0.75
+    MIN_CHUNK = 2  # tokens: at thousands of keys one token's attention is a sizeable share of a step
     # The longest a lone long prompt's chunk may take: a short request arriving meanwhile waits for
     # it (8x chunks of a 4,000-token prompt took seconds each on 2 cores, its p99 TTFT 5 s).
     ALONE_CHUNK_S = 0.5
