@@ -207,14 +207,13 @@ class TargetEngine:
     # A chunk may take this share of a step of the other sequences: their time per token grows by
     # that much (plus the long sequence's own steps once it decodes) while a long prompt is fed.
     # Sizes follow the measured time per chunk token (fixed costs included), so a chunk converges to
-    # the size that takes this share. With a whole step, 4,000-token prompts beside ten streams
-    # cost the short requests 2.4-3.1x their p99 time per token on a 2-core CPU, with half a step
-    # 1.8-2.0x; but at half a step a chunk's fixed costs dominate on small models, and a burst of
-    # 120 prompts of 500 tokens no longer drained within 8 s (tests/test_shutdown.py).
+    # the size that takes this share. Less keeps the others' steps shorter; but where a chunk's
+    # fixed costs dominate (small models), shorter chunks mostly add passes, and a burst of long
+    # prompts drains slowly (docs/benchmarks.md, "Long prompts without victims").
     CHUNK_STEPS = 0.75
     MIN_CHUNK = 2  # tokens: at thousands of keys one token's attention is a sizeable share of a step
     # The longest a lone long prompt's chunk may take: a short request arriving meanwhile waits for
-    # it (8x chunks of a 4,000-token prompt took seconds each on 2 cores, its p99 TTFT 5 s).
+    # it, and 8x chunks deep into a long prompt take seconds on a small CPU.
     ALONE_CHUNK_S = 0.5
 
     def _chunk_budget(self, alone: bool) -> int:

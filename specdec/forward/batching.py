@@ -63,9 +63,9 @@ def _layer_kv(seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor] | 
 
 # Padded key rows (rows x longest cache - the keys the rows really hold) one pass may carry before a
 # row goes to a pass of its own. Every row of a batch is padded to the longest cache, and on a CPU a
-# padded key costs as much in copies and attention as a real one: beside ten chat rows, a row with
-# 4,000 cached positions made their step 25 times slower than the two passes run apart
-# (docs/benchmarks.md, "Long prompts beside short ones"). A pass of its own costs one more read of
+# padded key costs as much in copies and attention as a real one: beside short rows, one row with
+# thousands of cached positions made everybody's step many times slower than two passes apart
+# (docs/benchmarks.md, "Long prompts without victims"). A pass of its own costs one more read of
 # the weights, which this many padded keys outweigh.
 PAD_KEYS = 2048
 
