@@ -149,6 +149,7 @@ class ContinuousBatcher(Generic[C, R]):
         horizon = time.monotonic() - max(RECENT_FLOOR_S, RECENT_PASSES * self._last_compute_s)
         for key in [k for k, seen in self._active.items() if seen < horizon]:
             del self._active[key]
+            self._prefilling.discard(key)  # a prompt abandoned mid-way is not kept for good
         return set(self._active)
 
     def _gathered(self) -> bool:
