@@ -87,6 +87,30 @@ static inline fvec vexp(fvec x) {
     return y * (fvec)e;
 }
 
+/* Turns n packed scores into exp(score - mx) in place and returns their sum: 16 lanes at a time,
+ * the lanes summed with lanes_sum, the last partial block's terms added one by one. Every row, in a
+ * tile or alone, goes through this one sequence of operations. */
+static inline float exp_packed(float *s, int n, float mx) {
+    fvec sums = {0};
+    int j = 0;
+    for (; j + VL <= n; j += VL) {
+        fvec e = vexp(*(const fvec *)(s + j) - mx);
+        *(fvec *)(s + j) = e;
+        sums = sums + e;
+    }
+    float sum = lanes_sum(sums);
+    if (j < n) {
+        fvec rest = (fvec){0} - 87.0f;
+        for (int l = 0; l < n - j; l++) rest[l] = s[j + l] - mx;
+        fvec e = vexp(rest);
+        for (int l = 0; l < n - j; l++) {
+            s[j + l] = e[l];
+            sum += e[l];
+        }
+    }
+    return sum;
+}
+
 /* A tile: query rows [i0, i0 + R) of head h of batch row b, computed as row_exact's contract says,
  * each row alone in its arithmetic. Why tiles: one row at a time, a key's 64 floats were loaded
  * once per query and the output sums lived in memory, so each key's multiply-adds waited on the
@@ -151,24 +175,7 @@ static inline __attribute__((always_inline)) void attend_tile(
     float inv[8];
     int nmax = 0;
     for (int r = 0; r < rows; r++) {
-        float *sr = scores + r * stride;
-        fvec sums = {0};
-        int j = 0;
-        for (; j + VL <= n[r]; j += VL) {
-            fvec e = vexp(*(const fvec *)(sr + j) - mx[r]);
-            *(fvec *)(sr + j) = e;
-            sums = sums + e;
-        }
-        float sum = lanes_sum(sums);
-        if (j < n[r]) {
-            fvec rest = (fvec){0} - 87.0f;
-            for (int l = 0; l < n[r] - j; l++) rest[l] = sr[j + l] - mx[r];
-            fvec e = vexp(rest);
-            for (int l = 0; l < n[r] - j; l++) {
-                sr[j + l] = e[l];
-                sum += e[l];
-            }
-        }
+        float sum = exp_packed(scores + r * stride, n[r], mx[r]);
         inv[r] = n[r] ? 1.0f / sum : 0.0f; /* a row that may see nothing (padding): zeros, as torch's kernels give */
         nmax = n[r] > nmax ? n[r] : nmax;
     }
@@ -202,25 +209,9 @@ static void attend_row(const float *qi, const float *kb, long kst, const float *
         for (int d = 0; d < D; d++) o[d] = 0.0f;
         return;
     }
-    fvec sums = {0};
-    int j = 0;
-    for (; j + VL <= n; j += VL) {
-        fvec e = vexp(*(const fvec *)(scores + j) - mx);
-        *(fvec *)(scores + j) = e;
-        sums = sums + e;
-    }
-    float sum = lanes_sum(sums);
-    if (j < n) {
-        fvec rest = (fvec){0} - 87.0f;
-        for (int l = 0; l < n - j; l++) rest[l] = scores[j + l] - mx;
-        fvec e = vexp(rest);
-        for (int l = 0; l < n - j; l++) {
-            scores[j + l] = e[l];
-            sum += e[l];
-        }
-    }
+    float sum = exp_packed(scores, n, mx);
     for (int d = 0; d < D; d++) acc[d] = 0.0f;
-    for (j = 0; j < n; j++) {
+    for (int j = 0; j < n; j++) {
         const float *vt = vb + index[j] * vst;
         float e = scores[j];
         for (int d = 0; d < D; d++) acc[d] += e * vt[d];
