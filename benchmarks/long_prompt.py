@@ -30,12 +30,12 @@ def _engine(weights: str, max_prefill_tokens: int = 0):
 
 
 def mix(weights: str, long: int, split: bool) -> None:
-    import target_service.engine as target_engine
+    from specdec.forward import batching
     from specdec.spec.request import VerifyCall
     from specdec.spec.sampling import SamplingConfig
 
     if not split:
-        target_engine.pad_groups = lambda cached: [list(range(len(cached)))]
+        batching.pad_groups = lambda cached: [list(range(len(cached)))]
     engine, state = _engine(weights), {}
 
     def step(ids: list[str]) -> float:

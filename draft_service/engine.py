@@ -18,7 +18,7 @@ import torch
 from draft_service.drafters.base import DraftSettings, Drafter, Proposal
 from draft_service.tree import TreeDraft, TreeSettings, check_tree_settings
 from specdec.errors import InvalidArgument
-from specdec.forward.batching import forward_batch, pad_groups
+from specdec.forward.batching import forward_batch, pass_groups
 from specdec.kv.store import Sequence, SequenceStore
 from specdec.limits import MAX_DRAFT_TOKENS
 from specdec.model.features import FeatureRows
@@ -104,11 +104,8 @@ class DraftEngine:
             else:
                 rows.append(i)
         self.drafter.forwards += len(rows)
-        if getattr(lm, "static", False):  # fixed-shape passes pad nothing
-            groups = [rows] if rows else []
-        else:  # rows of very unlike cache lengths in passes of their own (PAD_KEYS)
-            groups = [[rows[j] for j in group] for group in pad_groups([seqs[i].cached for i in rows])]
-        for group in groups:
+        # rows of very unlike cache lengths in passes of their own (batching.PAD_KEYS)
+        for group in ([rows[j] for j in group] for group in pass_groups(lm, [seqs[i].cached for i in rows])):
             if len(group) == 1:
                 out[group[0]] = lm.forward(seqs[group[0]], keep=1)[0]  # alone: no batch buffer to gather and copy back
                 continue

@@ -21,7 +21,7 @@ from specdec.model.lm import CausalLM, feed
 from specdec.spec.sampling import (SamplingConfig, TokenLogprob, ban_tokens, chosen_logprobs, generator_for, target_probs,
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
-from specdec.forward.batching import batchable, forward_batch, pad_groups
+from specdec.forward.batching import batchable, forward_batch, pass_groups
 from specdec.spec.checks import check_verify_call
 from specdec.spec.request import VerifyCall
 from specdec.spec.tree import EMPTY_DIST, SparseDist, tree_depth
@@ -150,37 +150,33 @@ class TargetEngine:
             start = time.perf_counter()
         if not self.batchable:  # a model whose cache cannot be padded: row by row
             groups = [[row] for row in rows]
-        elif getattr(self.lm, "static", False):  # fixed-shape passes pad nothing
-            groups = [rows] if rows else []
-        else:  # rows of very unlike cache lengths in passes of their own (PAD_KEYS)
-            groups = [[rows[i] for i in group] for group in pad_groups([seq.cached for _, seq in rows])]
+        else:  # rows of very unlike cache lengths in passes of their own (batching.PAD_KEYS)
+            groups = [[rows[i] for i in group] for group in pass_groups(self.lm, [seq.cached for _, seq in rows])]
         for group in groups:
             if len(group) == 1:
-                self._row(calls[group[0][0]], group[0][1], results, group[0][0], start, len(rows),
-                          decode_ahead and len(rows) == 1)
-            else:
-                self._rows(calls, group, results, start, len(rows))
+                (index, seq), = group
+                results[index] = self._row(calls[index], seq, start, len(rows), decode_ahead and len(rows) == 1)
+                continue
+            for (index, _), result in zip(group, self._rows(calls, group, start, len(rows))):
+                results[index] = result
         if rows:
             self._learn(step_s=time.perf_counter() - start)
         return results
 
-    def _row(self, call: VerifyCall, seq: Sequence, results: list, index: int, start: float, batch_size: int,
-             decode_ahead: bool) -> None:
+    def _row(self, call: VerifyCall, seq: Sequence, start: float, batch_size: int, decode_ahead: bool) -> StepResult:
         """One row's forward on its own; it decodes ahead only when it is the pass's only row
         (decoding ahead would hold the other rows up for several forwards)."""
         if call.tree is not None:
-            results[index] = self._tree_row(call, seq, start, batch_size)
-            return
+            return self._tree_row(call, seq, start, batch_size)
         before = seq.cached
         with self._capturing(call.return_features) as hidden:
             logits = self.lm.forward(seq, call.draft_tokens, keep=len(call.draft_tokens) + 1)
         result = self._finish(call, seq, logits, start, batch_size, hidden[0][0] if hidden else None, before)
         seq.crop_cache(len(seq.tokens))
-        results[index] = self._decode_ahead(call, seq, result, start) if decode_ahead else result
+        return self._decode_ahead(call, seq, result, start) if decode_ahead else result
 
-    def _rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]], results: list, start: float,
-              batch_size: int) -> None:
-        """Several rows (chains and trees mixed) in ONE batched forward."""
+    def _rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]], start: float, batch_size: int) -> list[StepResult]:
+        """Several rows (chains and trees mixed) in ONE batched forward; their results in order."""
         seqs = [seq for _, seq in rows]
         plans = [self._plan(calls[index]) if calls[index].tree is not None else None for index, _ in rows]
         extras = [plan.tokens if plan else calls[index].draft_tokens for plan, (index, _) in zip(plans, rows)]
@@ -188,15 +184,18 @@ class TargetEngine:
         befores = [seq.cached for seq in seqs]
         with self._capturing(any(calls[index].return_features for index, _ in rows)) as hidden:
             logits, state = forward_batch(self.lm, seqs, extras, [len(extra) + 1 for extra in extras], trees)
+        results = []
         for row, ((index, seq), plan) in enumerate(zip(rows, plans)):
             if plan is not None:
                 length = len(seq.tokens)  # the canonical tokens, before the accepted path joins them
-                results[index], path = self._finish_tree(calls[index], seq, plan, logits[row], start, batch_size)
+                result, path = self._finish_tree(calls[index], seq, plan, logits[row], start, batch_size)
                 state.write_back(row, seq, self.lm, length, [length + node for node in path])
-                continue
-            results[index] = self._finish(calls[index], seq, logits[row], start, batch_size,
-                                          hidden[0][row] if hidden else None, befores[row])
-            state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
+            else:
+                result = self._finish(calls[index], seq, logits[row], start, batch_size,
+                                      hidden[0][row] if hidden else None, befores[row])
+                state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
+            results.append(result)
+        return results
 
     def _others_decode(self, seq: Sequence) -> bool:
         """Whether another sequence held here has its prompt fed, or short enough to feed in one

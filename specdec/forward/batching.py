@@ -85,6 +85,14 @@ def pad_groups(cached: list[int], budget: int = PAD_KEYS) -> list[list[int]]:
     return groups
 
 
+def pass_groups(lm: CausalLM, cached: list[int]) -> list[list[int]]:
+    """The passes a batch of rows with these cache lengths runs as (indices): fixed-shape passes
+    (specdec/model/static.py) pad nothing and take them all; otherwise pad_groups."""
+    if getattr(lm, "static", False):
+        return [list(range(len(cached)))] if cached else []
+    return pad_groups(cached)
+
+
 @torch.inference_mode()
 def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], keeps: list[int],
                   trees: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], "BatchState"]:
