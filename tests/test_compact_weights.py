@@ -110,8 +110,7 @@ def test_the_portable_integer_loop_computes_the_same_bits(kind, tmp_path):
     import subprocess
 
     path = tmp_path / "portable.so"
-    subprocess.run(["cc", *gemm_kernel.FLAGS, "-DSG_PORTABLE", str(gemm_kernel.SOURCE), str(gemm_kernel.ATTENTION_SOURCE), "-o",
-                    str(path)], check=True)
+    subprocess.run(["cc", *gemm_kernel.FLAGS, "-DSG_PORTABLE", *map(str, gemm_kernel.SOURCES), "-o", str(path)], check=True)
     portable, native = gemm_kernel.Kernel(ctypes.CDLL(str(path)), path), gemm_kernel.load()
     torch.manual_seed(4)
     held = _a8(torch.randn(50, 96) * 0.1, kind)

@@ -79,6 +79,26 @@ class GrowingLayer(DynamicLayer):
         self._expose()
         return self.keys, self.values
 
+    def open_rows(self, count: int, template: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The key and value buffers [1, H, capacity, D] with room for `count` more positions, for a
+        caller that writes them itself (specdec/model/stack.py, in C); `advance(count)` then makes
+        them part of the cache. `template` [1, H, 0, D] gives the shape and dtype of a first append.
+        None where the layer holds keys it did not make (someone replaced them): that caller then
+        goes through `update`, which adopts them."""
+        if not self.is_initialized:
+            self.dtype, self.device, self.is_initialized = template.dtype, template.device, True
+            self.keys, self.values = template.new_zeros(0), template.new_zeros(0)
+            self._length, self._buffers, self._views = 0, None, None
+        elif not self._owned():
+            return None
+        self._reserve(self._length + count, template, template, self._buffers)
+        return self._buffers
+
+    def advance(self, count: int) -> None:
+        """Takes the next `count` positions, written in place into the buffers open_rows returned."""
+        self._length += count
+        self._expose()
+
     def _reserve(self, needed: int, key_states: torch.Tensor, value_states: torch.Tensor,
                  held: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         """Makes room for `needed` positions, keeping the first self._length of `held`."""

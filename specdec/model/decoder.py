@@ -6,12 +6,14 @@ layer, each paying Python and dispatch: over a whole model, as much time again a
 llama.cpp, the tool CPU users compare with, has none of
 that. This forward computes the same layer with fewer, larger steps: one call for the RMS norms
 (gemm_kernel's sg_rmsnorm), one kernel call for q/k/v and one for gate/up (their LinearGroups), the
-row-exact attention called directly, and transformers' own rotary embedding and cache update.
+row-exact attention called directly, the MLP's activation in C (sg_silu_mul), and transformers' own
+rotary embedding and cache update. A single sequence's forward skips even this loop:
+specdec/model/stack.py runs the whole stack in one C call through the same functions.
 
 It is installed only where it computes exactly what the layer means (`use`): a LlamaDecoderLayer
 whose projections are grouped compact layers, with SiLU and the row-exact attention; anything else
 keeps transformers' forward. It is part of the compact model's definition (the RMS norm sums in
-another order than torch's): every forward of that model, decode, verify, batch or prefill, runs
+another order than torch's, and SiLU's exponential is the kernel's own): every forward of that model, decode, verify, batch or prefill, runs
 it, and each row is computed alone, so speculation stays exact against the model. Inside
 `gemm.disabled()` (the fp32 reference) and with gradients the layer runs transformers' forward.
 """
@@ -22,7 +24,6 @@ import sys
 import types
 
 import torch
-import torch.nn.functional as F
 
 from specdec.model import attention, gemm_kernel, packed
 
@@ -54,7 +55,9 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | N
                                          position_ids=position_ids, **kwargs)
     x = x + attn.o_proj(out.reshape(b * rows, -1))
     gate, up = mlp.gate_proj.group.compute(_rmsnorm(kernel, x, self.post_attention_layernorm))
-    x = x + mlp.down_proj(F.silu(gate, inplace=True).mul_(up))
+    act = torch.empty_like(gate)
+    kernel.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), act.data_ptr())
+    x = x + mlp.down_proj(act)
     return x.view(b, rows, width)
 
 

@@ -32,7 +32,7 @@ import time
 import structlog
 import torch
 
-from specdec.model import attention, compact, decoder, gemm_kernel
+from specdec.model import attention, compact, decoder, gemm_kernel, stack
 from specdec.model.compact import Compact
 # The layers and the switch live below the forwards that read them (specdec/model/packed.py); they
 # are named here too, where their callers have always found them (gemm.disabled(), gemm.PackedLinear).
@@ -130,6 +130,7 @@ def pack_linears(model: torch.nn.Module, rows: int, min_rows: int, weights: str 
     attention.use(model)
     if weights != "fp32":
         decoder.use(model)
+        stack.use(model)  # one C call for the whole stack where every layer took the lean forward
     after = _resident_bytes()
     sources = collections.Counter(held[key][1] for key in swapped)
     return PackReport(len(swapped), after - before if before is not None and after is not None else None, weights,

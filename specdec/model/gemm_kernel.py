@@ -32,6 +32,8 @@ log = structlog.get_logger(__name__)
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "gemm.c"
 ATTENTION_SOURCE = SOURCE.with_name("attention.c")  # built into the same library
+STACK_SOURCE = SOURCE.with_name("stack.c")  # and the whole decoder stack, which calls both
+SOURCES = (SOURCE, ATTENTION_SOURCE, STACK_SOURCE)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 ALIGNMENT = 64  # bytes: the kernel reads packed panels with aligned 64-byte vector loads
 
@@ -57,6 +59,11 @@ class Kernel:
         self.attention.restype = ctypes.c_int
         self.rmsnorm = lib.sg_rmsnorm  # specdec/model/decoder.py calls it
         self.rmsnorm.argtypes, self.rmsnorm.restype = [p, i, i, p, ctypes.c_float, p], None
+        self.silu_mul = lib.sg_silu_mul  # the compact model's gated-MLP activation, in every path
+        self.silu_mul.argtypes, self.silu_mul.restype = [p, p, ctypes.c_size_t, p], None
+        self.stack = lib.sg_stack  # specdec/model/stack.py calls it
+        self.stack.argtypes = [p, i, p, p, p, i, i, i, i, i, i, i, p, p]
+        self.stack.restype = ctypes.c_int
         self.max_rows: int = lib.sg_max_rows()
         self._read = lib.sg_read
         self._read.argtypes, self._read.restype = [p, ctypes.c_size_t], ctypes.c_float
@@ -173,7 +180,7 @@ def _build(compiler: str, target: pathlib.Path) -> None:
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = pathlib.Path(tmp.name)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), str(ATTENTION_SOURCE), "-o", str(partial)], check=True,
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)], check=True,
                        capture_output=True, text=True, timeout=120)
         os.replace(partial, target)
     finally:
@@ -189,7 +196,7 @@ def load() -> Kernel | None:
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-        digest = hashlib.sha256("\0".join([SOURCE.read_text(), ATTENTION_SOURCE.read_text(), " ".join(FLAGS), version,
+        digest = hashlib.sha256("\0".join([*(path.read_text() for path in SOURCES), " ".join(FLAGS), version,
                                            _cpu_signature()]).encode())
         target = _cache_dir() / f"gemm-{digest.hexdigest()[:16]}.so"
         if not target.is_file():

@@ -1,0 +1,172 @@
+/* A whole decoder stack of a compact Llama-family model in one call, for one sequence's new rows.
+ *
+ * Why: with compact weights a small model's decode step is ~120 kernel calls (q/k/v, o, gate/up and
+ * down of 30 layers, their norms and attention), each cheap in C and each paying, from Python, the
+ * interpreter, a ctypes call, tensor allocations, views and the cache's bookkeeping around it. That
+ * was about a third of a SmolLM2-135M decode step on two cores (docs/benchmarks.md), the share by
+ * which llama.cpp, whose graph runs in C, decoded faster. Here one call runs every layer through the
+ * same C functions the per-layer path calls (sg_rmsnorm, sg_linear_parts / sg_linear_c, sg_attention,
+ * sg_silu_mul), so a row's result is bit-identical whichever path computes it; the rotary embedding
+ * and the residual adds are written as the IEEE operations torch performs for them (q * cos, then
+ * rotate_half(q) * sin, then their sum; x + y), compiled without contraction.
+ *
+ * The path covers one sequence (batch of 1) whose cache holds `past` positions and whose new rows
+ * see every cached key and the new keys up to their own (the causal rule). Batches, trees and
+ * padding masks take the per-layer path (specdec/model/decoder.py). specdec/model/stack.py says
+ * when a forward is eligible and keeps the cache's bookkeeping.
+ *
+ * x [M][E] (the embeddings in, the last layer's output out, in place); cos, sin [M][D] as
+ * transformers' rotary embedding computes them; each layer's key and value buffers [Hkv][capacity][D]
+ * (strides given) with room for past + M positions: the new keys (rotated) and values are written at
+ * positions past..past+M-1.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+
+int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp, const float *sc, const float *mn, int N,
+                const float *bias, float *y);
+int sg_linear_parts(int fmt, const float *x, int M, int K, const void *wp, const float *sc, const float *mn, int parts,
+                    const int *Ns, float *y, const float *const *biases);
+int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, long ksb, long ksh, long kst,
+                 const float *v, long vsb, long vsh, long vst, const uint8_t *mask, long msb, long msh, long msi,
+                 int B, int H, int Hkv, int Mq, int T, int D, float scale, float *out);
+void sg_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *y);
+
+#define VL 16
+typedef float svec __attribute__((vector_size(VL * 4), aligned(4)));
+typedef int32_t sivec __attribute__((vector_size(VL * 4), aligned(4)));
+
+/* exp(x) for 16 lanes over the whole float range (x clamped to [-87, 88]): x = n ln2 + r, Cephes'
+ * degree-6 polynomial for exp(r), times 2^n from the exponent bits; ~1 ulp. */
+static inline svec sexp(svec x) {
+    const svec lo = (svec){0} - 87.0f, hi = (svec){0} + 88.0f, magic = (svec){0} + 12582912.0f;
+    sivec below = x < lo, above = x > hi;
+    x = (svec)(((sivec)x & ~below) | ((sivec)lo & below));
+    x = (svec)(((sivec)x & ~above) | ((sivec)hi & above));
+    svec n = (x * 1.44269504088896341f + magic) - magic;
+    svec r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    svec p = (svec){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    svec y = p * r * r + r + 1.0f;
+    return y * (svec)((__builtin_convertvector(n, sivec) + 127) << 23); /* n in -126..127: a normal 2^n */
+}
+
+/* out = silu(gate) * up = gate / (1 + exp(-gate)) * up, n values, 16 at a time (the tail padded).
+ * The compact model's gated MLP computes its activation here in every path, the per-layer one
+ * included: torch's own silu rounds differently, and the two paths must agree bitwise. */
+void sg_silu_mul(const float *gate, const float *up, size_t n, float *out) {
+    size_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        svec g = *(const svec *)(gate + i);
+        *(svec *)(out + i) = g / (1.0f + sexp(-g)) * *(const svec *)(up + i);
+    }
+    if (i < n) {
+        svec g = {0}, u = {0};
+        for (size_t j = 0; j < n - i; j++) g[j] = gate[i + j], u[j] = up[i + j];
+        svec y = g / (1.0f + sexp(-g)) * u;
+        for (size_t j = 0; j < n - i; j++) out[i + j] = y[j];
+    }
+}
+
+/* transformers' apply_rotary_pos_emb on one head's D values at one position, in place:
+ * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]). (-b) * s + a * c rounds as
+ * a * c - b * s: negation is exact. */
+static void rotate(float *x, const float *cos, const float *sin, int D) {
+    int half = D / 2;
+    for (int i = 0; i < half; i++) {
+        float a = x[i], b = x[i + half];
+        float lo = a * cos[i] - b * sin[i];
+        float hi = b * cos[i + half] + a * sin[i + half];
+        x[i] = lo;
+        x[i + half] = hi;
+    }
+}
+
+typedef struct {
+    int fmt, parts;
+    int N[3];
+    const void *wp;
+    const float *sc, *mn;
+    const float *bias[3];
+} sg_weight;
+
+typedef struct {
+    const float *norm1, *norm2; /* input_layernorm, post_attention_layernorm weights */
+    float eps1, eps2, scale;    /* their epsilons; the attention's score scale */
+    sg_weight qkv, o, gateup, down;
+} sg_layer;
+
+/* Runs layers[0..L) on x. kv[2 l] / kv[2 l + 1]: layer l's key / value buffer; strides[4 l ..]: their
+ * (head, position) strides in floats. Returns 0, or -1 (x and the caches then hold partial results:
+ * the caller drops the forward) when a kernel refuses its shape or memory runs out. */
+int sg_stack(const sg_layer *layers, int L, float *const *kv, const long *strides, float *x, int M, int E, int H,
+             int Hkv, int D, int I, int past, const float *cos, const float *sin) {
+    if (L < 1 || M < 1 || E < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || I < 1 || past < 0) return -1;
+    size_t qn = (size_t)H * D, kvn = (size_t)Hkv * D, rows = (size_t)M;
+    size_t floats = rows * (E + qn + 2 * kvn + qn + E + 2 * (size_t)I + I);
+    float *work = malloc(floats * sizeof(float));
+    if (!work) return -1;
+    float *h = work, *qkv = h + rows * E, *att = qkv + rows * (qn + 2 * kvn), *tmp = att + rows * qn,
+          *gu = tmp + rows * E, *act = gu + rows * 2 * I;
+    int failed = 0;
+    for (int l = 0; l < L && !failed; l++) {
+        const sg_layer *ly = layers + l;
+        const sg_weight *w = &ly->qkv;
+        float *kc = kv[2 * l], *vc = kv[2 * l + 1];
+        long ksh = strides[4 * l], kst = strides[4 * l + 1], vsh = strides[4 * l + 2], vst = strides[4 * l + 3];
+        sg_rmsnorm(x, M, E, ly->norm1, ly->eps1, h);
+        if (sg_linear_parts(w->fmt, h, M, E, w->wp, w->sc, w->mn, w->parts, w->N, qkv, w->bias)) {
+            failed = 1;
+            break;
+        }
+        float *q = qkv, *k = q + rows * qn, *v = k + rows * kvn;
+        for (int m = 0; m < M; m++) {
+            const float *c = cos + (size_t)m * D, *s = sin + (size_t)m * D;
+            for (int hh = 0; hh < H; hh++) rotate(q + m * qn + (size_t)hh * D, c, s, D);
+            for (int hh = 0; hh < Hkv; hh++) {
+                float *kr = k + m * kvn + (size_t)hh * D;
+                rotate(kr, c, s, D);
+                memcpy(kc + hh * ksh + (long)(past + m) * kst, kr, sizeof(float) * D);
+                memcpy(vc + hh * vsh + (long)(past + m) * vst, v + m * kvn + (size_t)hh * D, sizeof(float) * D);
+            }
+        }
+        if (sg_attention(q, (long)(rows * qn), D, (long)qn, kc, 0, ksh, kst, vc, 0, vsh, vst, 0, 0, 0, 0, 1, H, Hkv, M,
+                         past + M, D, ly->scale, att)) {
+            failed = 1;
+            break;
+        }
+        w = &ly->o;
+        if (sg_linear_c(w->fmt, att, M, (int)qn, w->wp, w->sc, w->mn, E, w->bias[0], tmp)) {
+            failed = 1;
+            break;
+        }
+        for (size_t i = 0; i < rows * E; i++) x[i] = x[i] + tmp[i];
+        sg_rmsnorm(x, M, E, ly->norm2, ly->eps2, h);
+        w = &ly->gateup;
+        if (sg_linear_parts(w->fmt, h, M, E, w->wp, w->sc, w->mn, w->parts, w->N, gu, w->bias)) {
+            failed = 1;
+            break;
+        }
+        sg_silu_mul(gu, gu + rows * I, rows * I, act);
+        w = &ly->down;
+        if (sg_linear_c(w->fmt, act, M, I, w->wp, w->sc, w->mn, E, w->bias[0], tmp)) {
+            failed = 1;
+            break;
+        }
+        for (size_t i = 0; i < rows * E; i++) x[i] = x[i] + tmp[i];
+    }
+    free(work);
+    return failed ? -1 : 0;
+}
+
+#pragma GCC pop_options

@@ -1,0 +1,156 @@
+"""One C call for a compact Llama-family model's whole decoder stack (csrc/stack.c), where it applies.
+
+Why: a decode step of SmolLM2-135M with compact weights is ~120 cheap kernel calls, and from Python
+each pays the interpreter, a ctypes call, allocations, views and the cache's bookkeeping: about a
+third of the step on two cores, the margin by which llama.cpp decoded faster (docs/benchmarks.md).
+This module gives the model's decoder (`model.model`) a forward that, for one sequence fed from its
+own cache (what a decode step, a chain verify and a prompt chunk are), embeds the tokens, takes
+transformers' rotary cos/sin, makes room in each layer's GrowingLayer, and hands everything else to
+`sg_stack`; the final norm and the output layer stay in Python (the norm's hook feeds the feature
+drafts). The C stack calls the same functions as the per-layer path (specdec/model/decoder.py), so
+its rows are bit-identical to that path's, which batches, trees and masks keep taking
+(tests/test_stack.py holds the two against each other).
+
+A forward is eligible when: the kernel is on (not inside `gemm.disabled()`), no gradients, one row
+of input ids, no attention mask or position ids of the caller's own, a cache whose layers are all
+GrowingLayers holding what they made, and nobody asked for hidden states or attentions or hooked a
+layer. Anything else runs transformers' forward, unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import types
+
+import torch
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from specdec.kv.buffers import GrowingLayer
+from specdec.model import gemm_kernel, packed
+from specdec.model.hfcache import output_field
+
+_p, _f = ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("fmt", ctypes.c_int), ("parts", ctypes.c_int), ("N", ctypes.c_int * 3), ("wp", _p), ("sc", _p),
+                ("mn", _p), ("bias", _p * 3)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("norm1", _p), ("norm2", _p), ("eps1", ctypes.c_float), ("eps2", ctypes.c_float),
+                ("scale", ctypes.c_float), ("qkv", _Weight), ("o", _Weight), ("gateup", _Weight), ("down", _Weight)]
+
+
+def _weight(members: list[packed.PackedLinear]) -> _Weight:
+    """The kernel's view of one projection, or of a LinearGroup's joined panels (q/k/v, gate/up)."""
+    group = members[0].group
+    held = group.weight if group is not None else members[0].compact
+    w = _Weight(fmt=held.code, parts=len(members), wp=held.panels.data_ptr(),
+                sc=None if held.scales is None else held.scales.data_ptr(),
+                mn=None if held.mins is None else held.mins.data_ptr())
+    for i, member in enumerate(members):
+        w.N[i] = member.out_features
+        w.bias[i] = None if member._bias is None else member._bias.data_ptr()
+    return w
+
+
+class Stack:
+    """The fixed arguments of sg_stack for one model, built once: weights never move while serving."""
+
+    def __init__(self, decoder: torch.nn.Module, kernel: gemm_kernel.Kernel):
+        layers = list(decoder.layers[: decoder.config.num_hidden_layers])
+        attn = layers[0].self_attn
+        config = decoder.config
+        self.kernel, self.layers = kernel, layers
+        self.hidden = int(config.hidden_size)
+        self.heads, self.kv_heads = int(config.num_attention_heads), int(config.num_key_value_heads)
+        self.head_dim, self.intermediate = int(attn.head_dim), int(layers[0].mlp.gate_proj.out_features)
+        self._table = None  # built on first use (and again in a copy: ctypes pointers do not copy)
+        self._template = torch.empty(1, self.kv_heads, 0, self.head_dim)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_table": None}  # a deep copy of the model builds its own from its own weights
+
+    def _build(self):
+        self._table = (_Layer * len(self.layers))()
+        for entry, layer in zip(self._table, self.layers):
+            a, m = layer.self_attn, layer.mlp
+            entry.norm1, entry.norm2 = layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr()
+            entry.eps1, entry.eps2 = layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon
+            entry.scale = a.scaling
+            entry.qkv, entry.o = _weight([a.q_proj, a.k_proj, a.v_proj]), _weight([a.o_proj])
+            entry.gateup, entry.down = _weight([m.gate_proj, m.up_proj]), _weight([m.down_proj])
+        return self._table
+
+    def run(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """x [M, hidden] (contiguous float32, overwritten with the stack's output); False, touching
+        nothing, where the cache is not one this path can append to."""
+        layers, rows = cache.layers, x.shape[0]
+        if len(layers) != len(self.layers):
+            return False
+        past = layers[0]._length if layers[0].is_initialized else 0
+        pointers, strides = [], []
+        for layer in layers:
+            if type(layer) is not GrowingLayer or (layer._length if layer.is_initialized else 0) != past:
+                return False
+        for layer in layers:
+            buffers = layer.open_rows(rows, self._template)
+            if buffers is None or buffers[0].shape[:2] != (1, self.kv_heads) or buffers[0].shape[-1] != self.head_dim:
+                return False  # layers opened before this one keep their (larger) room and their contents
+            k, v = buffers
+            pointers += (k.data_ptr(), v.data_ptr())
+            strides += (k.stride(1), k.stride(2), v.stride(1), v.stride(2))
+        kv, st = (ctypes.c_void_p * len(pointers))(*pointers), (ctypes.c_long * len(strides))(*strides)
+        if self.kernel.stack(ctypes.addressof(self._table or self._build()), len(layers), kv, st, x.data_ptr(), rows, self.hidden,
+                             self.heads, self.kv_heads, self.head_dim, self.intermediate, past, cos.data_ptr(),
+                             sin.data_ptr()):
+            raise ValueError(f"the decoder stack refused {rows} rows after {past} cached positions (out of memory?)")
+        for layer in layers:
+            layer.advance(rows)
+        return True
+
+
+_REFUSED = ("output_attentions", "output_hidden_states")
+
+
+def _forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None,
+             use_cache: bool | None = None, **kwargs):
+    cache = kwargs.pop("past_key_values", cache)
+    stack: Stack = self._specdec_stack
+    if (input_ids is None or inputs_embeds is not None or attention_mask is not None or position_ids is not None
+            or cache is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or not packed.enabled()
+            or torch.is_grad_enabled() or any(kwargs.get(name) for name in _REFUSED)
+            or any(layer._forward_hooks or layer._forward_pre_hooks for layer in stack.layers)):
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    x = self.embed_tokens(input_ids)  # [1, M, hidden]
+    rows = x.shape[1]
+    past = cache.get_seq_length()
+    positions = torch.arange(past, past + rows).unsqueeze(0)
+    cos, sin = self.rotary_emb(x, position_ids=positions)
+    flat = x.view(rows, -1)
+    if x.dtype != torch.float32 or not flat.is_contiguous() or not stack.run(flat, cache, cos[0].contiguous(),
+                                                                           sin[0].contiguous()):
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    return BaseModelOutputWithPast(**{"last_hidden_state": self.norm(x), output_field(BaseModelOutputWithPast): cache})
+
+
+def use(model: torch.nn.Module) -> bool:
+    """Gives the decoder of a causal LM whose every layer runs the lean forward (decoder.use) the
+    one-call stack; True if it did."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    kernel = gemm_kernel.load()
+    layers = getattr(decoder, "layers", None)
+    if kernel is None or layers is None or type(decoder).__name__ != "LlamaModel" or not len(layers):
+        return False
+    if not all(getattr(layer, "_specdec_kernel", None) is kernel for layer in layers[: decoder.config.num_hidden_layers]):
+        return False  # some layer keeps transformers' forward: the stack would not compute the same
+    config = decoder.config
+    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ["full_attention"])):
+        return False
+    decoder._specdec_stack = Stack(decoder, kernel)
+    decoder.forward = types.MethodType(_forward, decoder)
+    return True

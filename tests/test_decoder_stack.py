@@ -1,0 +1,105 @@
+"""The whole decoder stack in one C call (specdec/model/stack.py, csrc/stack.c): for one sequence fed
+from its cache it computes the same bits as the per-layer path (specdec/model/decoder.py) that
+batches, trees and masks take, in a prefill, decode steps, a verify and after a rollback; it is
+actually taken where it applies, and everything else falls back unchanged."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from specdec.kv.buffers import new_cache
+from specdec.model import gemm, gemm_kernel
+from specdec.model.hfcache import cache_kwargs
+from tests import tiny
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not gemm.available(CPU, torch.float32), reason="no C compiler to build the kernel")
+
+COMPACT = ("bf16", "int8", "q4", "int8-a8", "q4-a8")
+
+
+def _pair(weights: str, hidden: int = 64):
+    """The same compact model twice: with the one-call stack, and with it taken off (per-layer path).
+    hidden 64 gives heads of 16 (the attention's one-row path), 256 heads of 64 (its tiles, SmolLM2's)."""
+    torch.manual_seed(5)
+    target = LlamaForCausalLM(tiny.tiny_config(hidden=hidden)).eval()
+    model, layered = copy.deepcopy(target), copy.deepcopy(target)
+    for m in (model, layered):
+        gemm.pack_linears(m, gemm.DEFAULT_ROWS, 1, weights)
+        assert hasattr(m.model, "_specdec_stack"), "the stack was not installed"
+    del layered.model.forward  # the instance's forward: back to transformers' (per-layer) one
+    return model, layered
+
+
+def _feed(model, cache, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids]), **cache_kwargs(model, cache), use_cache=True).logits[0]
+
+
+@pytest.mark.parametrize("weights,hidden", [(w, 64) for w in COMPACT] + [("q4-a8", 256), ("bf16", 256)])
+def test_the_stack_computes_the_per_layer_paths_bits(weights, hidden):
+    """Prefill, decode steps, a 4-row verify, a rollback and a re-feed: every logit and every cached
+    key and value equal between the two paths."""
+    model, layered = _pair(weights, hidden)
+    prompt = tiny.prompts(3, seed=6)[0] * 2
+    caches = new_cache(model.config), new_cache(layered.config)
+    script = [prompt[:20], [7], [9], [11], [3, 5, 8, 13], "crop 2", [21], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    for step in script:
+        if step == "crop 2":
+            for cache in caches:
+                cache.crop(-2)
+            continue
+        got, want = _feed(model, caches[0], step), _feed(layered, caches[1], step)
+        assert torch.equal(got, want), (weights, step)
+    for mine, theirs in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def test_the_stack_is_what_runs_a_single_sequence(monkeypatch):
+    """With the stack in place no layer's own forward runs for a single sequence fed from its cache."""
+    model, _ = _pair("q4-a8")
+    for layer in model.model.layers:
+        monkeypatch.setattr(layer, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("layer ran")))
+    cache = new_cache(model.config)
+    _feed(model, cache, [1, 2, 3, 4, 5])
+    _feed(model, cache, [6])
+    assert cache.get_seq_length() == 6
+
+
+def test_what_the_stack_does_not_cover_takes_the_per_layer_path():
+    """A batch of two, an attention mask, hidden states asked for, no cache, a cache holding keys it
+    did not make, and gemm.disabled(): all run transformers' forward and equal the per-layer model."""
+    model, layered = _pair("int8-a8")
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.inference_mode():
+        for kwargs in ({"input_ids": ids}, {"input_ids": ids[:1], "attention_mask": torch.ones(1, 4, dtype=torch.long)},
+                       {"input_ids": ids[:1], "output_hidden_states": True}):
+            assert torch.equal(model(**kwargs).logits, layered(**kwargs).logits), kwargs
+        with gemm.disabled():
+            assert torch.equal(model(input_ids=ids).logits, layered(input_ids=ids).logits)
+        cache = new_cache(model.config)
+        _feed(model, cache, [1, 2, 3])
+        for layer in cache.layers:  # someone else's tensors (a tree's path compaction does this)
+            layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+        reference = new_cache(layered.config)
+        _feed(layered, reference, [1, 2, 3])
+        assert torch.equal(_feed(model, cache, [4, 5]), _feed(layered, reference, [4, 5]))
+
+
+def test_silu_mul_is_the_activation_within_rounding_and_finite_at_the_extremes():
+    kernel = gemm_kernel.load()
+    torch.manual_seed(0)
+    gate = torch.cat([torch.randn(1000) * 4, torch.tensor([0.0, -0.0, 87.9, -87.9, 100.0, -100.0, 1e30, -1e30])])
+    up = torch.randn(gate.numel())
+    out = torch.empty_like(gate)
+    kernel.silu_mul(gate.data_ptr(), up.data_ptr(), gate.numel(), out.data_ptr())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[:1000], torch.nn.functional.silu(gate[:1000]) * up[:1000], rtol=2e-6, atol=1e-7)
+    # the odd tail (n % 16) goes through the same vector code: a prefix of the same values agrees
+    part = torch.empty(13)
+    kernel.silu_mul(gate.data_ptr(), up.data_ptr(), 13, part.data_ptr())
+    assert torch.equal(part, out[:13])
