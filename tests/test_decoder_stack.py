@@ -103,3 +103,38 @@ def test_silu_mul_is_the_activation_within_rounding_and_finite_at_the_extremes()
     part = torch.empty(13)
     kernel.silu_mul(gate.data_ptr(), up.data_ptr(), 13, part.data_ptr())
     assert torch.equal(part, out[:13])
+
+
+@pytest.mark.parametrize("weights", ["q4-a8", "bf16"])
+def test_a_batch_of_chains_appends_to_each_sequences_own_cache_with_the_bits_of_each_alone(weights):
+    """forward_batch over sequences of unlike cache lengths goes through the stack in one pass
+    (pass_groups does not split them): each row's logits and cached keys equal that sequence fed
+    alone, and write_back keeps exactly the accepted positions."""
+    from specdec.forward.batching import forward_batch, pass_groups
+    from specdec.kv.store import Sequence
+    from specdec.model import stack
+    from specdec.model.lm import CausalLM
+
+    model, layered = _pair(weights)
+    lm, alone = CausalLM(model, CPU), CausalLM(layered, CPU)
+    prompts = tiny.prompts(4, seed=9)
+    seqs = [Sequence(f"s{i}", list(p)) for i, p in enumerate(prompts[:3])]
+    twins = [Sequence(f"t{i}", list(p)) for i, p in enumerate(prompts[:3])]
+    for seq, twin in zip(seqs[:2], twins[:2]):  # two rows with caches of their own and a token to feed, one new
+        lm.forward(seq)
+        alone.forward(twin)
+        seq.tokens.append(17)
+        twin.tokens.append(17)
+    assert pass_groups(lm, [seq.cached for seq in seqs]) == [[0, 1, 2]]
+    extras = [[5, 6, 7], [], [8]]
+    keeps = [len(e) + 1 for e in extras]
+    logits, state = forward_batch(lm, seqs, extras, keeps)
+    assert isinstance(state, stack.DirectBatch)
+    for seq, twin, extra, keep, got in zip(seqs, twins, extras, keeps, logits):
+        want = alone.forward(twin, extra, keep=keep)
+        assert torch.equal(got, want)
+        state.write_back(seqs.index(seq), seq, lm, len(seq.tokens))  # the drafted tokens rejected
+        twin.crop_cache(len(twin.tokens))
+        assert seq.cached == len(seq.tokens) == twin.cached
+        for mine, theirs in zip(seq.cache.layers, twin.cache.layers):
+            assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)

@@ -41,6 +41,7 @@ from specdec.model.hfcache import cache_kwargs, returned_cache
 from specdec.kv.buffers import (GrowingLayer, arena_of, arena_shape, bind_arena, full_attention, move_to_arena, new_arena,
                               set_arena_length)
 from specdec.kv.store import Sequence
+from specdec.model import stack
 from specdec.model.lm import CausalLM
 from specdec.forward.tree import tree_attention
 from specdec.spec.tree import depths
@@ -87,8 +88,9 @@ def pad_groups(cached: list[int], budget: int = PAD_KEYS) -> list[list[int]]:
 
 def pass_groups(lm: CausalLM, cached: list[int]) -> list[list[int]]:
     """The passes a batch of rows with these cache lengths runs as (indices): fixed-shape passes
-    (specdec/model/static.py) pad nothing and take them all; otherwise pad_groups."""
-    if getattr(lm, "static", False):
+    (specdec/model/static.py) and the compact model's one-call stack (specdec/model/stack.py) pad
+    nothing and take them all; otherwise pad_groups."""
+    if getattr(lm, "static", False) or stack.applies(lm):
         return [list(range(len(cached)))] if cached else []
     return pad_groups(cached)
 
@@ -109,6 +111,10 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
     for tokens, keep in zip(pending, keeps):
         if not tokens or keep > len(tokens):
             raise ValueError(f"cannot keep {keep} logits from {len(tokens)} new positions")
+    if trees is None or all(t is None for t in trees):  # chains: each row appends to its own cache
+        logits = stack.forward_rows(lm, seqs, pending, keeps)
+        if logits is not None:
+            return logits, stack.DirectBatch()
     batch = len(seqs)
     past = [seq.cached if seq.cache is not None else 0 for seq in seqs]
     width_p, width_n = max(past), max(len(t) for t in pending)

@@ -62,7 +62,7 @@ class Kernel:
         self.silu_mul = lib.sg_silu_mul  # the compact model's gated-MLP activation, in every path
         self.silu_mul.argtypes, self.silu_mul.restype = [p, p, ctypes.c_size_t, p], None
         self.stack = lib.sg_stack  # specdec/model/stack.py calls it
-        self.stack.argtypes = [p, i, p, p, p, i, i, i, i, i, i, i, p, p]
+        self.stack.argtypes = [p, i, i, p, p, p, p, p, i, i, i, i, i, p, p]
         self.stack.restype = ctypes.c_int
         self.max_rows: int = lib.sg_max_rows()
         self._read = lib.sg_read

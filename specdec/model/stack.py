@@ -83,32 +83,47 @@ class Stack:
             entry.gateup, entry.down = _weight([m.gate_proj, m.up_proj]), _weight([m.down_proj])
         return self._table
 
-    def run(self, x: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-        """x [M, hidden] (contiguous float32, overwritten with the stack's output); False, touching
-        nothing, where the cache is not one this path can append to."""
-        layers, rows = cache.layers, x.shape[0]
-        if len(layers) != len(self.layers):
+    def _past(self, cache) -> int | None:
+        """What a cache holds, if this path can append to it: every layer a GrowingLayer, one length."""
+        layers = getattr(cache, "layers", None)
+        if layers is None or len(layers) != len(self.layers):
+            return None
+        lengths = {(layer._length if layer.is_initialized else 0) if type(layer) is GrowingLayer else -1 for layer in layers}
+        return lengths.pop() if len(lengths) == 1 and -1 not in lengths else None
+
+    def run(self, x: torch.Tensor, caches: list, rows: list[int], cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """x [sum(rows), hidden] (contiguous float32, overwritten with the stack's output): rows[g] new
+        positions of the sequence whose cache is caches[g], one sequence after another; cos/sin
+        [sum(rows), head_dim]. False, computing nothing, where some cache is not one this path can
+        append to (the caller then takes transformers' path)."""
+        pasts = [self._past(cache) for cache in caches]
+        if None in pasts:
             return False
-        past = layers[0]._length if layers[0].is_initialized else 0
         pointers, strides = [], []
-        for layer in layers:
-            if type(layer) is not GrowingLayer or (layer._length if layer.is_initialized else 0) != past:
-                return False
-        for layer in layers:
-            buffers = layer.open_rows(rows, self._template)
-            if buffers is None or buffers[0].shape[:2] != (1, self.kv_heads) or buffers[0].shape[-1] != self.head_dim:
-                return False  # layers opened before this one keep their (larger) room and their contents
-            k, v = buffers
-            pointers += (k.data_ptr(), v.data_ptr())
-            strides += (k.stride(1), k.stride(2), v.stride(1), v.stride(2))
+        for cache, count in zip(caches, rows):
+            for layer in cache.layers:
+                buffers = layer.open_rows(count, self._template)
+                if buffers is None or buffers[0].shape[:2] != (1, self.kv_heads) or buffers[0].shape[-1] != self.head_dim:
+                    return False  # layers opened before this one keep their (larger) room and their contents
+                k, v = buffers
+                pointers += (k.data_ptr(), v.data_ptr())
+                strides += (k.stride(1), k.stride(2), v.stride(1), v.stride(2))
+        groups = len(caches)
         kv, st = (ctypes.c_void_p * len(pointers))(*pointers), (ctypes.c_long * len(strides))(*strides)
-        if self.kernel.stack(ctypes.addressof(self._table or self._build()), len(layers), kv, st, x.data_ptr(), rows, self.hidden,
-                             self.heads, self.kv_heads, self.head_dim, self.intermediate, past, cos.data_ptr(),
-                             sin.data_ptr()):
-            raise ValueError(f"the decoder stack refused {rows} rows after {past} cached positions (out of memory?)")
-        for layer in layers:
-            layer.advance(rows)
+        counts, starts = (ctypes.c_int * groups)(*rows), (ctypes.c_int * groups)(*pasts)
+        if self.kernel.stack(ctypes.addressof(self._table or self._build()), len(self.layers), groups, counts, starts, kv,
+                             st, x.data_ptr(), self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate,
+                             cos.data_ptr(), sin.data_ptr()):
+            raise ValueError(f"the decoder stack refused rows {rows} after {pasts} cached positions (out of memory?)")
+        for cache, count in zip(caches, rows):
+            for layer in cache.layers:
+                layer.advance(count)
         return True
+
+    def usable(self) -> bool:
+        """Whether a forward may take this path now (caches aside): the kernel on, no gradients, no hooks."""
+        return (packed.enabled() and not torch.is_grad_enabled()
+                and not any(layer._forward_hooks or layer._forward_pre_hooks for layer in self.layers))
 
 
 _REFUSED = ("output_attentions", "output_hidden_states")
@@ -120,9 +135,8 @@ def _forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.
     cache = kwargs.pop("past_key_values", cache)
     stack: Stack = self._specdec_stack
     if (input_ids is None or inputs_embeds is not None or attention_mask is not None or position_ids is not None
-            or cache is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or not packed.enabled()
-            or torch.is_grad_enabled() or any(kwargs.get(name) for name in _REFUSED)
-            or any(layer._forward_hooks or layer._forward_pre_hooks for layer in stack.layers)):
+            or cache is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or any(kwargs.get(name) for name in _REFUSED)
+            or not stack.usable()):
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     x = self.embed_tokens(input_ids)  # [1, M, hidden]
@@ -131,7 +145,7 @@ def _forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.
     positions = torch.arange(past, past + rows).unsqueeze(0)
     cos, sin = self.rotary_emb(x, position_ids=positions)
     flat = x.view(rows, -1)
-    if x.dtype != torch.float32 or not flat.is_contiguous() or not stack.run(flat, cache, cos[0].contiguous(),
+    if x.dtype != torch.float32 or not flat.is_contiguous() or not stack.run(flat, [cache], [rows], cos[0].contiguous(),
                                                                            sin[0].contiguous()):
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
@@ -154,3 +168,65 @@ def use(model: torch.nn.Module) -> bool:
     decoder._specdec_stack = Stack(decoder, kernel)
     decoder.forward = types.MethodType(_forward, decoder)
     return True
+
+
+def applies(lm) -> bool:
+    """Whether lm's chains can go through forward_rows (caches and hooks aside)."""
+    model = lm.model
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return (getattr(decoder, "_specdec_stack", None) is not None and type(model).__name__ == "LlamaForCausalLM"
+            and getattr(model, "to_target_logits", None) is None)
+
+
+def forward_rows(lm, seqs: list, pending: list[list[int]], keeps: list[int]) -> list[torch.Tensor] | None:
+    """Several sequences' chains in one pass of the stack, each appending to its own cache (no padding,
+    no copies in or out): the float32 logits of each one's last keeps[i] positions, as
+    specdec.forward.batching.forward_batch returns them; None where this path does not apply (then
+    nothing was fed). The caller crops each sequence's cache to what it accepts (DirectBatch).
+
+    Why: the padded batch copies every row's cache into one tensor and back, pads every row to the
+    longest cache, and runs transformers' per-layer forward; here the linear layers still read their
+    weights once for all rows, and each row's attention reads its own cache where it lies."""
+    if not applies(lm):
+        return None
+    model = lm.model
+    decoder = model.get_decoder()
+    stack: Stack = decoder._specdec_stack
+    if getattr(lm, "_captured", None) is not None or not stack.usable():
+        return None  # features wanted (the padded batch hands them out per row), or hooks, or no kernel
+    caches = []
+    for seq in seqs:
+        if seq.cache is None:
+            seq.cache = lm.new_cache()
+        if stack._past(seq.cache) != seq.cached:
+            return None
+        caches.append(seq.cache)
+    ids, positions = [], []
+    for seq, tokens in zip(seqs, pending):
+        ids += tokens
+        positions += range(seq.cached, seq.cached + len(tokens))
+    with torch.inference_mode():
+        x = decoder.embed_tokens(torch.tensor([ids]))
+        cos, sin = decoder.rotary_emb(x, position_ids=torch.tensor([positions]))
+        if x.dtype != torch.float32 or not stack.run(x.view(len(ids), -1), caches, [len(t) for t in pending],
+                                                     cos[0].contiguous(), sin[0].contiguous()):
+            return None
+        hidden = decoder.norm(x)[0]
+        kept, end = [], 0
+        for tokens, keep in zip(pending, keeps):
+            end += len(tokens)
+            kept.append(torch.arange(end - keep, end))
+        logits = model.lm_head(hidden.index_select(0, torch.cat(kept))).float()
+    for seq, tokens in zip(seqs, pending):
+        seq.cached += len(tokens)
+    return list(logits.split(keeps))
+
+
+class DirectBatch:
+    """forward_rows' state: every row already holds its keys in its own cache, so writing back is
+    cropping to the accepted positions (as specdec/model/static.py's StaticBatch does on a GPU)."""
+
+    def write_back(self, i: int, seq, lm, length: int, extra: list[int] = ()) -> None:
+        if extra:
+            raise ValueError("a tree's path cannot be written back from the stack's rows: trees take the padded batch")
+        seq.crop_cache(length)

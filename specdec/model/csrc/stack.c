@@ -10,15 +10,15 @@
  * and the residual adds are written as the IEEE operations torch performs for them (q * cos, then
  * rotate_half(q) * sin, then their sum; x + y), compiled without contraction.
  *
- * The path covers one sequence (batch of 1) whose cache holds `past` positions and whose new rows
- * see every cached key and the new keys up to their own (the causal rule). Batches, trees and
- * padding masks take the per-layer path (specdec/model/decoder.py). specdec/model/stack.py says
- * when a forward is eligible and keeps the cache's bookkeeping.
+ * The path covers the chains of one or several sequences, each fed from its own cache: a sequence's
+ * new rows see its cached keys and its new keys up to their own (the causal rule). Trees and
+ * transformers' padded batches take the per-layer path (specdec/model/decoder.py).
+ * specdec/model/stack.py says when a forward is eligible and keeps the caches' bookkeeping.
  *
  * x [M][E] (the embeddings in, the last layer's output out, in place); cos, sin [M][D] as
- * transformers' rotary embedding computes them; each layer's key and value buffers [Hkv][capacity][D]
- * (strides given) with room for past + M positions: the new keys (rotated) and values are written at
- * positions past..past+M-1.
+ * transformers' rotary embedding computes them; each sequence's key and value buffers per layer,
+ * [Hkv][capacity][D] (strides given), with room for its past + rows positions: its new keys (rotated)
+ * and values are written at positions past..past+rows-1.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -106,64 +106,76 @@ typedef struct {
     sg_weight qkv, o, gateup, down;
 } sg_layer;
 
-/* Runs layers[0..L) on x. kv[2 l] / kv[2 l + 1]: layer l's key / value buffer; strides[4 l ..]: their
- * (head, position) strides in floats. Returns 0, or -1 (x and the caches then hold partial results:
- * the caller drops the forward) when a kernel refuses its shape or memory runs out. */
-int sg_stack(const sg_layer *layers, int L, float *const *kv, const long *strides, float *x, int M, int E, int H,
-             int Hkv, int D, int I, int past, const float *cos, const float *sin) {
-    if (L < 1 || M < 1 || E < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || I < 1 || past < 0) return -1;
-    size_t qn = (size_t)H * D, kvn = (size_t)Hkv * D, rows = (size_t)M;
-    size_t floats = rows * (E + qn + 2 * kvn + qn + E + 2 * (size_t)I + I);
+/* Runs layers[0..L) on the rows of G sequences at once, x [M][E] with M = rows[0] + ... + rows[G-1],
+ * sequence g's rows one after another: the linear layers read each weight once for all M rows (what
+ * batching is for), and each sequence's rows attend to their own cache, rows[g] new positions after
+ * past[g] cached ones, without padding. kv[2 (g L + l)] / kv[2 (g L + l) + 1]: sequence g's key / value
+ * buffer of layer l; strides[4 (g L + l) ..]: their (head, position) strides in floats. Returns 0, or
+ * -1 (x and the caches then hold partial results: the caller drops the forward) when a kernel
+ * refuses its shape or memory runs out. */
+int sg_stack(const sg_layer *layers, int L, int G, const int *rows, const int *past, float *const *kv,
+             const long *strides, float *x, int E, int H, int Hkv, int D, int I, const float *cos, const float *sin) {
+    if (L < 1 || G < 1 || E < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 2 || D % 2 || I < 1) return -1;
+    int M = 0;
+    for (int g = 0; g < G; g++) {
+        if (rows[g] < 1 || past[g] < 0) return -1;
+        M += rows[g];
+    }
+    size_t qn = (size_t)H * D, kvn = (size_t)Hkv * D, n = (size_t)M;
+    size_t floats = n * (E + qn + 2 * kvn + qn + E + 2 * (size_t)I + I);
     float *work = malloc(floats * sizeof(float));
     if (!work) return -1;
-    float *h = work, *qkv = h + rows * E, *att = qkv + rows * (qn + 2 * kvn), *tmp = att + rows * qn,
-          *gu = tmp + rows * E, *act = gu + rows * 2 * I;
+    float *h = work, *qkv = h + n * E, *att = qkv + n * (qn + 2 * kvn), *tmp = att + n * qn, *gu = tmp + n * E,
+          *act = gu + n * 2 * I;
     int failed = 0;
     for (int l = 0; l < L && !failed; l++) {
         const sg_layer *ly = layers + l;
         const sg_weight *w = &ly->qkv;
-        float *kc = kv[2 * l], *vc = kv[2 * l + 1];
-        long ksh = strides[4 * l], kst = strides[4 * l + 1], vsh = strides[4 * l + 2], vst = strides[4 * l + 3];
         sg_rmsnorm(x, M, E, ly->norm1, ly->eps1, h);
         if (sg_linear_parts(w->fmt, h, M, E, w->wp, w->sc, w->mn, w->parts, w->N, qkv, w->bias)) {
             failed = 1;
             break;
         }
-        float *q = qkv, *k = q + rows * qn, *v = k + rows * kvn;
-        for (int m = 0; m < M; m++) {
-            const float *c = cos + (size_t)m * D, *s = sin + (size_t)m * D;
-            for (int hh = 0; hh < H; hh++) rotate(q + m * qn + (size_t)hh * D, c, s, D);
-            for (int hh = 0; hh < Hkv; hh++) {
-                float *kr = k + m * kvn + (size_t)hh * D;
-                rotate(kr, c, s, D);
-                memcpy(kc + hh * ksh + (long)(past + m) * kst, kr, sizeof(float) * D);
-                memcpy(vc + hh * vsh + (long)(past + m) * vst, v + m * kvn + (size_t)hh * D, sizeof(float) * D);
+        float *q = qkv, *k = q + n * qn, *v = k + n * kvn;
+        for (int g = 0, r0 = 0; g < G && !failed; r0 += rows[g], g++) {
+            size_t at = (size_t)g * L + l;
+            float *kc = kv[2 * at], *vc = kv[2 * at + 1];
+            long ksh = strides[4 * at], kst = strides[4 * at + 1], vsh = strides[4 * at + 2], vst = strides[4 * at + 3];
+            for (int m = r0; m < r0 + rows[g]; m++) {
+                const float *c = cos + (size_t)m * D, *s = sin + (size_t)m * D;
+                long position = past[g] + (m - r0);
+                for (int hh = 0; hh < H; hh++) rotate(q + m * qn + (size_t)hh * D, c, s, D);
+                for (int hh = 0; hh < Hkv; hh++) {
+                    float *kr = k + m * kvn + (size_t)hh * D;
+                    rotate(kr, c, s, D);
+                    memcpy(kc + hh * ksh + position * kst, kr, sizeof(float) * D);
+                    memcpy(vc + hh * vsh + position * vst, v + m * kvn + (size_t)hh * D, sizeof(float) * D);
+                }
             }
+            if (sg_attention(q + r0 * qn, (long)(rows[g] * qn), D, (long)qn, kc, 0, ksh, kst, vc, 0, vsh, vst, 0, 0, 0, 0,
+                             1, H, Hkv, rows[g], past[g] + rows[g], D, ly->scale, att + r0 * qn))
+                failed = 1;
         }
-        if (sg_attention(q, (long)(rows * qn), D, (long)qn, kc, 0, ksh, kst, vc, 0, vsh, vst, 0, 0, 0, 0, 1, H, Hkv, M,
-                         past + M, D, ly->scale, att)) {
-            failed = 1;
-            break;
-        }
+        if (failed) break;
         w = &ly->o;
         if (sg_linear_c(w->fmt, att, M, (int)qn, w->wp, w->sc, w->mn, E, w->bias[0], tmp)) {
             failed = 1;
             break;
         }
-        for (size_t i = 0; i < rows * E; i++) x[i] = x[i] + tmp[i];
+        for (size_t i = 0; i < n * E; i++) x[i] = x[i] + tmp[i];
         sg_rmsnorm(x, M, E, ly->norm2, ly->eps2, h);
         w = &ly->gateup;
         if (sg_linear_parts(w->fmt, h, M, E, w->wp, w->sc, w->mn, w->parts, w->N, gu, w->bias)) {
             failed = 1;
             break;
         }
-        sg_silu_mul(gu, gu + rows * I, rows * I, act);
+        sg_silu_mul(gu, gu + n * I, n * I, act);
         w = &ly->down;
         if (sg_linear_c(w->fmt, act, M, I, w->wp, w->sc, w->mn, E, w->bias[0], tmp)) {
             failed = 1;
             break;
         }
-        for (size_t i = 0; i < rows * E; i++) x[i] = x[i] + tmp[i];
+        for (size_t i = 0; i < n * E; i++) x[i] = x[i] + tmp[i];
     }
     free(work);
     return failed ? -1 : 0;
