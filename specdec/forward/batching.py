@@ -126,18 +126,7 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
         mask[i, width_p - past[i]:width_p + len(tokens)] = 1
     position_ids = torch.tensor(past)[:, None] + torch.arange(width_n)[None, :]  # [B, N]
     if trees is not None and any(t is not None for t in trees):
-        attend = torch.zeros(batch, width_n, width_p + width_n, dtype=torch.bool)  # [B, N, P+N]
-        for i, tokens in enumerate(pending):
-            n = len(tokens)
-            parents = torch.tensor(trees[i] if trees[i] is not None else [], dtype=torch.long)
-            m = n - parents.shape[0]  # the row's pending canonical tokens, then its nodes
-            attend[i, :n, width_p - past[i]:width_p] = True  # its own cache
-            attend[i, :n, width_p:width_p + n] = tree_attention(0, m, parents)  # causal, then tree
-            attend[i, n:, width_p + n:].fill_diagonal_(True)  # padding queries see themselves: no empty softmax
-            if parents.numel():
-                position_ids[i, m:n] = past[i] + m - 1 + depths(parents)
-        dtype = next(lm.model.parameters()).dtype
-        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)[:, None]  # [B, 1, N, P+N]
+        mask = _tree_mask(lm, pending, trees, past, width_p, width_n, position_ids)
 
     config = lm.model.config
     cache = DynamicCache(config=config)
@@ -174,6 +163,25 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
     if to_vocab is not None:
         logits = [to_vocab(rows) for rows in logits]
     return logits, BatchState(returned_cache(out), past, [len(t) for t in pending], width_p, block, arenas)
+
+
+def _tree_mask(lm: CausalLM, pending: list[list[int]], trees: list[list[int] | None], past: list[int], width_p: int,
+               width_n: int, position_ids: torch.Tensor) -> torch.Tensor:
+    """The [B, 1, N, P+N] additive mask of a batch with draft trees (module docstring), setting the
+    tree nodes' positions in position_ids (in place) to their depth past the row's pending tokens."""
+    batch = len(pending)
+    attend = torch.zeros(batch, width_n, width_p + width_n, dtype=torch.bool)  # [B, N, P+N]
+    for i, tokens in enumerate(pending):
+        n = len(tokens)
+        parents = torch.tensor(trees[i] if trees[i] is not None else [], dtype=torch.long)
+        m = n - parents.shape[0]  # the row's pending canonical tokens, then its nodes
+        attend[i, :n, width_p - past[i]:width_p] = True  # its own cache
+        attend[i, :n, width_p:width_p + n] = tree_attention(0, m, parents)  # causal, then tree
+        attend[i, n:, width_p + n:].fill_diagonal_(True)  # padding queries see themselves: no empty softmax
+        if parents.numel():
+            position_ids[i, m:n] = past[i] + m - 1 + depths(parents)
+    dtype = next(lm.model.parameters()).dtype
+    return torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)[:, None]
 
 
 def _arena_batch(lm: CausalLM, seqs: list[Sequence], past: list[int], width_p: int,
