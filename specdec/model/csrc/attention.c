@@ -173,24 +173,25 @@ static inline __attribute__((always_inline)) void attend_tile(
     for (int r = 0; r < rows; r++)
         for (int u = 0; u < VL; u++) mx[r] = mxv[r][u] > mx[r] ? mxv[r][u] : mx[r];
     float inv[8];
-    int nmax = 0;
     for (int r = 0; r < rows; r++) {
         float sum = exp_packed(scores + r * stride, n[r], mx[r]);
         inv[r] = n[r] ? 1.0f / sum : 0.0f; /* a row that may see nothing (padding): zeros, as torch's kernels give */
-        nmax = n[r] > nmax ? n[r] : nmax;
     }
-    fvec acc[R][8];
-    for (int r = 0; r < R; r++)
-        for (int dv = 0; dv < DV; dv++) acc[r][dv] = (fvec){0};
-    for (int j = 0; j < nmax; j++)
-        for (int r = 0; r < R; r++) {
-            if (r >= rows || j >= n[r]) continue;
-            const float *vt = vb + index[r * stride + j] * vst;
-            fvec e = (fvec){0} + scores[r * stride + j];
-            for (int dv = 0; dv < DV; dv++) acc[r][dv] = acc[r][dv] + e * *(const fvec *)(vt + dv * VL);
+    /* The exp-weighted values, one row at a time with its sums in registers: with the rows inside
+     * the loop over keys the compiler kept the sums in memory, and every key's adds waited on the
+     * previous key's store (perf annotate). The order of each row's additions is unchanged. */
+    for (int r = 0; r < rows; r++) {
+        fvec acc[8];
+        for (int dv = 0; dv < DV; dv++) acc[dv] = (fvec){0};
+        const float *sr = scores + r * stride;
+        const int *ir = index + r * stride;
+        for (int j = 0; j < n[r]; j++) {
+            const float *vt = vb + ir[j] * vst;
+            fvec e = (fvec){0} + sr[j];
+            for (int dv = 0; dv < DV; dv++) acc[dv] = acc[dv] + e * *(const fvec *)(vt + dv * VL);
         }
-    for (int r = 0; r < rows; r++)
-        for (int dv = 0; dv < DV; dv++) *(fvec *)(out + r * osi + dv * VL) = acc[r][dv] * inv[r];
+        for (int dv = 0; dv < DV; dv++) *(fvec *)(out + r * osi + dv * VL) = acc[dv] * inv[r];
+    }
 }
 
 /* The same for any D: one row a tile, the sums in memory (models whose head size is not 64 or 128). */
