@@ -66,13 +66,14 @@ static inline float dot(const float *a, const float *b, int D) {
     return total;
 }
 
-/* exp(x) for x <= 0, 16 lanes: x = n ln2 + r, a degree-6 polynomial for exp(r) (Cephes' expf
- * coefficients, ~1 ulp), times 2^n from the exponent bits. Below -87 it returns exp(-87) (1.6e-38):
- * against the maximum's exp(0) = 1 in the same sum, that is nothing. */
+/* exp(x), 16 lanes: x = n ln2 + r, a degree-6 polynomial for exp(r) (Cephes' expf coefficients,
+ * ~1 ulp), times 2^n from the exponent bits. x is clamped to [-87, 88] (2^n stays a normal float):
+ * below, exp(-87) = 1.6e-38, which against the maximum's exp(0) = 1 in a softmax's sum is nothing. */
 static inline fvec vexp(fvec x) {
-    const fvec lo = (fvec){0} - 87.0f, magic = (fvec){0} + 12582912.0f;
-    ivec below = x < lo;
+    const fvec lo = (fvec){0} - 87.0f, hi = (fvec){0} + 88.0f, magic = (fvec){0} + 12582912.0f;
+    ivec below = x < lo, above = x > hi;
     x = (fvec)(((ivec)x & ~below) | ((ivec)lo & below));
+    x = (fvec)(((ivec)x & ~above) | ((ivec)hi & above));
     fvec n = (x * 1.44269504088896341f + magic) - magic; /* round to nearest */
     fvec r = x - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
@@ -263,6 +264,23 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
         free(index);
     }
     return failed ? -1 : 0;
+}
+
+/* out = silu(gate) * up = gate / (1 + exp(-gate)) * up, n values, 16 at a time (the tail padded).
+ * The compact model's gated MLP computes its activation here in every path (the per-layer forward
+ * and csrc/stack.c): torch's own silu rounds differently, and the paths must agree bitwise. */
+void sg_silu_mul(const float *gate, const float *up, size_t n, float *out) {
+    size_t i = 0;
+    for (; i + VL <= n; i += VL) {
+        fvec g = *(const fvec *)(gate + i);
+        *(fvec *)(out + i) = g / (1.0f + vexp(-g)) * *(const fvec *)(up + i);
+    }
+    if (i < n) {
+        fvec g = {0}, u = {0};
+        for (size_t j = 0; j < n - i; j++) g[j] = gate[i + j], u[j] = up[i + j];
+        fvec y = g / (1.0f + vexp(-g)) * u;
+        for (size_t j = 0; j < n - i; j++) out[i + j] = y[j];
+    }
 }
 
 /* RMS normalisation of M rows of K floats (transformers' LlamaRMSNorm, one call instead of eight

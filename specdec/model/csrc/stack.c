@@ -36,47 +36,7 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
                  const float *v, long vsb, long vsh, long vst, const uint8_t *mask, long msb, long msh, long msi,
                  int B, int H, int Hkv, int Mq, int T, int D, float scale, float *out);
 void sg_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *y);
-
-#define VL 16
-typedef float svec __attribute__((vector_size(VL * 4), aligned(4)));
-typedef int32_t sivec __attribute__((vector_size(VL * 4), aligned(4)));
-
-/* exp(x) for 16 lanes over the whole float range (x clamped to [-87, 88]): x = n ln2 + r, Cephes'
- * degree-6 polynomial for exp(r), times 2^n from the exponent bits; ~1 ulp. */
-static inline svec sexp(svec x) {
-    const svec lo = (svec){0} - 87.0f, hi = (svec){0} + 88.0f, magic = (svec){0} + 12582912.0f;
-    sivec below = x < lo, above = x > hi;
-    x = (svec)(((sivec)x & ~below) | ((sivec)lo & below));
-    x = (svec)(((sivec)x & ~above) | ((sivec)hi & above));
-    svec n = (x * 1.44269504088896341f + magic) - magic;
-    svec r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    svec p = (svec){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    svec y = p * r * r + r + 1.0f;
-    return y * (svec)((__builtin_convertvector(n, sivec) + 127) << 23); /* n in -126..127: a normal 2^n */
-}
-
-/* out = silu(gate) * up = gate / (1 + exp(-gate)) * up, n values, 16 at a time (the tail padded).
- * The compact model's gated MLP computes its activation here in every path, the per-layer one
- * included: torch's own silu rounds differently, and the two paths must agree bitwise. */
-void sg_silu_mul(const float *gate, const float *up, size_t n, float *out) {
-    size_t i = 0;
-    for (; i + VL <= n; i += VL) {
-        svec g = *(const svec *)(gate + i);
-        *(svec *)(out + i) = g / (1.0f + sexp(-g)) * *(const svec *)(up + i);
-    }
-    if (i < n) {
-        svec g = {0}, u = {0};
-        for (size_t j = 0; j < n - i; j++) g[j] = gate[i + j], u[j] = up[i + j];
-        svec y = g / (1.0f + sexp(-g)) * u;
-        for (size_t j = 0; j < n - i; j++) out[i + j] = y[j];
-    }
-}
+void sg_silu_mul(const float *gate, const float *up, size_t n, float *out);
 
 /* transformers' apply_rotary_pos_emb on one head's D values at one position, in place:
  * x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]). (-b) * s + a * c rounds as
