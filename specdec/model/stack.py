@@ -29,7 +29,7 @@ from specdec.kv.buffers import GrowingLayer
 from specdec.model import gemm_kernel, packed
 from specdec.model.hfcache import output_field
 
-_p, _f = ctypes.c_void_p, ctypes.POINTER(ctypes.c_float)
+_p = ctypes.c_void_p
 
 
 class _Weight(ctypes.Structure):
