@@ -21,12 +21,14 @@ from target_service.engine import StepResult
 class VerifyBatcher(ContinuousBatcher[VerifyCall, StepResult]):
     name = "verify-batcher"
 
-    def __init__(self, run, verify_batch, window_s: float = 0.002, max_batch_size: int = 16, max_batch_tokens: int = 256):
-        """`run(fn, *args)` awaits fn on the engine's worker; `verify_batch(calls, decode_ahead)` is the engine's."""
+    def __init__(self, run, verify_batch, window_s: float = 0.002, max_batch_size: int = 16, max_batch_tokens: int = 256,
+                 inline=None):
+        """`run(fn, *args)` awaits fn on the engine's worker; `verify_batch(calls, decode_ahead)` is the engine's;
+        `inline(call)`: whether a lone call may run on the event loop (ContinuousBatcher)."""
         super().__init__(
             run, verify_batch,
             key=operator.attrgetter("sequence_id"),
             cost=operator.attrgetter("new_positions"),
             seconds=operator.attrgetter("compute_seconds"),  # the engine's own timing, without the thread hops
-            window_s=window_s, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+            window_s=window_s, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, inline=inline,
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import structlog
 
@@ -11,6 +12,7 @@ from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
 from specdec.serving import tls
 from specdec.serving.rpc import EngineHost, Server, rpc_method
+from specdec.serving.threads import loop_computes_alike
 from specdec.serving.wire import logprobs_to_proto
 from specdec.spec.sampling import SamplingConfig
 from target_service.config import TargetConfig
@@ -20,6 +22,10 @@ from specdec.spec.request import VerifyCall
 from target_service.engine import TargetEngine
 
 log = structlog.get_logger(__name__)
+
+# A step's call feeds the target the token(s) it has not seen since its last step (the correction
+# or bonus token) before its draft; more is a prompt, or a sequence re-sent whole.
+INLINE_APPEND = 2
 
 
 def sampling_from_proto(params: pb.SamplingParams) -> SamplingConfig:
@@ -36,10 +42,22 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     def __init__(self, batch_window_ms: float = 2.0, max_batch_size: int = 16, max_batch_tokens: int = 256):
         # One worker: the model runs one forward at a time; Verify calls that wait together share it.
         self.host = EngineHost("target")
-        self.batcher = VerifyBatcher(self.host.run, self._verify_batch, batch_window_ms / 1000, max_batch_size, max_batch_tokens)
+        self.batcher = VerifyBatcher(self.host.run, self._verify_batch, batch_window_ms / 1000, max_batch_size, max_batch_tokens,
+                                     inline=self._inline)
 
     def _verify_batch(self, calls, decode_ahead: bool = True):
         return self.engine.verify_batch(calls, decode_ahead)
+
+    def _inline(self, call: VerifyCall) -> bool:
+        """Whether a lone call runs right on the event loop, without the hop to the worker thread
+        and back, a sizeable share of a short step's exchange: a step's call (its catch-up is the
+        last step's token, not a prompt or a lost sequence re-sent whole, which would hold the loop
+        for long), with the worker idle, where this thread computes as fast as the worker."""
+        return len(call.append) <= INLINE_APPEND and not call.prefill and self.host.idle and self._loop_computes_alike
+
+    @functools.cached_property
+    def _loop_computes_alike(self) -> bool:
+        return loop_computes_alike(self.engine.lm.device)  # asked once a call arrives, so the engine is there
 
     @property
     def engine(self) -> TargetEngine:

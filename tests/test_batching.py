@@ -438,3 +438,44 @@ def test_the_batcher_counts_long_prompts_being_fed_as_nobody_waiting():
     asyncio.run(main())
     # a's chunk: b waits behind it; b's step: a is being fed, nobody waits; a's last pass: b is active
     assert seen == [("a", False), ("b", True), ("a", False)]
+
+
+def test_a_lone_step_runs_on_the_event_loop_where_the_servicer_allows_it():
+    """`inline`: a lone sequence's step may run right on the event loop (no hop to the worker and
+    back); its first call still goes through the window to the worker, and a call `inline` refuses
+    (here: a long catch-up, as a prompt re-sent whole) goes to the worker too."""
+    threads: list[tuple[str, bool]] = []
+
+    def run_batch(calls, alone):
+        threads.append((calls[0].sequence_id, threading.get_ident() == loop_thread))
+        return [StepResult(0, 1, call.known_len + len(call.append), 0.0, len(calls)) for call in calls]
+
+    async def main():
+        nonlocal loop_thread
+        loop_thread = threading.get_ident()
+        loop = asyncio.get_running_loop()
+        run = lambda fn, *args: loop.run_in_executor(None, fn, *args)  # noqa: E731
+        batcher = VerifyBatcher(run, run_batch, window_s=0.0, inline=lambda call: len(call.append) <= 2)
+        await batcher.submit(VerifyCall("a", 0, [1, 2, 3], [], [], GREEDY))  # new: through the window
+        await batcher.submit(VerifyCall("a", 3, [4], [], [], GREEDY))  # a step alone: inline
+        await batcher.submit(VerifyCall("a", 0, [1, 2, 3, 4, 5], [], [], GREEDY))  # re-sent whole: the worker
+        batcher.close()
+
+    loop_thread = None
+    asyncio.run(main())
+    assert threads == [("a", False), ("a", True), ("a", False)]
+
+
+def test_the_target_runs_a_step_inline_only_with_its_worker_idle_and_computing_alike(monkeypatch):
+    from target_service import servicer as target_servicer
+
+    servicer = target_servicer.TargetServicer()
+    monkeypatch.setattr(target_servicer.TargetServicer, "_loop_computes_alike", True)
+    step, prompt = VerifyCall("a", 3, [4], [5, 6], [], GREEDY), VerifyCall("a", 0, list(range(40)), [], [], GREEDY)
+    assert servicer._inline(step) and not servicer._inline(prompt)
+    assert not servicer._inline(dataclasses.replace(step, append=[], prefill=30))  # a prompt's next chunk
+    servicer.host._in_flight.add(object())  # the worker busy (a release, an abandoned call)
+    assert not servicer._inline(step)
+    monkeypatch.setattr(target_servicer.TargetServicer, "_loop_computes_alike", False)
+    servicer.host._in_flight.clear()
+    assert not servicer._inline(step)

@@ -7,6 +7,7 @@ length, with adaptation on and off, with a model draft and with the n-gram draft
 from __future__ import annotations
 
 import collections
+import threading
 
 import grpc
 import pytest
@@ -89,6 +90,27 @@ def test_speculation_off_matches_target_generate(env, references):
     for prompt, expected in zip(tiny.prompts(), references):
         assert list(generate(env["clients"]["none"], prompt).token_ids) == expected
         assert list(generate(env["clients"]["model"], prompt, draft_length=0).token_ids) == expected
+
+
+@pytest.mark.parametrize("client", ["model", "ngram-in-coordinator", "none"])
+def test_greedy_matches_with_the_target_stepping_on_its_event_loop(env, references, client, monkeypatch):
+    """A lone sequence's steps run on the target's event loop where that thread computes as fast
+    as its worker (a GPU; one compute thread): the same tokens, and the prompts still go to the worker."""
+    from target_service.engine import TargetEngine
+
+    target = env["stack"].servers[0].servicer
+    monkeypatch.setattr(target, "_loop_computes_alike", True)
+    threads = collections.Counter()
+    verify_batch = TargetEngine.verify_batch
+
+    def counted(self, calls, decode_ahead=True):
+        threads["worker" if threading.current_thread().name.startswith("target") else "loop"] += 1
+        return verify_batch(self, calls, decode_ahead)
+
+    monkeypatch.setattr(TargetEngine, "verify_batch", counted)
+    for prompt, expected in zip(tiny.prompts(), references):
+        assert list(generate(env["clients"][client], prompt, draft_length=4).token_ids) == expected
+    assert threads["loop"] > threads["worker"] >= len(tiny.prompts())
 
 
 def test_stream_matches_unary_and_reports_stats(env):

@@ -18,7 +18,8 @@ leave at any step. A batcher is given:
 - `cost(call)`: the positions a call feeds. Rows are padded to the longest, so a pass costs rows x
   longest, which `max_batch_tokens` bounds;
 - `seconds(result)`: what a result says its compute took (None: the pass's wall time), which sizes
-  the window below.
+  the window below;
+- `inline(call)` (optional): whether a call run alone (below) may run on the event loop itself.
 
 Why it waits. Before starting a pass it waits a short while for the calls it expects: one from
 every sequence active lately (a call within the last few passes' time, and not released since)
@@ -32,7 +33,10 @@ pass waits a whole pass instead.
 Why a lone call runs directly. A call from the only active sequence, seen before, with the model
 free, runs straight from its own task: no batch can form, and the two hops to the batcher's task
 and back are a noticeable part of a short exchange. (A new sequence goes through the window:
-others may be arriving with it, as when many streams start.)
+others may be arriving with it, as when many streams start.) Where `inline(call)` says so, it does
+not even hop to the worker thread and back: the pass runs right on the event loop, which then
+serves nothing else until it returns. The caller says when that is fair: a step's call, not a
+prompt, with the worker idle and computing no faster than this thread would.
 
 A row may come back as `Requeue(call)`: it made progress but is not done (a long prompt fed one chunk
 per pass, chunked prefill). It goes to the back of the queue as `call`, so the rows waiting meanwhile
@@ -99,10 +103,12 @@ class ContinuousBatcher(Generic[C, R]):
         max_batch_size: int = 16,
         max_batch_tokens: int = 256,
         seconds: Callable[[R], float] | None = None,
+        inline: Callable[[C], bool] | None = None,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self._run, self._run_batch, self._key, self._cost, self._seconds = run, run_batch, key, cost, seconds
+        self._inline = inline
         self.window_s, self.max_batch_size, self.max_batch_tokens = window_s, max_batch_size, max_batch_tokens
         self._pending: list[_Pending[C]] = []
         self._arrived = asyncio.Event()
@@ -162,11 +168,15 @@ class ContinuousBatcher(Generic[C, R]):
 
     async def _run_alone(self, call: C) -> R:
         """The only active sequence's call, with the model free: there is no batch to form, so it
-        runs from the caller's task, without the hops to the batcher's task and back."""
+        runs from the caller's task, without the hops to the batcher's task and back (and on the
+        event loop itself where `inline` allows it)."""
         self._running = True
         started = time.perf_counter()
         try:
-            results = await self._run(self._run_batch, [call], True)
+            if self._inline is not None and self._inline(call):
+                results = self._run_batch([call], True)
+            else:
+                results = await self._run(self._run_batch, [call], True)
         finally:
             self._running = False
             if self._pending:  # calls that arrived meanwhile: the loop takes them now

@@ -45,3 +45,14 @@ def enter_compute_thread() -> None:
 def compute_threads() -> int:
     """Intra-op threads of the compute thread: what a service reports and logs."""
     return _compute_threads if _compute_threads is not None else torch.get_num_threads()
+
+
+def loop_computes_alike(device) -> bool:
+    """Whether model work on `device` runs as fast on this thread (the event loop's) as on the
+    compute thread: on an accelerator, where the host thread only queues kernels, or where both
+    threads compute with one intra-op thread (--compute-threads 1, a service pinned to a core), so
+    that this one starts no OpenMP team of its own either. A service may then run a lone step here
+    and save the two thread hops (specdec/serving/batcher.py, `inline`)."""
+    if torch.device(device).type != "cpu":
+        return True
+    return compute_threads() == 1 and torch.get_num_threads() == 1
