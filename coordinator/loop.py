@@ -122,7 +122,8 @@ class SpeculativeLoop:
         started = time.perf_counter()
         stats.prompt_tokens = len(spec.prompt_ids)
         lengths = DraftLengthPolicy(
-            max_length=spec.draft_length,
+            # Without a draft no step drafts: a policy weighing the costs every step would only cost time.
+            max_length=spec.draft_length if self.proposer is not None else 0,
             cost_model=None if spec.seeded else self.cost_model,
             prior=self.prior,
             adaptive=spec.adaptive,

@@ -248,3 +248,41 @@ def test_lengths_measured_only_in_a_burst_age_back_to_the_prior_shape():
     costs = model.costs()
     assert costs.verify[0] == pytest.approx(0.010, rel=0.1)
     assert costs.verify[4] / costs.verify[0] == pytest.approx(NGRAM_DRAFT_PRIOR.verify[4] / NGRAM_DRAFT_PRIOR.verify[0], rel=0.1)
+
+
+def test_the_cost_model_fits_its_readings_once_between_two_steps():
+    """A step asks for the costs twice (its draft length, then its proposal's cut); the fit of the
+    V(n) curve is made once, and again after the next reading."""
+    model = CostModel(NGRAM_DRAFT_PRIOR)
+    first = model.costs()
+    assert model.costs() is first
+    model.observe(0, 0.0, 1, 0.5, 0.01)
+    again = model.costs()
+    assert again is not first and again.verify[0] == pytest.approx(0.5) != first.verify[0] and model.costs() is again
+
+
+def test_a_loop_without_a_draft_weighs_no_costs():
+    """Speculation off (no draft): no step drafts, so none weighs the costs."""
+    import asyncio
+
+    from coordinator.loop import SpeculativeLoop
+    from coordinator.protocol import GenerationSpec, Stats, VerifyOutcome
+    from specdec.spec.sampling import SamplingConfig
+
+    class Instant:
+        async def verify(self, call):
+            return VerifyOutcome(0, 7, 0.001, 0.0011)
+
+        async def release(self, sequence_id):
+            pass
+
+    model = CountingCosts(NGRAM_DRAFT_PRIOR)
+    loop = SpeculativeLoop(Instant(), None, model, NGRAM_DRAFT_PRIOR, decode_ahead=0)
+    spec = GenerationSpec(request_id="r", prompt_ids=[1, 2, 3], max_new_tokens=20, sampling=SamplingConfig(), draft_length=8,
+                          adaptive=True, eos_token_ids=frozenset())
+    stats = Stats()
+
+    async def collect():
+        return [token async for step in loop.run(spec, stats) for token in step.tokens]
+
+    assert asyncio.run(collect()) == [7] * 20 and stats.steps == 20 and model.weighed == 0

@@ -108,6 +108,9 @@ class CostModel:
         self._wire = [0.0, 0.0]  # per target exchange
         self._ask = [0.0, 0.0]  # per draft exchange
         self._verify = [[0.0, 0.0] for _ in prior.verify]  # per n new positions
+        # costs() of the readings so far: a step asks for them more than once (its draft length,
+        # then its proposal's cut) and each answer fits the whole V(n) curve again.
+        self._costs: Costs | None = None
         # Most draft tokens a request may verify per step under the current load (set by the
         # coordinator's scheduler: coordinator/policy/admission.py); None: no load cap.
         self.draft_cap: Callable[[], int] | None = None
@@ -127,6 +130,7 @@ class CostModel:
             cell = self._verify[min(verified, MAX_VERIFY_POSITIONS) - 1]
             cell[0], cell[1] = cell[0] + verify_seconds, cell[1] + 1
             self._wire = [self._wire[0] * d + wire_seconds, self._wire[1] * d + 1]
+            self._costs = None
 
     def _unit(self) -> float:
         """Seconds per prior unit: the weighted fit of the V readings to the prior's shape (1 before any)."""
@@ -136,15 +140,21 @@ class CostModel:
 
     def costs(self) -> Costs:
         with self._lock:
-            unit, w = self._unit(), self.prior_weight
+            if self._costs is None:
+                self._costs = self._fit()
+            return self._costs
 
-            def mean(cell: list[float], prior: float) -> float:
-                return (cell[0] + prior * unit * w) / (cell[1] + w)
+    def _fit(self) -> Costs:
+        """The readings joined with the priors (under the lock)."""
+        unit, w = self._unit(), self.prior_weight
 
-            verify = monotone([mean(cell, v) for cell, v in zip(self._verify, self.prior.verify)],
-                              [cell[1] + w for cell in self._verify])
-            return Costs(mean(self._draft, self.prior.draft_per_token), tuple(verify),
-                         mean(self._wire, self.prior.wire_per_step), mean(self._ask, self.prior.draft_per_ask))
+        def mean(cell: list[float], prior: float) -> float:
+            return (cell[0] + prior * unit * w) / (cell[1] + w)
+
+        verify = monotone([mean(cell, v) for cell, v in zip(self._verify, self.prior.verify)],
+                          [cell[1] + w for cell in self._verify])
+        return Costs(mean(self._draft, self.prior.draft_per_token), tuple(verify),
+                     mean(self._wire, self.prior.wire_per_step), mean(self._ask, self.prior.draft_per_ask))
 
 
 def knee(costs: Costs, factor: float = 1.5, most: int = 256) -> int:
