@@ -14,7 +14,9 @@ Kept apart from the runners so the numbers' definitions sit in one place:
   loop's own clock, the coordinator's for gRPC).
 - overhead = the share of the steps' time that is neither draft nor target compute: wire, gRPC,
   coordination and Python between the calls, on the loop's clock (the coordinator's for gRPC: from
-  the request's first step to its last). request_overhead_share adds what a request costs around
+  the request's first step to its last); beside it, per target pass (a token decoded ahead is a
+  pass), wire + coordination in microseconds: the exchanges' wall less the services' compute, and
+  the rest of the loop's time. request_overhead_share adds what a request costs around
   its steps (the client's call to the coordinator, the releases it waits for), on the client's clock.
 """
 
@@ -75,6 +77,9 @@ def summarise(result, baseline_tokens: dict[int, list[int]] | None, ctx: dict,
             "time_split": {"draft": draft_s / wall, "verify": verify_s / wall, "wire": wire_s / wall,
                            "other": max(0.0, wall - draft_s - verify_s - wire_s) / wall},
             "overhead_share": max(0.0, loop_s - draft_s - verify_s) / loop_s if loop_s else 0.0,
+            # the same, per target pass: the exchanges' wire and the coordination between them
+            "wire_per_step_seconds": wire_s / steps if steps else 0.0,
+            "coordination_per_step_seconds": max(0.0, loop_s - draft_s - verify_s - wire_s) / steps if steps else 0.0,
             "request_overhead_share": max(0.0, wall - draft_s - verify_s) / wall,
             "wire_bytes_per_step": _sum(flat, "wire_bytes") / steps if steps else 0.0,
             "time_to_first_token_seconds": {"median": statistics.median(s.ttft for s in flat), "max": max(s.ttft for s in flat)},
@@ -223,12 +228,22 @@ def print_table(document: dict) -> None:
                 f"{r['predicted_decode_tokens_per_second']:.1f}" if "predicted_decode_tokens_per_second" in r else "",
                 f"{r['efficiency']:.2f}" if "efficiency" in r else "",
                 "/".join(f"{split[k] * 100:.0f}" for k in ("draft", "verify", "wire", "other")) if split else "",
-                f"{r['overhead_share'] * 100:.1f}%" if "overhead_share" in r else "",
+                _overhead(r),
                 f"{r['wire_bytes_per_step']:.0f}" if r.get("wire_bytes_per_step") else "",
             )
         console.print(table)
     for name, note in document["notes"].items():
         console.print(escape(f"note: {name}: {note}"))
+
+
+def _overhead(r: dict) -> str:
+    """The overhead column: its share of the steps' time, and per target pass wire + coordination in us."""
+    if "overhead_share" not in r:
+        return ""
+    share = f"{r['overhead_share'] * 100:.1f}%"
+    if "wire_per_step_seconds" not in r:  # results.json of an older run
+        return share
+    return f"{share} ({r['wire_per_step_seconds'] * 1e6:.0f}+{r['coordination_per_step_seconds'] * 1e6:.0f} us)"
 
 
 def plot(document: dict, out) -> None:

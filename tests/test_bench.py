@@ -45,6 +45,7 @@ def test_records_carry_rates_splits_and_predictions(document):
         if r["kind"].startswith("specdec"):
             assert sum(r["time_split"].values()) == pytest.approx(1.0, abs=0.02)
             assert 0 <= r["overhead_share"] < 1 and 0 <= r["request_overhead_share"] < 1
+            assert r["wire_per_step_seconds"] >= 0 and r["coordination_per_step_seconds"] >= 0
             # Measured over predicted: two rates timed at different moments, which a busy machine put
             # 82x apart in a clean-clone `make test`. Any positive number is a report; the
             # predictions themselves are checked on fixed costs (tests/test_plan.py).
