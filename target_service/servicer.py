@@ -70,14 +70,19 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     @rpc_method
     async def Verify(self, request: pb.VerifyRequest, context):
-        return await self._verify(request)
+        response = pb.VerifyResponse()
+        await self._verify(request, response)
+        return response
 
     @rpc_method
     async def VerifySession(self, requests, context):
         async for request in requests:
-            yield pb.VerifySessionResponse(verify=await self._verify(request.verify))
+            session = pb.VerifySessionResponse()
+            await self._verify(request.verify, session.verify)  # written in place: no copy of the answer a step
+            yield session
 
-    async def _verify(self, request: pb.VerifyRequest) -> pb.VerifyResponse:
+    async def _verify(self, request: pb.VerifyRequest, response: pb.VerifyResponse) -> None:
+        """Verifies `request` and writes the answer into `response`."""
         dists = [(list(d.token_ids), list(d.probs)) for d in request.draft_dists]
         tree = None
         if request.HasField("draft_tree"):
@@ -102,19 +107,17 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         m.batch_size.observe(result.batch_size)
         m.draft_tokens.inc(len(request.draft_tokens) + len(request.draft_tree.tokens))
         m.accepted_tokens.inc(result.accepted)
-        response = pb.VerifyResponse(
-            accepted=result.accepted,
-            next_token=result.next_token,
-            compute_seconds=result.compute_seconds,
-            cached_len=result.cached_len,
-            accepted_path=result.path,
-            decoded_tokens=result.decoded,
-            logprobs=logprobs_to_proto(result.logprobs),
-        )
+        response.accepted, response.next_token = result.accepted, result.next_token
+        response.compute_seconds, response.cached_len = result.compute_seconds, result.cached_len
+        if result.path:
+            response.accepted_path.extend(result.path)
+        if result.decoded:
+            response.decoded_tokens.extend(result.decoded)
+        if result.logprobs:
+            response.logprobs.extend(logprobs_to_proto(result.logprobs))
         if result.features is not None:
             f = result.features
             response.features.CopyFrom(pb.Features(start=f.start, rows=f.rows, dim=int(f.values.shape[1]), data=f.to_bytes()))
-        return response
 
     @rpc_method
     async def Release(self, request, context):
