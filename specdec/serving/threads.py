@@ -49,10 +49,14 @@ def compute_threads() -> int:
 
 def loop_computes_alike(device) -> bool:
     """Whether model work on `device` runs as fast on this thread (the event loop's) as on the
-    compute thread: on an accelerator, where the host thread only queues kernels, or where both
-    threads compute with one intra-op thread (--compute-threads 1, a service pinned to a core), so
-    that this one starts no OpenMP team of its own either. A service may then run a lone step here
-    and save the two thread hops (specdec/serving/batcher.py, `inline`)."""
+    compute thread: where both threads compute on the CPU with one intra-op thread
+    (--compute-threads 1, a service pinned to a core), so that this one starts no OpenMP team of
+    its own either. A service may then run a lone step here and save the two thread hops
+    (specdec/serving/batcher.py, `inline`).
+
+    Not on an accelerator yet, though there the host thread only queues kernels: the CUDA path's
+    graphs are captured and replayed on the compute thread, and a step replayed from another thread
+    has not been run on a GPU (exactness there is checked by benchmarks/cuda_check.sh)."""
     if torch.device(device).type != "cpu":
-        return True
+        return False
     return compute_threads() == 1 and torch.get_num_threads() == 1
