@@ -507,61 +507,59 @@ typedef struct {
     int KB;
 } qrows;
 
-/* NP panels side by side (pstride bytes apart, scales sstride floats apart) for R rows of qx. */
-#define APANEL(FMT, R, NP)                                                                                          \
-    static void apanel_##FMT##_##R##_##NP(qrows q, const char *restrict wp, size_t pstride, const float *restrict sc, \
-                                          const float *restrict mn, size_t sstride, vec *restrict out) {             \
-        vec acc[NP][R];                                                                                               \
-        for (int p = 0; p < NP; p++) _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[p][r] = (vec){0};      \
+/* One panel (its codes at wp, its scales and minimums at sc and mn) for R rows of qx. */
+#define APANEL(FMT, R)                                                                                               \
+    static void apanel_##FMT##_##R(qrows q, const char *restrict wp, const float *restrict sc,                      \
+                                   const float *restrict mn, vec *restrict out) {                                    \
+        vec acc[R];                                                                                                   \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = (vec){0};                                       \
         const size_t blk = FMT == SG_Q8A8 ? 512 : 256, lq = (size_t)q.KB * QK;                                       \
         for (int b = 0; b < q.KB; b++) {                                                                              \
-            i32x16 s[NP][R];                                                                                          \
-            for (int p = 0; p < NP; p++) _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s[p][r] = (i32x16){0};  \
+            i32x16 s[R];                                                                                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s[r] = (i32x16){0};                                  \
             const int8_t *xq = q.qx + (size_t)b * QK;                                                                 \
             if (FMT == SG_Q8A8) {                                                                                     \
-                _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) { \
-                    i32x16 w = *(const i32x16 *)(wp + p * pstride + b * blk + c * 64);                               \
-                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s[p][r] = dot4(s[p][r], w, load4(xq + r * lq + 4 * c)); \
+                _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                 \
+                    i32x16 w = *(const i32x16 *)(wp + b * blk + c * 64);                                              \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) s[r] = dot4(s[r], w, load4(xq + r * lq + 4 * c)); \
                 }                                                                                                     \
             } else {                                                                                                  \
-                _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) { \
-                    u8x64 v = *(const u8x64 *)(wp + p * pstride + b * blk + c * 64);                                 \
+                _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                                                 \
+                    u8x64 v = *(const u8x64 *)(wp + b * blk + c * 64);                                                \
                     i32x16 lo = (i32x16)(v & 15), hi = (i32x16)(v >> 4);                                              \
                     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                             \
-                        s[p][r] = dot4(s[p][r], lo, load4(xq + r * lq + 8 * c));                                      \
-                        s[p][r] = dot4(s[p][r], hi, load4(xq + r * lq + 8 * c + 4));                                  \
+                        s[r] = dot4(s[r], lo, load4(xq + r * lq + 8 * c));                                            \
+                        s[r] = dot4(s[r], hi, load4(xq + r * lq + 8 * c + 4));                                        \
                     }                                                                                                 \
                 }                                                                                                     \
             }                                                                                                         \
-            for (int p = 0; p < NP; p++) {                                                                            \
-                vec d = *(const vec *)(sc + p * sstride + (size_t)b * LANES);                                         \
-                vec m = FMT == SG_Q4A8 ? *(const vec *)(mn + p * sstride + (size_t)b * LANES) : (vec){0};           \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                 \
-                    const size_t rb = (size_t)r * q.KB + b;                                                           \
-                    i32x16 si = FMT == SG_Q8A8 ? s[p][r] - 128 * q.sq[rb] : s[p][r];                                 \
-                    vec dd = d * q.dx[rb];                                                                            \
-                    vec t = __builtin_convertvector(si, vec) * dd;                                                    \
-                    acc[p][r] = acc[p][r] + t;                                                                        \
-                    if (FMT == SG_Q4A8) {                                                                             \
-                        vec u = m * q.dxsq[rb];                                                                       \
-                        acc[p][r] = acc[p][r] + u;                                                                    \
-                    }                                                                                                 \
+            vec d = *(const vec *)(sc + (size_t)b * LANES);                                                           \
+            vec m = FMT == SG_Q4A8 ? *(const vec *)(mn + (size_t)b * LANES) : (vec){0};                              \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                     \
+                const size_t rb = (size_t)r * q.KB + b;                                                               \
+                i32x16 si = FMT == SG_Q8A8 ? s[r] - 128 * q.sq[rb] : s[r];                                           \
+                vec dd = d * q.dx[rb];                                                                                \
+                vec t = __builtin_convertvector(si, vec) * dd;                                                        \
+                acc[r] = acc[r] + t;                                                                                  \
+                if (FMT == SG_Q4A8) {                                                                                 \
+                    vec u = m * q.dxsq[rb];                                                                           \
+                    acc[r] = acc[r] + u;                                                                              \
                 }                                                                                                     \
             }                                                                                                         \
         }                                                                                                             \
-        for (int p = 0; p < NP; p++) _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) out[p * R + r] = acc[p][r]; \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) out[r] = acc[r];                                         \
     }
 
 #define AROWS 8 /* rows per pass over a panel: 8 accumulators stay in registers */
 #define APANELS(FMT)                                                                                            \
-    APANEL(FMT, 1, 1) APANEL(FMT, 2, 1) APANEL(FMT, 3, 1) APANEL(FMT, 4, 1) \
-    APANEL(FMT, 5, 1) APANEL(FMT, 6, 1) APANEL(FMT, 7, 1) APANEL(FMT, 8, 1)
+    APANEL(FMT, 1) APANEL(FMT, 2) APANEL(FMT, 3) APANEL(FMT, 4) APANEL(FMT, 5) APANEL(FMT, 6) APANEL(FMT, 7)     \
+    APANEL(FMT, 8)
 APANELS(5) APANELS(6)
 
-typedef void (*apanel_fn)(qrows, const char *, size_t, const float *, const float *, size_t, vec *);
+typedef void (*apanel_fn)(qrows, const char *, const float *, const float *, vec *);
 #define ATABLE(FMT)                                                                                                  \
-    {0, apanel_##FMT##_1_1, apanel_##FMT##_2_1, apanel_##FMT##_3_1, apanel_##FMT##_4_1, apanel_##FMT##_5_1,           \
-     apanel_##FMT##_6_1, apanel_##FMT##_7_1, apanel_##FMT##_8_1}
+    {0, apanel_##FMT##_1, apanel_##FMT##_2, apanel_##FMT##_3, apanel_##FMT##_4, apanel_##FMT##_5, apanel_##FMT##_6,  \
+     apanel_##FMT##_7, apanel_##FMT##_8}
 static const apanel_fn APANELS1[2][AROWS + 1] = {ATABLE(5), ATABLE(6)};
 
 static qrows rows_from(qrows q, int r) {
@@ -592,8 +590,7 @@ static int linear_a8(int fmt, const float *x, int M, int K, const char *wp, cons
         for (int g = 0; g < M; g += AROWS) {
             int rows = M - g < AROWS ? M - g : AROWS;
             vec out[AROWS];
-            APANELS1[f][rows](rows_from(q, g), wp + p * pstride, pstride, sc + p * sstride, mn ? mn + p * sstride : 0,
-                              sstride, out);
+            APANELS1[f][rows](rows_from(q, g), wp + p * pstride, sc + p * sstride, mn ? mn + p * sstride : 0, out);
             put(o, out, rows, p, g);
         }
     free(work);
