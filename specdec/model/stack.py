@@ -9,7 +9,7 @@ transformers' rotary cos/sin, makes room in each layer's GrowingLayer, and hands
 `sg_stack`; the final norm and the output layer stay in Python (the norm's hook feeds the feature
 drafts). The C stack calls the same functions as the per-layer path (specdec/model/decoder.py), so
 its rows are bit-identical to that path's, which batches, trees and masks keep taking
-(tests/test_stack.py holds the two against each other).
+(tests/test_decoder_stack.py holds the two against each other).
 
 A forward is eligible when: the kernel is on (not inside `gemm.disabled()`), no gradients, one row
 of input ids, no attention mask or position ids of the caller's own, a cache whose layers are all
@@ -86,10 +86,10 @@ class Stack:
     def _past(self, cache) -> int | None:
         """What a cache holds, if this path can append to it: every layer a GrowingLayer, one length."""
         layers = getattr(cache, "layers", None)
-        if layers is None or len(layers) != len(self.layers):
+        if layers is None or len(layers) != len(self.layers) or any(type(layer) is not GrowingLayer for layer in layers):
             return None
-        lengths = {(layer._length if layer.is_initialized else 0) if type(layer) is GrowingLayer else -1 for layer in layers}
-        return lengths.pop() if len(lengths) == 1 and -1 not in lengths else None
+        lengths = {layer._length if layer.is_initialized else 0 for layer in layers}
+        return lengths.pop() if len(lengths) == 1 else None
 
     def run(self, x: torch.Tensor, caches: list, rows: list[int], cos: torch.Tensor, sin: torch.Tensor) -> bool:
         """x [sum(rows), hidden] (contiguous float32, overwritten with the stack's output): rows[g] new
@@ -120,6 +120,19 @@ class Stack:
                 layer.advance(count)
         return True
 
+    def feed(self, decoder: torch.nn.Module, ids: list[int] | torch.Tensor, positions: list[int], caches: list,
+             rows: list[int]) -> torch.Tensor | None:
+        """The decoder's token embeddings for `ids` (rows[g] of sequence g's, at their positions)
+        through the stack: [1, sum(rows), hidden] before the final norm; None, feeding nothing, where
+        some cache is not one this path can append to."""
+        ids = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids])
+        x = decoder.embed_tokens(ids)
+        cos, sin = decoder.rotary_emb(x, position_ids=torch.tensor([positions]))
+        if x.dtype != torch.float32 or not self.run(x.view(sum(rows), -1), caches, rows, cos[0].contiguous(),
+                                                    sin[0].contiguous()):
+            return None
+        return x
+
     def usable(self) -> bool:
         """Whether a forward may take this path now (caches aside): the kernel on, no gradients, no hooks."""
         return (packed.enabled() and not torch.is_grad_enabled()
@@ -139,14 +152,9 @@ def _forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.
             or not stack.usable()):
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    x = self.embed_tokens(input_ids)  # [1, M, hidden]
-    rows = x.shape[1]
-    past = cache.get_seq_length()
-    positions = torch.arange(past, past + rows).unsqueeze(0)
-    cos, sin = self.rotary_emb(x, position_ids=positions)
-    flat = x.view(rows, -1)
-    if x.dtype != torch.float32 or not flat.is_contiguous() or not stack.run(flat, [cache], [rows], cos[0].contiguous(),
-                                                                           sin[0].contiguous()):
+    rows, past = input_ids.shape[1], stack._past(cache)
+    x = None if past is None else stack.feed(self, input_ids, list(range(past, past + rows)), [cache], [rows])
+    if x is None:
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   cache=cache, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
     return BaseModelOutputWithPast(**{"last_hidden_state": self.norm(x), output_field(BaseModelOutputWithPast): cache})
@@ -206,10 +214,8 @@ def forward_rows(lm, seqs: list, pending: list[list[int]], keeps: list[int]) -> 
         ids += tokens
         positions += range(seq.cached, seq.cached + len(tokens))
     with torch.inference_mode():
-        x = decoder.embed_tokens(torch.tensor([ids]))
-        cos, sin = decoder.rotary_emb(x, position_ids=torch.tensor([positions]))
-        if x.dtype != torch.float32 or not stack.run(x.view(len(ids), -1), caches, [len(t) for t in pending],
-                                                     cos[0].contiguous(), sin[0].contiguous()):
+        x = stack.feed(decoder, ids, positions, caches, [len(t) for t in pending])
+        if x is None:
             return None
         hidden = decoder.norm(x)[0]
         kept, end = [], 0

@@ -1,4 +1,4 @@
-/* A whole decoder stack of a compact Llama-family model in one call, for one sequence's new rows.
+/* A whole decoder stack of a compact Llama-family model in one call, for the new rows of one or more sequences.
  *
  * Why: with compact weights a small model's decode step is ~120 kernel calls (q/k/v, o, gate/up and
  * down of 30 layers, their norms and attention), each cheap in C and each paying, from Python, the
@@ -66,6 +66,52 @@ typedef struct {
     sg_weight qkv, o, gateup, down;
 } sg_layer;
 
+/* The working rows of one pass through the layers (sg_stack), for M rows in all. */
+typedef struct {
+    float *h, *qkv, *att, *tmp, *gu, *act;
+} sg_rows;
+
+/* Layer l on x: 0, or -1 when a kernel refuses its shape or runs out of memory. */
+static int layer_forward(const sg_layer *ly, int l, int L, int G, const int *rows, const int *past, float *const *kv,
+                         const long *strides, float *x, int M, int E, int H, int Hkv, int D, int I, const float *cos,
+                         const float *sin, sg_rows w) {
+    size_t qn = (size_t)H * D, kvn = (size_t)Hkv * D, n = (size_t)M;
+    sg_rmsnorm(x, M, E, ly->norm1, ly->eps1, w.h);
+    if (sg_linear_parts(ly->qkv.fmt, w.h, M, E, ly->qkv.wp, ly->qkv.sc, ly->qkv.mn, ly->qkv.parts, ly->qkv.N, w.qkv,
+                        ly->qkv.bias))
+        return -1;
+    float *q = w.qkv, *k = q + n * qn, *v = k + n * kvn;
+    for (int g = 0, r0 = 0; g < G; r0 += rows[g], g++) {
+        size_t at = (size_t)g * L + l;
+        float *kc = kv[2 * at], *vc = kv[2 * at + 1];
+        long ksh = strides[4 * at], kst = strides[4 * at + 1], vsh = strides[4 * at + 2], vst = strides[4 * at + 3];
+        for (int m = r0; m < r0 + rows[g]; m++) {
+            const float *c = cos + (size_t)m * D, *s = sin + (size_t)m * D;
+            long position = past[g] + (m - r0);
+            for (int hh = 0; hh < H; hh++) rotate(q + m * qn + (size_t)hh * D, c, s, D);
+            for (int hh = 0; hh < Hkv; hh++) {
+                float *kr = k + m * kvn + (size_t)hh * D;
+                rotate(kr, c, s, D);
+                memcpy(kc + hh * ksh + position * kst, kr, sizeof(float) * D);
+                memcpy(vc + hh * vsh + position * vst, v + m * kvn + (size_t)hh * D, sizeof(float) * D);
+            }
+        }
+        if (sg_attention(q + r0 * qn, (long)(rows[g] * qn), D, (long)qn, kc, 0, ksh, kst, vc, 0, vsh, vst, 0, 0, 0, 0, 1,
+                         H, Hkv, rows[g], past[g] + rows[g], D, ly->scale, w.att + r0 * qn))
+            return -1;
+    }
+    if (sg_linear_c(ly->o.fmt, w.att, M, (int)qn, ly->o.wp, ly->o.sc, ly->o.mn, E, ly->o.bias[0], w.tmp)) return -1;
+    for (size_t i = 0; i < n * E; i++) x[i] = x[i] + w.tmp[i];
+    sg_rmsnorm(x, M, E, ly->norm2, ly->eps2, w.h);
+    if (sg_linear_parts(ly->gateup.fmt, w.h, M, E, ly->gateup.wp, ly->gateup.sc, ly->gateup.mn, ly->gateup.parts,
+                        ly->gateup.N, w.gu, ly->gateup.bias))
+        return -1;
+    sg_silu_mul(w.gu, w.gu + n * I, n * I, w.act);
+    if (sg_linear_c(ly->down.fmt, w.act, M, I, ly->down.wp, ly->down.sc, ly->down.mn, E, ly->down.bias[0], w.tmp)) return -1;
+    for (size_t i = 0; i < n * E; i++) x[i] = x[i] + w.tmp[i];
+    return 0;
+}
+
 /* Runs layers[0..L) on the rows of G sequences at once, x [M][E] with M = rows[0] + ... + rows[G-1],
  * sequence g's rows one after another: the linear layers read each weight once for all M rows (what
  * batching is for), and each sequence's rows attend to their own cache, rows[g] new positions after
@@ -82,61 +128,14 @@ int sg_stack(const sg_layer *layers, int L, int G, const int *rows, const int *p
         M += rows[g];
     }
     size_t qn = (size_t)H * D, kvn = (size_t)Hkv * D, n = (size_t)M;
-    size_t floats = n * (E + qn + 2 * kvn + qn + E + 2 * (size_t)I + I);
-    float *work = malloc(floats * sizeof(float));
+    float *work = malloc(n * (E + qn + 2 * kvn + qn + E + 2 * (size_t)I + I) * sizeof(float));
     if (!work) return -1;
-    float *h = work, *qkv = h + n * E, *att = qkv + n * (qn + 2 * kvn), *tmp = att + n * qn, *gu = tmp + n * E,
-          *act = gu + n * 2 * I;
+    sg_rows w = {.h = work};
+    w.qkv = w.h + n * E, w.att = w.qkv + n * (qn + 2 * kvn), w.tmp = w.att + n * qn, w.gu = w.tmp + n * E,
+    w.act = w.gu + n * 2 * I;
     int failed = 0;
-    for (int l = 0; l < L && !failed; l++) {
-        const sg_layer *ly = layers + l;
-        const sg_weight *w = &ly->qkv;
-        sg_rmsnorm(x, M, E, ly->norm1, ly->eps1, h);
-        if (sg_linear_parts(w->fmt, h, M, E, w->wp, w->sc, w->mn, w->parts, w->N, qkv, w->bias)) {
-            failed = 1;
-            break;
-        }
-        float *q = qkv, *k = q + n * qn, *v = k + n * kvn;
-        for (int g = 0, r0 = 0; g < G && !failed; r0 += rows[g], g++) {
-            size_t at = (size_t)g * L + l;
-            float *kc = kv[2 * at], *vc = kv[2 * at + 1];
-            long ksh = strides[4 * at], kst = strides[4 * at + 1], vsh = strides[4 * at + 2], vst = strides[4 * at + 3];
-            for (int m = r0; m < r0 + rows[g]; m++) {
-                const float *c = cos + (size_t)m * D, *s = sin + (size_t)m * D;
-                long position = past[g] + (m - r0);
-                for (int hh = 0; hh < H; hh++) rotate(q + m * qn + (size_t)hh * D, c, s, D);
-                for (int hh = 0; hh < Hkv; hh++) {
-                    float *kr = k + m * kvn + (size_t)hh * D;
-                    rotate(kr, c, s, D);
-                    memcpy(kc + hh * ksh + position * kst, kr, sizeof(float) * D);
-                    memcpy(vc + hh * vsh + position * vst, v + m * kvn + (size_t)hh * D, sizeof(float) * D);
-                }
-            }
-            if (sg_attention(q + r0 * qn, (long)(rows[g] * qn), D, (long)qn, kc, 0, ksh, kst, vc, 0, vsh, vst, 0, 0, 0, 0,
-                             1, H, Hkv, rows[g], past[g] + rows[g], D, ly->scale, att + r0 * qn))
-                failed = 1;
-        }
-        if (failed) break;
-        w = &ly->o;
-        if (sg_linear_c(w->fmt, att, M, (int)qn, w->wp, w->sc, w->mn, E, w->bias[0], tmp)) {
-            failed = 1;
-            break;
-        }
-        for (size_t i = 0; i < n * E; i++) x[i] = x[i] + tmp[i];
-        sg_rmsnorm(x, M, E, ly->norm2, ly->eps2, h);
-        w = &ly->gateup;
-        if (sg_linear_parts(w->fmt, h, M, E, w->wp, w->sc, w->mn, w->parts, w->N, gu, w->bias)) {
-            failed = 1;
-            break;
-        }
-        sg_silu_mul(gu, gu + n * I, n * I, act);
-        w = &ly->down;
-        if (sg_linear_c(w->fmt, act, M, I, w->wp, w->sc, w->mn, E, w->bias[0], tmp)) {
-            failed = 1;
-            break;
-        }
-        for (size_t i = 0; i < n * E; i++) x[i] = x[i] + tmp[i];
-    }
+    for (int l = 0; l < L && !failed; l++)
+        failed = layer_forward(layers + l, l, L, G, rows, past, kv, strides, x, M, E, H, Hkv, D, I, cos, sin, w);
     free(work);
     return failed ? -1 : 0;
 }
