@@ -151,7 +151,8 @@ def _verify_proto(call: VerifyCall) -> pb.VerifyRequest:
     request = pb.VerifyRequest(sequence_id=call.sequence_id, known_len=call.known_len, append_tokens=call.append,
                                draft_tokens=call.draft_tokens, sampling=_sampling_proto(call.sampling),
                                return_features=call.return_features, decode_ahead=call.decode_ahead, logprobs=call.logprobs,
-                               eos_banned_until=call.eos_banned_until)
+                               eos_banned_until=call.eos_banned_until, lookup_max_tokens=call.lookup_max_tokens,
+                               lookup_costs=call.lookup_costs, decode_ahead_passes=call.decode_ahead_passes)
     sampled = not call.sampling.greedy
     if sampled and any(ids for ids, _ in call.draft_dists):
         for ids, probs in call.draft_dists:
@@ -269,7 +270,8 @@ class TargetClient:
             features = FeatureRows.from_wire(f.start, f.rows, f.dim, f.data, "VerifyResponse.features")
         return VerifyOutcome(response.accepted, response.next_token, response.compute_seconds, wall,
                              request.ByteSize() + response.ByteSize(), tuple(response.accepted_path), features,
-                             tuple(response.decoded_tokens), logprobs_from_proto(response.logprobs))
+                             tuple(response.decoded_tokens), logprobs_from_proto(response.logprobs),
+                             response.ahead_passes, response.ahead_drafted, response.ahead_accepted)
 
     async def _verify_call(self, sequence_id: str, request: pb.VerifyRequest) -> pb.VerifyResponse:
         """One Verify, retried while the target is UNAVAILABLE (see TARGET_RETRY_S). Safe to repeat:

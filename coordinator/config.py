@@ -42,7 +42,15 @@ class CoordinatorConfig:
         DEFAULT_DECODE_AHEAD,
         "When the coordinator will not draft for the next steps (speculation off, an n-gram draft resting "
         "after empty asks, drafting not paying), the target decodes up to this many of them in the same "
-        "Verify exchange; tokens then stream in bursts of up to N+1. 0 turns it off.",
+        "Verify exchange; tokens then stream in bursts of up to N+1 (with --lookup-ahead, of up to N+1 passes' "
+        "tokens). 0 turns it off.",
+    )
+    lookup_ahead: bool = option(
+        True,
+        "With the n-gram drafter, the target drafts by prompt lookup itself (the same rule, each match's "
+        "draft cut by the measured costs) on every pass, and decodes up to --decode-ahead passes ahead in "
+        "the same exchange: an n-gram step then costs no exchange with the draft service. Greedy output is "
+        "unchanged; seeded sampling still asks the draft service each step.",
     )
     overlap: str = option(
         "off",

@@ -34,21 +34,24 @@ class LocalVerifier:
         self.engine = engine
         self.fixed_costs = fixed_costs
 
-    def _seconds(self, compute: float, wall: float, positions: int, decoded: int = 0) -> tuple[float, float]:
+    def _seconds(self, compute: float, wall: float, positions: int, passes: int = 0, drafted: int = 0) -> tuple[float, float]:
         """(compute, wall) seconds to report for a Verify over `positions` new positions that decoded
-        `decoded` more, given the measured ones."""
+        ahead in `passes` more forwards, with `drafted` lookup tokens among them, given the measured ones."""
         costs = self.fixed_costs
         if costs is None:
             return compute, wall
-        compute = _forward_seconds(costs, positions) + decoded * _forward_seconds(costs, 1)
+        one = _forward_seconds(costs, 1)
+        compute = _forward_seconds(costs, positions) + passes * one + drafted * (_forward_seconds(costs, 2) - one)
         return compute, compute + costs.wire_per_step
 
     async def verify(self, call: VerifyCall) -> VerifyOutcome:
         start = time.perf_counter()
         result = self.engine.verify_tree(call) if call.tree is not None else self.engine.verify(call)
-        compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, call.new_positions, len(result.decoded))
+        compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, call.new_positions,
+                                      result.ahead_passes, result.ahead_drafted)
         return VerifyOutcome(result.accepted, result.next_token, compute, wall, path=result.path, features=result.features,
-                             decoded=result.decoded, logprobs=result.logprobs)
+                             decoded=result.decoded, logprobs=result.logprobs, ahead_passes=result.ahead_passes,
+                             ahead_drafted=result.ahead_drafted, ahead_accepted=result.ahead_accepted)
 
     async def release(self, sequence_id: str) -> None:
         self.engine.release(sequence_id)

@@ -24,9 +24,11 @@ from coordinator.policy.overlap import RunAheadPolicy
 from coordinator.protocol import DraftOutcome, GenerationSpec, Progress, Proposer, Stats, TreeSpec, Verifier, VerifyOutcome
 from coordinator.state import SequenceState
 from specdec.errors import SequenceNotFound
+from specdec.limits import MAX_DECODE_AHEAD
 from specdec.serving import metrics
 from specdec.model.features import FeatureLog
 from specdec.spec.request import VerifyCall
+from specdec.spec.lookup import relative_costs
 from specdec.spec.sampling import SamplingConfig, TokenLogprob, derive_seed
 from specdec.spec.tree import DraftTree
 
@@ -61,6 +63,7 @@ class Turn:
     from_ahead: bool = False  # the draft is the last step's run-ahead
     runahead: RunAhead | None = None  # the next step's draft, drafting during this Verify
     decode_ahead: int = 0  # tokens the target may decode after this step's
+    lookup: tuple[int, tuple[float, ...]] = (0, ())  # the target drafts by prompt lookup: (max tokens, relative costs)
 
 
 # After the draft fails, decode this many steps with the target alone before trying it again.
@@ -73,14 +76,18 @@ DEFAULT_DECODE_AHEAD = 8
 
 class SpeculativeLoop:
     def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs,
-                 overlap: str = "off", features: bool = False, calibrated: bool = False, decode_ahead: int = DEFAULT_DECODE_AHEAD):
+                 overlap: str = "off", features: bool = False, calibrated: bool = False, decode_ahead: int = DEFAULT_DECODE_AHEAD,
+                 lookup: bool = False):
         """`overlap`: off, auto or on: whether the draft drafts the next step while the target
         verifies this one (coordinator/policy/overlap.py). `features`: the draft drafts from the target's
         hidden states (specdec/model/feature_draft.py), so every Verify asks for them and the next Propose
         carries the ones the draft lacks. `calibrated`: the draft's cumulative probabilities are
         calibrated chances of acceptance (the n-gram drafter), so each unseeded adaptive proposal
         is cut where its expected tokens per second peak (specdec/spec/costs.py). `decode_ahead`: the
-        most tokens the target may decode in one exchange for steps that will not draft (0: none)."""
+        most tokens the target may decode in one exchange for steps that will not draft (0: none).
+        `lookup`: the draft is prompt lookup (n-gram), which the target runs itself on the passes it
+        decodes ahead: then every step may decode ahead, drafting steps too, and an n-gram step
+        costs no exchange (the exchange, not the forward, is most of a step once the forward is fast)."""
         RunAheadPolicy(overlap)  # validates the mode
         self.verifier = verifier
         self.proposer = proposer
@@ -90,6 +97,8 @@ class SpeculativeLoop:
         self.features = features and proposer is not None
         self.calibrated = calibrated
         self.decode_ahead = decode_ahead
+        self.lookup = lookup and proposer is not None and not self.features
+        self._lookup_memo: tuple[object, int, tuple[float, ...]] = (None, 0, ())
 
     async def run(self, spec: GenerationSpec, stats: Stats) -> AsyncIterator[Step]:
         """Yields each step's new tokens until max_new_tokens or end-of-sequence.
@@ -134,6 +143,11 @@ class SpeculativeLoop:
         # generator states than a sequential run's, and a seeded run must replay exactly.
         reproducible = spec.seeded and not spec.sampling.greedy
         ahead = RunAheadPolicy("off" if spec.tree is not None or reproducible or self.proposer is None else self.overlap)
+        # Not for seeded sampling: a pass with a lookup draft draws otherwise than one with the
+        # draft service's, and whether the target decodes ahead depends on the load (it does only
+        # for a sequence alone in its pass), so the load would change a seeded run's tokens.
+        # Greedy tokens are the target's either way.
+        lookup = self.lookup and spec.tree is None and not reproducible and spec.draft_length > 0
         return SequenceState(
             # Unique even when clients reuse request ids: two requests must never share a cache.
             sequence_id=f"{spec.request_id}:{uuid.uuid4().hex[:8]}",
@@ -143,12 +157,13 @@ class SpeculativeLoop:
             ahead=ahead,
             feature_log=FeatureLog() if self.features else None,
             started=started,
+            lookup=lookup,
         )
 
     def _plan(self, spec: GenerationSpec, state: SequenceState) -> Turn:
         remaining = spec.max_new_tokens - state.generated
         planned, min_prob = state.lengths.plan()
-        gamma = min(planned, remaining - 1)
+        gamma = 0 if state.lookup else min(planned, remaining - 1)  # with lookup the target drafts: nothing to ask
         if spec.max_context:
             gamma = min(gamma, spec.max_context - len(state.tokens) - 1)
         return Turn(remaining, planned, min_prob, gamma)
@@ -190,17 +205,25 @@ class SpeculativeLoop:
 
     def _overlap(self, spec: GenerationSpec, state: SequenceState, stats: Stats, turn: Turn) -> None:
         """Puts the Verify's time to use: the draft drafts the next step meanwhile (run-ahead), or,
-        when no step will draft, the target decodes the tokens after this one in the same exchange."""
+        when no step will draft (or the target drafts them itself, by prompt lookup), the target
+        decodes the tokens after this one in the same exchange."""
         draft = turn.draft
         if draft.tokens and draft.parents is None and state.ahead.should_run_ahead():
             turn.runahead = self._run_ahead(state.sequence_id, state.tokens, draft, turn.planned, turn.min_prob, spec)
+        if state.lookup:
+            turn.lookup = self._lookup(state)
         # Not before the first token: a client waiting on it would wait for the tokens after it too.
-        if self.decode_ahead and not draft.tokens and turn.runahead is None and stats.completion_tokens:
+        if not (self.decode_ahead and turn.runahead is None and stats.completion_tokens and draft.parents is None):
+            return
+        if turn.lookup[0]:
+            turn.decode_ahead = self._ahead_budget(state, stats.steps, turn.remaining, spec.max_context, drafting=True)
+        elif not draft.tokens:
             turn.decode_ahead = self._ahead_budget(state, stats.steps, turn.remaining, spec.max_context)
 
     async def _verify_draft(self, spec: GenerationSpec, state: SequenceState, turn: Turn) -> VerifyOutcome:
         try:
-            verdict = await self._verify(state.sequence_id, state.tokens, state.target_known, turn.draft, spec, turn.decode_ahead)
+            verdict = await self._verify(state.sequence_id, state.tokens, state.target_known, turn.draft, spec, turn.decode_ahead,
+                                         turn.lookup)
         except BaseException:
             if turn.runahead is not None:
                 await turn.runahead.cancel()
@@ -215,7 +238,7 @@ class SpeculativeLoop:
         step's new tokens and, if the request ends with them, why."""
         draft, accepted = turn.draft, verdict.accepted
         decoded = list(verdict.decoded)
-        state.lengths.skip(len(decoded))
+        state.lengths.skip(verdict.passes - 1)
         appended = len(state.tokens) - state.target_known
         state.target_known = len(state.tokens) + accepted + len(decoded)
         if state.feature_log is not None and verdict.features is not None:
@@ -261,21 +284,44 @@ class SpeculativeLoop:
         stats.total_seconds = time.perf_counter() - state.started
         return Step(new, finish, logprobs)
 
-    def _ahead_budget(self, state: SequenceState, steps: int, remaining: int, max_context: int) -> int:
-        """Tokens the target may decode after this step, which drafted nothing: the steps after it
-        that will not draft either (every one without a draft, the rest of a failed draft's wait,
-        else the policy's quiet steps), within --decode-ahead and the request's tokens and context."""
-        if self.proposer is None:
+    def _ahead_budget(self, state: SequenceState, steps: int, remaining: int, max_context: int, drafting: bool = False) -> int:
+        """Tokens the target may decode after this step: the steps after it that will not draft
+        (every one without a draft, the rest of a failed draft's wait, else the policy's quiet
+        steps) within --decode-ahead, or with `drafting` (the target drafts them itself by lookup)
+        all of them (--decode-ahead then bounds the passes: decode_ahead_passes), within the
+        request's tokens and context."""
+        if drafting:
+            quiet = MAX_DECODE_AHEAD
+        elif self.proposer is None:
             quiet = self.decode_ahead
         elif steps < state.skip_draft_until:
             quiet = state.skip_draft_until - steps - 1
         else:
             quiet = state.lengths.quiet_steps()
             quiet = self.decode_ahead if quiet is None else quiet
-        budget = min(self.decode_ahead, quiet, remaining - 1)
+        budget = min(quiet if drafting else min(self.decode_ahead, quiet), remaining - 1)
         if max_context:
             budget = min(budget, max_context - len(state.tokens) - 2)
         return max(0, budget)
+
+    def _lookup(self, state: SequenceState) -> tuple[int, tuple[float, ...]]:
+        """(most tokens, relative forward costs) for the target's lookup drafts: the request's draft
+        length within the load cap, and this loop's measured V(n) / V(1), by which the target cuts
+        each draft as this loop cuts a calibrated proposal (best_prefix); none for a fixed draft
+        length, drafted whole as the request asked. The costs are worked out again only when the
+        cost model's fit changes."""
+        most = state.lengths.max_length
+        if not state.lengths.adaptive:
+            return most, ()
+        cap = self.cost_model.draft_cap() if self.cost_model is not None and self.cost_model.draft_cap is not None else None
+        if cap is not None:  # speculation shrinks as the batch fills, as plan() does
+            most = min(most, cap)
+        costs = self.cost_model.costs() if self.cost_model is not None else self.prior
+        seen, length, relative = self._lookup_memo
+        if seen is not costs or length != most:
+            relative = relative_costs(costs, most)
+            self._lookup_memo = (costs, most, relative)
+        return most, relative
 
     def _run_ahead(self, sequence_id: str, tokens: list[int], draft: DraftOutcome, planned: int, min_prob: float,
                    spec: GenerationSpec) -> RunAhead | None:
@@ -326,31 +372,32 @@ class SpeculativeLoop:
             return await self.proposer.propose_tree(sequence_id, 0, list(tokens), tree, max_depth, sampling.temperature, seed)
 
     async def _verify(self, sequence_id, tokens, known, draft: DraftOutcome, spec: GenerationSpec,
-                      decode_ahead: int = 0) -> VerifyOutcome:
+                      decode_ahead: int = 0, lookup: tuple[int, tuple[float, ...]] = (0, ())) -> VerifyOutcome:
         try:
-            return await self._verify_call(sequence_id, known, tokens[known:], draft, spec, decode_ahead)
+            return await self._verify_call(sequence_id, known, tokens[known:], draft, spec, decode_ahead, lookup)
         except SequenceNotFound:
             _refilled("target", sequence_id)
-            return await self._verify_call(sequence_id, 0, list(tokens), draft, spec, decode_ahead)
+            return await self._verify_call(sequence_id, 0, list(tokens), draft, spec, decode_ahead, lookup)
 
     async def _verify_call(self, sequence_id, known, append, draft: DraftOutcome, spec: GenerationSpec,
-                           decode_ahead: int = 0) -> VerifyOutcome:
+                           decode_ahead: int = 0, lookup: tuple[int, tuple[float, ...]] = (0, ())) -> VerifyOutcome:
         if draft.parents is not None and draft.tokens:
             tree = DraftTree(draft.parents, draft.tokens, draft.dists)
             return await self.verifier.verify(VerifyCall(sequence_id, known, append, [], [], spec.sampling, tree))
         return await self.verifier.verify(VerifyCall(
             sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [], spec.sampling,
             return_features=self.features, decode_ahead=decode_ahead, logprobs=spec.logprobs,
-            eos_banned_until=len(spec.prompt_ids) + spec.min_tokens if spec.min_tokens else 0))
+            eos_banned_until=len(spec.prompt_ids) + spec.min_tokens if spec.min_tokens else 0,
+            lookup_max_tokens=lookup[0], lookup_costs=lookup[1], decode_ahead_passes=self.decode_ahead if lookup[0] else 0))
 
     def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyOutcome, appended: int,
                  asked: bool = False) -> None:
         drafted, accepted = len(draft.tokens), verdict.accepted
         depth = draft.depth  # a tree's deepest branch plays the chain's length in the policy
-        stats.steps += 1 + len(verdict.decoded)  # target passes: each token decoded ahead took one
-        stats.draft_tokens += drafted
+        stats.steps += verdict.passes  # target passes: each token decoded ahead took one, or with lookup fewer
+        stats.draft_tokens += drafted + verdict.ahead_drafted
         stats.draft_steps += 1 if drafted else 0
-        stats.accepted_tokens += accepted
+        stats.accepted_tokens += accepted + verdict.ahead_accepted
         stats.draft_seconds += draft.compute_seconds
         stats.verify_seconds += verdict.compute_seconds
         draft_wire = max(0.0, draft.wall_seconds - draft.compute_seconds)
@@ -367,8 +414,9 @@ class SpeculativeLoop:
         # token: it is a reading of V(1), and its wire is one exchange's. Leaving those out left
         # V(1) unmeasured whenever every ask of an n-gram draft was cut to nothing, since each such
         # step decodes ahead: the estimates that made the cut could then never change.
-        if self.cost_model is not None and appended <= 1:
-            forwards = 1 + len(verdict.decoded)
+        # Passes that verified lookup drafts are not readings of V(1): left out.
+        if self.cost_model is not None and appended <= 1 and not verdict.ahead_drafted:
+            forwards = verdict.passes
             self.cost_model.observe(depth, draft.compute_seconds, drafted + 1, verdict.compute_seconds / forwards, verify_wire,
                                     draft_wire if asked else None)
 

@@ -56,6 +56,15 @@ class VerifyOutcome:
     features: FeatureRows | None = None  # asked for with return_features: for a feature draft
     decoded: tuple[int, ...] = ()  # asked for with decode_ahead: the target's tokens after next_token
     logprobs: tuple[TokenLogprob, ...] = ()  # asked for: one per token made canonical (accepted, next, decoded)
+    ahead_passes: int = 0  # the target's forwards for `decoded` (0 from a target that does not say: one per token)
+    ahead_drafted: int = 0  # tokens it drafted by prompt lookup (VerifyCall.lookup_max_tokens)
+    ahead_accepted: int = 0  # of which it accepted
+
+    @property
+    def passes(self) -> int:
+        """Target forwards this Verify took."""
+        # A target that does not say (before lookup_max_tokens) took one per decoded token.
+        return 1 + (self.ahead_passes if self.ahead_passes or self.ahead_drafted else len(self.decoded))
 
 
 @dataclasses.dataclass

@@ -329,7 +329,7 @@ class VerifySessionResponse(_message.Message):
     def __init__(self, verify: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("sequence_id", "known_len", "append_tokens", "draft_tokens", "draft_dists", "sampling", "draft_tree", "return_features", "decode_ahead", "logprobs", "eos_banned_until")
+    __slots__ = ("sequence_id", "known_len", "append_tokens", "draft_tokens", "draft_dists", "sampling", "draft_tree", "return_features", "decode_ahead", "logprobs", "eos_banned_until", "lookup_max_tokens", "lookup_costs", "decode_ahead_passes")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -341,6 +341,9 @@ class VerifyRequest(_message.Message):
     DECODE_AHEAD_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     EOS_BANNED_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_COSTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_AHEAD_PASSES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     known_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -352,7 +355,10 @@ class VerifyRequest(_message.Message):
     decode_ahead: int
     logprobs: int
     eos_banned_until: int
-    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_tree: _Optional[_Union[DraftTree, _Mapping]] = ..., return_features: _Optional[bool] = ..., decode_ahead: _Optional[int] = ..., logprobs: _Optional[int] = ..., eos_banned_until: _Optional[int] = ...) -> None: ...
+    lookup_max_tokens: int
+    lookup_costs: _containers.RepeatedScalarFieldContainer[float]
+    decode_ahead_passes: int
+    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., draft_tree: _Optional[_Union[DraftTree, _Mapping]] = ..., return_features: _Optional[bool] = ..., decode_ahead: _Optional[int] = ..., logprobs: _Optional[int] = ..., eos_banned_until: _Optional[int] = ..., lookup_max_tokens: _Optional[int] = ..., lookup_costs: _Optional[_Iterable[float]] = ..., decode_ahead_passes: _Optional[int] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("parents", "tokens", "child_dists")
@@ -401,7 +407,7 @@ class ProposeTreeResponse(_message.Message):
     def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len", "accepted_path", "features", "decoded_tokens", "logprobs")
+    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len", "accepted_path", "features", "decoded_tokens", "logprobs", "ahead_passes", "ahead_drafted", "ahead_accepted")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +416,9 @@ class VerifyResponse(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     DECODED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_PASSES_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     compute_seconds: float
@@ -418,7 +427,10 @@ class VerifyResponse(_message.Message):
     features: Features
     decoded_tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., decoded_tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    ahead_passes: int
+    ahead_drafted: int
+    ahead_accepted: int
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., decoded_tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., ahead_passes: _Optional[int] = ..., ahead_drafted: _Optional[int] = ..., ahead_accepted: _Optional[int] = ...) -> None: ...
 
 class DraftServiceReleaseRequest(_message.Message):
     __slots__ = ("sequence_id",)

@@ -364,7 +364,7 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
                 except Exception as exc:  # noqa: BLE001 - a draft transformers cannot load as an assistant
                     notes[f"hf-assisted[{name}]"] = f"skipped: transformers cannot use this draft as assistant_model ({exc})"
         loop = SpeculativeLoop(verifier, LocalProposer(engine), CostModel(prior), prior, features=features,
-                               calibrated=drafter == "ngram")  # as the coordinator sets it from the draft's ModelInfo
+                               calibrated=drafter == "ngram", lookup=drafter == "ngram")  # as the coordinator sets them from the draft's ModelInfo
         configs.append(Configuration(f"specdec-local[{name}]", "specdec-local", drafter, opts.max_draft, True,
                                      runner=local_runner(loop, opts.max_new_tokens, eos, opts.max_draft, True), note="adaptive"))
         for g in opts.draft_lengths:

@@ -22,7 +22,9 @@ from specdec.spec.sampling import (SamplingConfig, TokenLogprob, ban_tokens, cho
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch, pass_groups
+from specdec.limits import MAX_DRAFT_TOKENS
 from specdec.spec.checks import check_verify_call
+from specdec.spec.lookup import LOOKUP_MAX_N, MatchCalibration, NgramIndex, lookup_draft
 from specdec.spec.request import VerifyCall
 from specdec.spec.tree import EMPTY_DIST, SparseDist, tree_depth
 from specdec.spec.treeplan import TreePlan, plan_tree, tree_verdict
@@ -44,6 +46,9 @@ class StepResult:
     features: FeatureRows | None = None  # return_features: hidden states of the positions made canonical
     decoded: tuple[int, ...] = ()  # decode_ahead: tokens decoded after next_token (the last one is pending)
     logprobs: tuple[TokenLogprob, ...] = ()  # asked for: one per token made canonical (accepted, next, decoded)
+    ahead_passes: int = 0  # decode_ahead: the forwards it took (fewer than len(decoded) when lookup drafts were accepted)
+    ahead_drafted: int = 0  # lookup_max_tokens: tokens the target drafted for itself (this pass's too, when it drafted it)
+    ahead_accepted: int = 0  # and how many of them it accepted
 
 
 class TargetEngine:
@@ -59,6 +64,9 @@ class TargetEngine:
         self.store = SequenceStore(min(max_sequences, getattr(lm, "max_sequences", max_sequences)), idle_timeout_s)
         self.batchable = batchable(lm)
         self.trees = supports_trees(lm)
+        # The chance that each token of a prompt-lookup draft is right, per match length, learned from
+        # this engine's own verdicts: the target's lookup drafts are cut by it (VerifyCall.lookup_max_tokens).
+        self.calibration = MatchCalibration(LOOKUP_MAX_N)
 
     def verify(self, call: VerifyCall) -> StepResult:
         """One sequence's chain: verify_batch's one-row path, with its error raised."""
@@ -70,39 +78,80 @@ class TargetEngine:
         return result
 
     def _decode_ahead(self, call: VerifyCall, seq: Sequence, result: StepResult, start: float) -> StepResult:
-        """Decodes up to call.decode_ahead more tokens after the verdict, one forward each.
+        """Decodes up to call.decode_ahead more tokens after the verdict, one forward a pass.
 
         Why: the coordinator asks for this only for steps it would not draft anyway (an n-gram
-        drafter resting after empty asks, speculation off), and each of those steps otherwise costs
-        a whole exchange with the target, gRPC on top of the forward.
-        Each token is chosen exactly as a no-draft Verify at its position would choose it
-        (`_verdict` with no draft tokens: the argmax, or a sample from the position-keyed generator),
-        so the tokens are the ones those steps would have made. Stops after an end-of-sequence
-        token and before the context is full; the coordinator cuts anything past its own stops.
+        drafter resting after empty asks, speculation off), or whose draft the target can make
+        itself (prompt lookup, call.lookup_max_tokens), and each of those steps otherwise costs a
+        whole exchange with the target, gRPC on top of the forward.
+        Each pass verifies its lookup draft, if any, as a Verify at its position would (`_verdict`:
+        greedy, or rejection sampling against a one-hot draft with the position-keyed generator),
+        so greedy tokens are the ones those steps would have made and sampled ones follow the
+        target's distribution. Stops after an end-of-sequence token and before the context is
+        full; the coordinator cuts anything past its own stops.
 
-        With return_features (a feature draft resting), each forward's hidden state extends the
+        With return_features (a feature draft resting), each forward's hidden states extend the
         features, so they still cover every position the target holds: the draft catches up on
         the decoded tokens next time as it does on accepted ones.
         """
-        if not call.decode_ahead:
+        # a lookup draft's accepted tokens are among the caller's budget (_as_decoded), and end it at an end of sequence
+        own = list(call.draft_tokens[:result.accepted]) if call.lookup_match else []
+        budget = call.decode_ahead - len(own)
+        if budget <= 0 or any(t in self.lm.eos_token_ids for t in own):
             return result
-        plain = dataclasses.replace(call, append=[], draft_tokens=[], draft_dists=[])
+        plain = dataclasses.replace(call, append=[], draft_tokens=[], draft_dists=[], lookup_match=None)
+        index = self._lookup_index(call, seq) if call.lookup_max_tokens else None
+        eos, context = self.lm.eos_token_ids, self.lm.max_context
         pending, decoded, rows, logprobs = result.next_token, [], [], list(result.logprobs)
-        while (len(decoded) < call.decode_ahead and pending not in self.lm.eos_token_ids
-               and not (self.lm.max_context and len(seq.tokens) + 2 > self.lm.max_context)):
-            seq.tokens.append(pending)  # canonical now; it is the forward's one new position
+        passes = drafted = accepted = 0
+        most = call.decode_ahead_passes or budget
+        while (len(decoded) < budget and passes < most and pending not in eos
+               and not (context and len(seq.tokens) + 2 > context)):
+            seq.tokens.append(pending)  # canonical now; it is the forward's first new position
+            draft, proposal, n = [], [], 0
+            if index is not None:
+                index.extend(seq.tokens[len(index):])
+                room = budget - len(decoded) - 1  # the pass's own token comes on top
+                if context:
+                    room = min(room, context - len(seq.tokens) - 1)
+                draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_max_tokens, call.lookup_costs, room)
             with self._capturing(call.return_features) as hidden:
-                logits = self.lm.forward(seq, [], keep=1)  # [1, V]
+                logits = self.lm.forward(seq, draft, keep=len(draft) + 1)  # [1 + len(draft), V]
+            taken, pending, chosen = self._verdict(dataclasses.replace(plain, draft_tokens=draft) if draft else plain,
+                                                   logits, len(seq.tokens))
             if hidden:
-                rows.append(hidden[0][0].float().cpu())  # [1, H]: the position just fed
-            _, pending, chosen = self._verdict(plain, logits, len(seq.tokens))
-            decoded.append(pending)
+                rows.append(hidden[0][0][: 1 + taken].float().cpu())  # the positions that are canonical now
+            if n:
+                self.calibration.observe(n, proposal, draft[:taken] + [pending])
+            seq.tokens.extend(draft[:taken])
+            seq.crop_cache(len(seq.tokens))
+            decoded += draft[:taken] + [pending]
             logprobs += chosen
+            passes, drafted, accepted = passes + 1, drafted + len(draft), accepted + taken
+            if any(t in eos for t in draft[:taken]):
+                break  # the sequence ends inside the draft: what follows is cut anyway
         features = result.features
         if rows and features is not None:
             features = FeatureRows(features.start, torch.cat([features.values, *rows]))
         return dataclasses.replace(result, cached_len=len(seq.tokens), compute_seconds=time.perf_counter() - start,
-                                   decoded=tuple(decoded), features=features, logprobs=tuple(logprobs))
+                                   decoded=tuple(decoded), features=features, logprobs=tuple(logprobs),
+                                   ahead_passes=passes, ahead_drafted=drafted, ahead_accepted=accepted)
+
+    @staticmethod
+    def _lookup_index(call: VerifyCall, seq: Sequence) -> NgramIndex:
+        """The sequence's prompt-lookup index, kept beside its cache across calls (Sequence.side).
+
+        The index keeps what it shares with the sequence below call.known_len and re-indexes the
+        rest: a step indexes the tokens that arrived since the last one, not the whole sequence.
+        (Shared, not merely shorter: a call without lookup may have rolled the sequence back and
+        re-grown it in between, and a stale n-gram would draft worse tokens, never wrong ones.)"""
+        index = seq.side if isinstance(seq.side, NgramIndex) else NgramIndex(LOOKUP_MAX_N, 1)
+        keep = min(len(index), call.known_len)
+        if index.tokens[:keep] != seq.tokens[:keep]:
+            index, keep = NgramIndex(LOOKUP_MAX_N, 1), 0
+        index.crop(keep - len(index))
+        seq.side = index
+        return index
 
     def _capturing(self, wanted: bool):
         """The final hidden states of the forwards inside, when a call asked for them."""
@@ -127,6 +176,7 @@ class TargetEngine:
         batcher says no while other sequences are active, whose calls it would hold up.
         """
         start = time.perf_counter()
+        calls = list(calls)  # a row that drafts by lookup gets its draft here
         results: list[StepResult | SpecdecError | None] = [None] * len(calls)
         rows: list[tuple[int, Sequence]] = []
         prepared: list[tuple[int, Sequence]] = []
@@ -144,6 +194,8 @@ class TargetEngine:
                     budget = 0 if chunked else full
                     results[index], chunked = self._chunk(call, seq, budget), chunked + budget
                     continue
+            if call.lookup_max_tokens and not call.draft_tokens and call.tree is None:
+                calls[index] = self._with_lookup(call, seq)
             rows.append((index, seq))
         if chunked:
             self._learn(prefill_token_s=(time.perf_counter() - start) / chunked)
@@ -161,7 +213,31 @@ class TargetEngine:
                 results[index] = result
         if rows:
             self._learn(step_s=time.perf_counter() - start)
+        for index, _ in rows:
+            if calls[index].lookup_match and isinstance(results[index], StepResult):
+                results[index] = self._as_decoded(calls[index], results[index])
         return results
+
+    def _with_lookup(self, call: VerifyCall, seq: Sequence) -> VerifyCall:
+        """`call` with the draft prompt lookup makes for its pass (maybe none)."""
+        index = self._lookup_index(call, seq)
+        index.extend(seq.tokens[len(index):])
+        room = MAX_DRAFT_TOKENS
+        if self.lm.max_context:
+            room = min(room, self.lm.max_context - len(seq.tokens))
+        draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_max_tokens, call.lookup_costs, room)
+        return dataclasses.replace(call, draft_tokens=draft, draft_dists=[], lookup_match=(n, tuple(proposal))) if n else call
+
+    def _as_decoded(self, call: VerifyCall, result: StepResult) -> StepResult:
+        """A result whose draft was the target's own, as the caller sees it: the caller knows no
+        draft tokens, so the accepted ones come first among the tokens made canonical (next_token,
+        then decoded), and count with the lookup drafts of the passes decoded ahead."""
+        n, proposal = call.lookup_match
+        self.calibration.observe(n, list(proposal), [*call.draft_tokens[:result.accepted], result.next_token])
+        tokens = [*call.draft_tokens[:result.accepted], result.next_token, *result.decoded]
+        return dataclasses.replace(result, accepted=0, next_token=tokens[0], decoded=tuple(tokens[1:]),
+                                   ahead_drafted=result.ahead_drafted + len(call.draft_tokens),
+                                   ahead_accepted=result.ahead_accepted + result.accepted)
 
     def _row(self, call: VerifyCall, seq: Sequence, start: float, batch_size: int, decode_ahead: bool) -> StepResult:
         """One row's forward on its own; it decodes ahead only when it is the pass's only row

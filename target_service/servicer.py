@@ -101,18 +101,23 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             request.decode_ahead,
             request.logprobs if request.HasField("logprobs") else None,
             request.eos_banned_until,
+            lookup_max_tokens=request.lookup_max_tokens,
+            lookup_costs=tuple(request.lookup_costs),
+            decode_ahead_passes=request.decode_ahead_passes,
         ))
         m = metrics.target()
         m.verify_seconds.observe(result.compute_seconds)
         m.batch_size.observe(result.batch_size)
-        m.draft_tokens.inc(len(request.draft_tokens) + len(request.draft_tree.tokens))
-        m.accepted_tokens.inc(result.accepted)
+        m.draft_tokens.inc(len(request.draft_tokens) + len(request.draft_tree.tokens) + result.ahead_drafted)
+        m.accepted_tokens.inc(result.accepted + result.ahead_accepted)
         response.accepted, response.next_token = result.accepted, result.next_token
         response.compute_seconds, response.cached_len = result.compute_seconds, result.cached_len
         if result.path:
             response.accepted_path.extend(result.path)
         if result.decoded:
             response.decoded_tokens.extend(result.decoded)
+        response.ahead_passes, response.ahead_drafted, response.ahead_accepted = (
+            result.ahead_passes, result.ahead_drafted, result.ahead_accepted)
         if result.logprobs:
             response.logprobs.extend(logprobs_to_proto(result.logprobs))
         if result.features is not None:

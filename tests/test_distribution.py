@@ -265,12 +265,13 @@ PLAIN = SamplingConfig(temperature=1.0)
 
 
 def check_case(name, models, drafter, sampling=PLAIN, prompt=PROMPT, loop_kwargs=None, n=SAMPLES,
-               target_engine=TargetEngine, acceptance=(0.1, 0.9), min_drafted=0.3, costs: Costs | None = FIXED_COSTS, **spec):
+               target_engine=TargetEngine, acceptance=(0.1, 0.9), min_drafted=0.3, costs: Costs | None = FIXED_COSTS,
+               verifier_type=LocalVerifier, **spec):
     """Runs the case and asserts the target's distribution. The case must test speculation, not the
     target alone: it drafts at least `min_drafted` tokens per request on average, and accepts a
     share of them inside `acceptance`. `costs`: what each pass reports it cost (None: measured)."""
     target = models["target"]
-    verifier = LocalVerifier(target_engine(CausalLM(target, CPU)), fixed_costs=costs)
+    verifier = verifier_type(target_engine(CausalLM(target, CPU)), fixed_costs=costs)
     proposer = LocalProposer(DraftEngine(drafter), fixed_costs=costs)
     loop = default_loop(verifier, proposer, **(loop_kwargs or {}))
     eos = eos_of(target)
@@ -332,6 +333,29 @@ def test_ngram_draft(models):
     learned costs (the cut weighs each token's confidence against a longer target forward): on
     measured timings 0.2 to 2 tokens a request were seen, with the fixed ones it is the same everywhere."""
     check_case("n-gram", models, NgramDrafter(4, 1), prompt=[1, 0, 4, 1, 0, 4], loop_kwargs={"drafter": "ngram"})
+
+
+class LookupCounting(LocalVerifier):
+    """Counts the tokens the target drafted for itself by prompt lookup."""
+
+    drafted = accepted = 0
+
+    async def verify(self, call):
+        out = await super().verify(call)
+        LookupCounting.drafted += out.ahead_drafted
+        LookupCounting.accepted += out.ahead_accepted
+        return out
+
+
+def test_ngram_drafted_by_the_target(models):
+    """--lookup-ahead (on by default with the n-gram drafter): after the first token the target
+    decodes ahead and drafts by prompt lookup itself, verifying by rejection sampling against a
+    one-hot draft. Requests run past the three tokens checked, so that the second step's passes
+    have room to draft inside them."""
+    LookupCounting.drafted = LookupCounting.accepted = 0
+    check_case("n-gram, drafted by the target", models, NgramDrafter(4, 1), prompt=[1, 0, 4, 1, 0, 4],
+               loop_kwargs={"drafter": "ngram"}, verifier_type=LookupCounting, max_new=DEPTH + 5)
+    assert LookupCounting.drafted > 0.3 * SAMPLES and 0 < LookupCounting.accepted < LookupCounting.drafted
 
 
 def test_overlap_on(models):

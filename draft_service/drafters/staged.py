@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import torch
 
 from draft_service.drafters.base import DraftSettings, Proposal
-from draft_service.drafters.ngram import NgramIndex
+from specdec.spec.lookup import NgramIndex
 from specdec.kv.store import Sequence
 from specdec.spec.tree import EMPTY_DIST
 

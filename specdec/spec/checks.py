@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 
 from specdec.errors import InvalidArgument
-from specdec.limits import MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_TREE_NODES
+from specdec.limits import MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_TREE_NODES, MAX_VERIFY_POSITIONS
 from specdec.spec.request import VerifyCall
 from specdec.spec.sampling import check_sampling
 from specdec.spec.tree import SparseDist, check_parents
@@ -55,6 +55,14 @@ def check_verify_call(call: VerifyCall, vocab: int, has_features: bool = True) -
         raise InvalidArgument("decode_ahead", f"must be in [0, {MAX_DECODE_AHEAD}], got {call.decode_ahead}")
     if call.decode_ahead and call.tree is not None:
         raise InvalidArgument("decode_ahead", "is for chains: a draft_tree cannot decode ahead")
+    if not 0 <= call.decode_ahead_passes <= MAX_DECODE_AHEAD:
+        raise InvalidArgument("decode_ahead_passes", f"must be in [0, {MAX_DECODE_AHEAD}], got {call.decode_ahead_passes}")
+    if not 0 <= call.lookup_max_tokens <= MAX_DRAFT_TOKENS:
+        raise InvalidArgument("lookup_max_tokens", f"must be in [0, {MAX_DRAFT_TOKENS}], got {call.lookup_max_tokens}")
+    if call.lookup_max_tokens and (call.return_features or call.tree is not None):
+        raise InvalidArgument("lookup_max_tokens", "is for chains without return_features (a feature draft drafts for itself)")
+    if len(call.lookup_costs) > MAX_VERIFY_POSITIONS or not all(0 < c < math.inf for c in call.lookup_costs):
+        raise InvalidArgument("lookup_costs", f"at most {MAX_VERIFY_POSITIONS} values, each positive and finite")
     if call.logprobs is not None and not 0 <= call.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {call.logprobs}")
     if call.tree is not None and (call.logprobs is not None or call.eos_banned_until):

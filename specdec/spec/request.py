@@ -26,7 +26,15 @@ class VerifyCall:
     decode_ahead: int = 0  # after the verdict, decode up to this many more tokens alone (target_service/engine.py)
     logprobs: int | None = None  # report the log-probabilities of the tokens made canonical, with this many alternatives
     eos_banned_until: int = 0  # positions below this never get an end-of-sequence token (a request's min_tokens)
+    # on each pass without a draft of its own (this one's if draft_tokens is empty, each one decoded
+    # ahead), the target drafts by prompt lookup over the sequence's own tokens, at most this many
+    # tokens, cut where the expected tokens per unit of `lookup_costs` peak (specdec/spec/lookup.py)
+    lookup_max_tokens: int = 0
+    lookup_costs: tuple[float, ...] = ()  # V(n) / V(1) for n = 1, 2, ...; empty: no cut
+    decode_ahead_passes: int = 0  # with decode_ahead: at most this many passes after this one (0: decode_ahead's tokens bound them)
     prefill: int = 0  # the target's own: canonical tokens it holds but has not fed yet (a prompt fed in chunks)
+    # the target's own: draft_tokens are its lookup draft, not the caller's: the match's n and the whole proposal
+    lookup_match: tuple[int, tuple[int, ...]] | None = None
 
     @property
     def new_positions(self) -> int:

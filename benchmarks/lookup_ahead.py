@@ -1,0 +1,99 @@
+"""The target's own prompt lookup on the passes it decodes ahead (coordinator --lookup-ahead), side by
+side with the exchange per step it replaces, through the gRPC services on loopback with a real model.
+
+    .venv/bin/python benchmarks/lookup_ahead.py [--weights gguf-a8] [--prompts chat,grounded]
+        [--limit 4] [--max-new-tokens 128] [--repeats 2]
+
+One target service (the embedded SmolLM2-135M-Instruct unless --target), one n-gram draft service,
+and three coordinators on them: the n-gram draft with --lookup-ahead (the default), the same with
+--no-lookup-ahead (the coordinator asks the draft service and the target once a step that drafts),
+and speculation off (draft_length 0, decoding ahead plainly). Requests are greedy, one at a time,
+interleaved over the three and over --repeats, so the machine's drift falls on all alike.
+
+Prints per prompt set and row: tokens per second (client wall), the speed-up over speculation off,
+target passes per token, wire + coordination per target pass in microseconds (from the
+coordinator's Stats: the exchanges' wall less the services' compute, and the loop's time less
+draft, verify and wire, divided by the passes), and whether every request's tokens equal
+speculation off's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import pathlib
+import tempfile
+import time
+
+import grpc
+
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec_tools.stacks import Stack
+from specdec_tools.workload import load_prompt_ids
+
+ROWS = ("lookup ahead", "no lookup ahead", "speculation off")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="", help="target model (default: the services' default)")
+    parser.add_argument("--weights", default="gguf-a8")
+    parser.add_argument("--prompts", default="chat,grounded")
+    parser.add_argument("--limit", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+
+    from specdec.model.loading import DEFAULT_TARGET, load_tokenizer
+
+    tokenizer = load_tokenizer(args.target or DEFAULT_TARGET)
+    sets = {name: load_prompt_ids(tokenizer, name, args.limit) for name in args.prompts.split(",")}
+    with tempfile.TemporaryDirectory() as folder:
+        stack = Stack(args.target, pathlib.Path(folder) / "logs")
+        try:
+            stack.start_target("--weights", args.weights)
+            draft = stack.start_draft("ngram")
+            addresses = {"lookup ahead": stack.start_coordinator(draft),
+                         "no lookup ahead": stack.start_coordinator(draft, "--no-lookup-ahead"),
+                         "speculation off": stack.start_coordinator(draft)}
+            stack.wait()
+            stubs = {row: pb_grpc.CoordinatorServiceStub(grpc.insecure_channel(a)) for row, a in addresses.items()}
+            for stub in stubs.values():  # first requests pay for lazy initialisation
+                stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=sets[next(iter(sets))][0]), max_new_tokens=8), timeout=300)
+            totals = collections.defaultdict(lambda: collections.Counter())
+            outputs: dict[tuple, list[int]] = {}
+            for repeat in range(args.repeats):
+                for name, prompts in sets.items():
+                    for index, prompt in enumerate(prompts):
+                        for row in ROWS:
+                            length = 0 if row == "speculation off" else 8
+                            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=args.max_new_tokens,
+                                                         speculation=pb.SpeculationParams(draft_length=length, adaptive=True))
+                            start = time.perf_counter()
+                            response = stubs[row].Generate(request, timeout=600)
+                            wall = time.perf_counter() - start
+                            s, t = response.stats, totals[(name, row)]
+                            t["wall"] += wall
+                            t["tokens"] += len(response.token_ids)
+                            t["passes"] += s.steps
+                            t["wire"] += s.wire_seconds
+                            t["coordination"] += max(0.0, s.total_seconds - s.draft_seconds - s.verify_seconds - s.wire_seconds)
+                            outputs[(name, index, repeat, row)] = list(response.token_ids)
+            for name, prompts in sets.items():
+                off = totals[(name, "speculation off")]
+                for row in ROWS:
+                    t = totals[(name, row)]
+                    same = sum(outputs[(name, i, r, row)] == outputs[(name, i, r, "speculation off")]
+                               for i in range(len(prompts)) for r in range(args.repeats))
+                    rate, base = t["tokens"] / t["wall"], off["tokens"] / off["wall"]
+                    print(f"{name:9s} {row:16s} {rate:6.1f} tok/s  {rate / base:4.2f}x off  "
+                          f"{t['passes'] / t['tokens']:.2f} passes/token  wire {t['wire'] / t['passes'] * 1e6:4.0f} + "
+                          f"coordination {t['coordination'] / t['passes'] * 1e6:3.0f} us a pass  "
+                          f"identical {same}/{len(prompts) * args.repeats}")
+        finally:
+            stack.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Prompt lookup over a sequence's own tokens, the part both services use.
+
+The draft service drafts with it (draft_service/drafters/ngram.py), and the target drafts with it
+itself on the passes that have no draft of their own (target_service/engine.py, VerifyCall.lookup_max_tokens): an
+n-gram draft then costs no exchange with a draft service or with the coordinator, the round trip
+that dominates a step once the forward itself is fast. Pure Python over token ids: no model, no gRPC.
+"""
+
+from __future__ import annotations
+
+from specdec.spec.costs import Costs
+
+# Longest suffix the target's prompt lookup matches: the n-gram drafter's default (draft_service/config.py).
+LOOKUP_MAX_N = 4
+
+
+class NgramIndex:
+    """Suffix n-grams of one token sequence -> where their most recent continuation starts.
+
+    Only n-grams that already have a continuation are indexed (the one ending at the last token is
+    added when the next token arrives), so a lookup always finds a strictly earlier occurrence.
+    Implements `crop(-k)` like a transformers cache, so `Sequence.crop_cache` rolls it back when
+    the target rejects draft tokens; `len(index)` is the number of tokens it has seen.
+    """
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.tokens: list[int] = []
+        self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token that followed it last
+        self._undo: list[list[tuple[tuple[int, ...], int | None]]] = []  # per token: (key, previous value)
+        # The last proposal, to learn from once the sequence has moved past it (MatchCalibration):
+        # (position of its first token, the token before it, the tokens, n of the match).
+        self.last: tuple[int, int, list[int], int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def append(self, token: int) -> None:
+        pos = len(self.tokens)  # the new token continues every n-gram ending just before it
+        undo = []
+        for n in range(self.min_n, min(self.max_n, pos) + 1):
+            key = tuple(self.tokens[pos - n: pos])
+            undo.append((key, self._next.get(key)))
+            self._next[key] = pos
+        self.tokens.append(token)
+        self._undo.append(undo)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.append(t)
+
+    def crop(self, delta: int) -> None:
+        """Drops the last -delta tokens (delta < 0, the transformers Cache.crop convention)."""
+        for _ in range(min(-delta, len(self.tokens))):
+            self.tokens.pop()
+            for key, previous in reversed(self._undo.pop()):
+                if previous is None:
+                    del self._next[key]
+                else:
+                    self._next[key] = previous
+
+    def propose(self, max_tokens: int) -> tuple[list[int], int]:
+        """(continuation, n of the matched suffix): longest suffix first, its most recent occurrence.
+
+        When the continuation runs into the end of the sequence, the match is periodic (the suffix
+        re-appears `period` tokens later), so the proposal keeps repeating that period: a loop in
+        the output is drafted at full length.
+        """
+        length = len(self.tokens)
+        if max_tokens <= 0:
+            return [], 0
+        for n in range(min(self.max_n, length), self.min_n - 1, -1):
+            start = self._next.get(tuple(self.tokens[length - n:]))
+            if start is not None:
+                out = self.tokens[start: start + max_tokens]
+                period = length - start
+                while len(out) < max_tokens:
+                    out.append(out[len(out) - period])
+                return out, n
+        return [], 0
+
+
+# Prior hazards: P(token k right | tokens 1..k-1 right) for a match of n tokens, first token and
+# later ones, rounded from the measurement quoted above (4 grounded + 4 chat prompts, 96 tokens each).
+PRIOR_FIRST = {1: 0.2, 2: 0.55, 3: 0.7, 4: 0.85}
+PRIOR_LATER = {1: 0.6, 2: 0.7, 3: 0.8, 4: 0.9}
+
+
+class MatchCalibration:
+    """P(the first k proposed tokens are all right | the match was n tokens long), learned online.
+
+    Kept as per-(n, k) hazards (Kaplan-Meier): a proposal whose truth is known up to L tokens
+    counts, for each k <= L, one trial of token k after tokens 1..k-1 agreed, and stops counting
+    at its first miss. Tokens the coordinator did not verify still count, once the canonical
+    sequence has reached them: they were right or wrong all the same. Shared by every sequence of
+    a service (the draft service's n-gram drafter, or the target's engine), since they describe the
+    target and its text. Each prior hazard starts with
+    `prior_weight` pseudo-trials. Observations only move probabilities, never tokens, so a
+    miscalibrated table costs speed, not correctness.
+    """
+
+    MAX_K = 32
+
+    def __init__(self, max_n: int, prior_weight: float = 4.0):
+        self.max_n = max_n
+        self._hits: dict[int, list[float]] = {}
+        self._trials: dict[int, list[float]] = {}
+        for n in range(1, max_n + 1):
+            first, later = PRIOR_FIRST[min(n, 4)], PRIOR_LATER[min(n, 4)]
+            self._hits[n] = [prior_weight * (first if k == 0 else later) for k in range(self.MAX_K)]
+            self._trials[n] = [prior_weight] * self.MAX_K
+
+    def observe(self, n: int, proposal: list[int], truth: list[int]) -> None:
+        """`truth`: the canonical tokens from the proposal's first position on, as far as known."""
+        if n not in self._hits:
+            return
+        for k, (guess, actual) in enumerate(zip(proposal[: self.MAX_K], truth)):
+            self._trials[n][k] += 1
+            if guess != actual:
+                return
+            self._hits[n][k] += 1
+
+    def survival(self, n: int, length: int) -> list[float]:
+        """P(tokens 1..k all right) for k = 1..length: each proposed token's cumulative probability."""
+        out: list[float] = []
+        p = 1.0
+        for k in range(length):
+            j = min(k, self.MAX_K - 1)
+            p *= self._hits[n][j] / self._trials[n][j] if n in self._hits else 0.0
+            out.append(p)
+        return out
+
+
+def best_cut(confidence: list[float], relative: list[float] | tuple[float, ...]) -> int:
+    """How many tokens of a proposal to verify (0..len): the prefix with the most expected tokens
+    per unit of forward cost, where confidence[k - 1] is the chance its first k tokens are all
+    right and relative[g] the cost of a forward over g + 1 positions against one over 1 (the
+    target's own pass: no draft to pay for, no exchange). Empty `relative`: all of it."""
+    if not relative:
+        return len(confidence)
+    best, best_rate, expected = 0, 1.0 / relative[0], 1.0
+    for g, p in enumerate(confidence[: len(relative) - 1], start=1):
+        expected += p
+        rate = expected / relative[g]
+        if rate > best_rate:
+            best, best_rate = g, rate
+    return best
+
+
+def relative_costs(costs: Costs, max_tokens: int) -> tuple[float, ...]:
+    """V(n) / V(1) for n = 1..max_tokens + 1: what VerifyCall.lookup_costs carries."""
+    v = costs.verify
+    return tuple(v[min(n, len(v)) - 1] / v[0] for n in range(1, max_tokens + 2))
+
+
+def lookup_draft(index: NgramIndex, calibration: MatchCalibration, max_tokens: int, relative: tuple[float, ...],
+                 room: int) -> tuple[list[int], list[int], int]:
+    """(draft, the whole proposal, n of its match): what `index` proposes after its longest matched
+    suffix, cut by `calibration`'s chances and the `relative` costs; ([], [], 0) without a match."""
+    proposal, n = index.propose(min(max_tokens, room))
+    if not n:
+        return [], [], 0
+    return proposal[: best_cut(calibration.survival(n, len(proposal)), relative)], proposal, n

@@ -1,0 +1,237 @@
+"""VerifyRequest.lookup_max_tokens: on the passes without a draft of their own, the target drafts by
+prompt lookup itself (specdec/spec/lookup.py), so an n-gram step costs no exchange.
+
+Greedy tokens must be exactly the target's own, whatever was drafted; the accepted drafts must
+save forward passes; the coordinator must ask for it only where it keeps its guarantees (an n-gram
+drafter, not seeded sampling), and a bad value must name its field. The sampled distribution with
+it is checked in tests/test_distribution.py (test_ngram_drafted_by_the_target).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from coordinator.clients import TargetClient
+from coordinator.local import LocalProposer, LocalVerifier
+from coordinator.loop import SpeculativeLoop
+from draft_service.drafters.ngram import NgramDrafter
+from draft_service.engine import DraftEngine
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec.errors import InvalidArgument
+from specdec.model.lm import CausalLM
+from specdec.spec.costs import NGRAM_DRAFT_PRIOR, CostModel
+from specdec.spec.lookup import MatchCalibration, NgramIndex, best_cut, lookup_draft, relative_costs
+from specdec.spec.request import VerifyCall
+from specdec.spec.sampling import SamplingConfig
+from target_service.engine import TargetEngine
+from tests import tiny
+from tests.stack import Stack
+from tests.test_loop import MAX_NEW, run
+
+GREEDY = SamplingConfig()
+MOST = 8
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny.tiny_pair(seed=5)
+
+
+def engine(pair) -> TargetEngine:
+    return TargetEngine(CausalLM(pair[0], torch.device("cpu")))
+
+
+def echoing_prompts(pair, n: int) -> list[list[int]]:
+    """x, the target's continuation of x, then x again: the target often continues the second x as
+    it did the first, which prompt lookup proposes (a tiny random model's text rarely repeats otherwise)."""
+    return [x + tiny.reference_greedy(pair[0], x, 12) + x for x in tiny.prompts(n, seed=21)]
+
+
+def test_lookup_draft_is_cut_where_expected_tokens_per_cost_peak():
+    index = NgramIndex(4, 1)
+    index.extend([7, 8, 9, 5, 7, 8])  # suffix (7, 8) matched: 9, 5, 7, 8, ... followed it
+    calibration = MatchCalibration(4)
+    assert lookup_draft(index, calibration, 3, (), room=10) == ([9, 5, 7], [9, 5, 7], 2)  # no costs: no cut
+    assert lookup_draft(index, calibration, 8, (), room=2)[0] == [9, 5]
+    assert lookup_draft(NgramIndex(4, 1), calibration, 8, (), room=10) == ([], [], 0)
+    flat, dearer = (1.0,) * 9, tuple(1.0 + 0.2 * n for n in range(9))
+    assert best_cut([0.9, 0.8, 0.7], flat) == 3  # free positions: all of it
+    assert best_cut([0.2, 0.1], dearer) == 0 and best_cut([0.99, 0.98], dearer) == 2
+    # A match length whose drafts keep failing is cut to nothing once the calibration has seen it.
+    curve = relative_costs(NGRAM_DRAFT_PRIOR, 8)
+    assert curve[0] == 1.0 and len(curve) == 9
+    before = len(lookup_draft(index, calibration, 8, curve, room=10)[0])
+    for _ in range(50):
+        calibration.observe(2, [9, 5, 7], [1])
+    assert before > 0 and lookup_draft(index, calibration, 8, curve, room=10)[0] == []
+
+
+def test_greedy_tokens_are_the_targets_own_and_accepted_drafts_save_passes(pair):
+    target = engine(pair)
+    accepted = saved = 0
+    for n, prompt in enumerate(echoing_prompts(pair, 6)):
+        out = target.verify(VerifyCall(f"s{n}", 0, prompt, [], [], GREEDY, decode_ahead=12, lookup_max_tokens=MOST))
+        got = [out.next_token, *out.decoded]
+        assert got == tiny.reference_greedy(pair[0], prompt, len(got))
+        assert out.cached_len == len(prompt) + len(out.decoded)  # it holds all but the last token
+        assert out.ahead_accepted <= out.ahead_drafted and out.ahead_passes + out.ahead_accepted == len(out.decoded)
+        accepted += out.ahead_accepted
+        saved += len(out.decoded) - out.ahead_passes
+        if tiny.EOS not in got:  # and goes on from there, its index following the sequence
+            more = target.verify(VerifyCall(f"s{n}", out.cached_len, [got[-1]], [], [], GREEDY, decode_ahead=6,
+                                            lookup_max_tokens=MOST))
+            reference = tiny.reference_greedy(pair[0], prompt, len(got) + 7)
+            assert [more.next_token, *more.decoded] == reference[len(got):len(got) + 1 + len(more.decoded)]
+            seq = target.store._sequences[f"s{n}"]
+            assert seq.side.tokens == seq.tokens[: len(seq.side.tokens)]
+    assert accepted > 0 and saved == accepted
+
+
+def test_a_call_without_a_draft_gets_the_targets_own_and_so_does_each_row_of_a_batch(pair):
+    """The call's own pass drafts by lookup too when the caller sent no draft; the caller knows no
+    draft tokens, so the accepted ones come back as next_token and decoded_tokens. In a batch
+    (where nothing is decoded ahead) each row drafts for itself, and gets what it gets alone."""
+    target = engine(pair)
+    prompts = echoing_prompts(pair, 6)
+    drafted = 0
+    for n, prompt in enumerate(prompts):
+        out = target.verify(VerifyCall(f"m{n}", 0, prompt, [], [], GREEDY, lookup_max_tokens=MOST))
+        got = [out.next_token, *out.decoded]
+        assert out.accepted == 0 and got == tiny.reference_greedy(pair[0], prompt, len(got))
+        assert out.ahead_passes == 0 and len(out.decoded) == out.ahead_accepted
+        drafted += out.ahead_drafted
+    assert drafted > 0
+    batch = target.verify_batch([VerifyCall(f"b{n}", 0, p, [], [], GREEDY, decode_ahead=4, decode_ahead_passes=2,
+                                            lookup_max_tokens=MOST) for n, p in enumerate(prompts)])
+    for n, (prompt, out) in enumerate(zip(prompts, batch)):
+        alone = target.verify(VerifyCall(f"a{n}", 0, prompt, [], [], GREEDY, lookup_max_tokens=MOST))
+        assert (out.next_token, out.decoded, out.ahead_drafted) == (alone.next_token, alone.decoded, alone.ahead_drafted)
+
+
+def test_the_passes_decoded_ahead_stop_at_decode_ahead_passes(pair):
+    target = engine(pair)
+    for n, prompt in enumerate(echoing_prompts(pair, 3)):
+        out = target.verify(VerifyCall(f"p{n}", 0, prompt, [], [], GREEDY, decode_ahead=40, decode_ahead_passes=3,
+                                       lookup_max_tokens=MOST))
+        got = [out.next_token, *out.decoded]
+        assert got == tiny.reference_greedy(pair[0], prompt, len(got))
+        assert out.ahead_passes == 3 or tiny.EOS in got
+
+
+def test_a_sequence_rolled_back_and_regrown_drafts_from_its_new_tokens(pair):
+    """A call without lookup may roll the sequence back and append other tokens: the index must not
+    keep the n-grams of the tokens that are gone."""
+    target = engine(pair)
+    prompt = echoing_prompts(pair, 1)[0]
+    first = target.verify(VerifyCall("r", 0, prompt, [], [], GREEDY, decode_ahead=8, lookup_max_tokens=MOST))
+    other = tiny.prompts(1, seed=99)[0][:5]
+    known = len(prompt) - 3
+    target.verify(VerifyCall("r", known, other, [], [], GREEDY))  # a rollback past the indexed tokens
+    regrown = prompt[:known] + other
+    out = target.verify(VerifyCall("r", len(regrown), [], [], [], GREEDY, decode_ahead=8, lookup_max_tokens=MOST))
+    seq = target.store._sequences["r"]
+    assert seq.side.tokens == seq.tokens[: len(seq.side.tokens)] and first.cached_len > known
+    # the store keeps one pending token: the call re-scores the last one, as any plain Verify would
+    got = [out.next_token, *out.decoded]
+    assert got == tiny.reference_greedy(pair[0], regrown, len(got))
+
+
+@pytest.mark.parametrize("fields, name", [
+    (dict(lookup_max_tokens=-1), "lookup_max_tokens"), (dict(lookup_max_tokens=33), "lookup_max_tokens"),
+    (dict(lookup_max_tokens=4, return_features=True), "lookup_max_tokens"),
+    (dict(lookup_max_tokens=4, lookup_costs=(1.0, 0.0)), "lookup_costs"),
+    (dict(lookup_max_tokens=4, lookup_costs=(1.0, float("nan"))), "lookup_costs"),
+    (dict(lookup_max_tokens=4, lookup_costs=(1.0,) * 34), "lookup_costs"),
+    (dict(decode_ahead_passes=-1), "decode_ahead_passes"), (dict(decode_ahead_passes=65), "decode_ahead_passes"),
+])
+def test_bad_lookup_fields_are_invalid_argument(pair, fields, name):
+    with pytest.raises(InvalidArgument) as info:
+        engine(pair)._prepare(VerifyCall("x", 0, [1, 2], [], [], GREEDY, decode_ahead=4, **fields))
+    assert info.value.field == name
+
+
+class RecordingVerifier(LocalVerifier):
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.calls: list[VerifyCall] = []
+
+    async def verify(self, call):
+        self.calls.append(call)
+        return await super().verify(call)
+
+
+class CountingProposer(LocalProposer):
+    asks = 0
+
+    async def propose(self, *args, **kwargs):
+        self.asks += 1
+        return await super().propose(*args, **kwargs)
+
+
+def ngram_loop(verifier, lookup: bool, proposer: LocalProposer | None = None) -> SpeculativeLoop:
+    proposer = proposer or LocalProposer(DraftEngine(NgramDrafter(4, 1)))
+    return SpeculativeLoop(verifier, proposer, CostModel(NGRAM_DRAFT_PRIOR), NGRAM_DRAFT_PRIOR, calibrated=True, lookup=lookup)
+
+
+def test_the_loop_with_lookup_gives_the_targets_tokens_in_fewer_exchanges(pair):
+    target = engine(pair)
+    exchanges = {True: 0, False: 0}
+    for prompt in echoing_prompts(pair, 4):
+        reference = tiny.reference_greedy(pair[0], prompt, MAX_NEW)
+        for lookup in (True, False):
+            verifier, proposer = RecordingVerifier(target), CountingProposer(DraftEngine(NgramDrafter(4, 1)))
+            tokens, stats = run(ngram_loop(verifier, lookup, proposer), prompt, draft_length=8)
+            assert tokens == reference
+            assert all(bool(call.lookup_max_tokens) == lookup for call in verifier.calls)
+            assert (proposer.asks == 0) == lookup  # with lookup the target drafts: the draft is never asked
+            exchanges[lookup] += len(verifier.calls)
+            assert stats.accepted_tokens <= stats.draft_tokens and stats.steps <= len(tokens)
+    assert exchanges[True] < exchanges[False]
+
+
+def test_seeded_sampling_and_a_loop_without_ngram_never_ask_for_lookup(pair):
+    target = engine(pair)
+    prompt = echoing_prompts(pair, 1)[0]
+    verifier = RecordingVerifier(target)
+    run(ngram_loop(verifier, True), prompt, draft_length=8, sampling=SamplingConfig(temperature=1.0, seed=3), seeded=True)
+    assert not any(call.lookup_max_tokens for call in verifier.calls)
+    unseeded = RecordingVerifier(target)
+    run(ngram_loop(unseeded, True), prompt, draft_length=8, sampling=SamplingConfig(temperature=1.0, seed=3))
+    assert any(call.lookup_max_tokens for call in unseeded.calls)
+    plain = RecordingVerifier(target)
+    run(SpeculativeLoop(plain, None, None, NGRAM_DRAFT_PRIOR, lookup=True), prompt, draft_length=0)
+    assert not any(call.lookup_max_tokens for call in plain.calls)
+
+
+@pytest.fixture(scope="module")
+def service(pair, tmp_path_factory):
+    stack = Stack()
+    yield stack.target(tiny.save(pair[0], tmp_path_factory.mktemp("lookup") / "target"))
+    stack.stop()
+
+
+def test_lookup_crosses_the_wire_and_a_bad_value_names_its_field(pair, service):
+    prompt = echoing_prompts(pair, 1)[0]
+
+    async def main():
+        client = TargetClient(service, timeout_s=30)
+        try:
+            return await client.verify(VerifyCall("wire", 0, prompt, [], [], GREEDY, decode_ahead=12, lookup_max_tokens=MOST))
+        finally:
+            await client.close()
+
+    out = asyncio.run(main())
+    got = [out.next_token, *out.decoded]
+    assert got == tiny.reference_greedy(pair[0], prompt, len(got)) and out.ahead_passes + out.ahead_accepted == len(out.decoded)
+    assert out.ahead_drafted > 0
+    with grpc.insecure_channel(service) as channel:
+        stub = pb_grpc.TargetServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Verify(pb.VerifyRequest(sequence_id="bad", known_len=0, append_tokens=prompt, decode_ahead=4,
+                                         lookup_max_tokens=40), timeout=30)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lookup_max_tokens" in info.value.details()
