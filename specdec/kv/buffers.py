@@ -34,9 +34,33 @@ class GrowingLayer(DynamicLayer):
     """A full-attention layer whose keys/values [B, H, T, D] are views into buffers [B, H, capacity, D]."""
 
     def __init__(self, *args, **kwargs):
+        self._stale = False  # advance() moved the end: keys/values are made on the next read (before super's setter runs)
         super().__init__(*args, **kwargs)
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values this layer exposed
+
+    # keys/values are views made when read, not each time the end moves: the one-call stack
+    # (specdec/model/stack.py) appends to every layer of every row in a pass and reads none of
+    # them back, and two views a layer a row were ~5% of an 8-row pass's time.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        if self._stale:
+            self._expose()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._keys, self._stale = value, False
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        if self._stale:
+            self._expose()
+        return self._values
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._values, self._stale = value, False
         self._length = 0
         self._arena: torch.Tensor | None = None  # the tensor _buffers are views of (bind_arena), if any
 
@@ -51,13 +75,14 @@ class GrowingLayer(DynamicLayer):
         return layer
 
     def _owned(self) -> bool:
-        """Are keys/values still the views this layer made? (False after an outside replacement.)"""
-        return self._views is not None and self.keys is self._views[0] and self.values is self._views[1]
+        """Are keys/values still the views this layer made? (False after an outside replacement.)
+        Stale ones are: a replacement would have gone through the setters, which clear the flag."""
+        return self._stale or (self._views is not None and self._keys is self._views[0] and self._values is self._views[1])
 
     def _expose(self) -> None:
         k, v = self._buffers
-        self.keys, self.values = k[..., :self._length, :], v[..., :self._length, :]
-        self._views = (self.keys, self.values)
+        self._keys, self._values = k[..., :self._length, :], v[..., :self._length, :]
+        self._views, self._stale = (self._keys, self._values), False
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:  # by hand: lazy_initialization's signature differs across transformers 5.x
@@ -97,7 +122,7 @@ class GrowingLayer(DynamicLayer):
     def advance(self, count: int) -> None:
         """Takes the next `count` positions, written in place into the buffers open_rows returned."""
         self._length += count
-        self._expose()
+        self._stale = True
 
     def _reserve(self, needed: int, key_states: torch.Tensor, value_states: torch.Tensor,
                  held: tuple[torch.Tensor, torch.Tensor] | None) -> None:
