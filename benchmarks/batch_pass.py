@@ -1,0 +1,54 @@
+"""One batched target pass: R sequences (the chat prompts, prefilled) decoding one token each, as the
+target serves R streams under load, through TargetEngine.verify_batch in one process.
+
+    .venv/bin/python benchmarks/batch_pass.py [--weights gguf-a8] [--rows 8] [--steps 60] [--repeats 3]
+
+Prints the median and 10th percentile of a pass over steps x repeats. Run two versions alternately
+(PYTHONPATH=<tree>) to compare them: the machine drifts by 10-20% within minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--weights", default="gguf-a8")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    from specdec.model import gemm
+    from specdec.model.lm import CausalLM
+    from specdec.model.loading import DEFAULT_TARGET, load_model
+    from specdec.spec.request import VerifyCall
+    from specdec.spec.sampling import SamplingConfig
+    from specdec_tools.workload import load_prompt_ids
+    from target_service.engine import TargetEngine
+
+    loaded = load_model(DEFAULT_TARGET, "cpu")
+    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, args.weights, loaded.path)
+    engine = TargetEngine(CausalLM(loaded.model, loaded.device))
+    prompts = (load_prompt_ids(loaded.tokenizer, "chat", args.rows) * args.rows)[: args.rows]
+    greedy, times = SamplingConfig(), []
+    for repeat in range(args.repeats):
+        ids = [f"r{repeat}-{i}" for i in range(args.rows)]
+        results = engine.verify_batch([VerifyCall(s, 0, p, [], [], greedy) for s, p in zip(ids, prompts)])
+        known, last = [len(p) for p in prompts], [r.next_token for r in results]
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            results = engine.verify_batch([VerifyCall(s, known[i], [last[i]], [], [], greedy) for i, s in enumerate(ids)])
+            times.append(time.perf_counter() - start)
+            known, last = [r.cached_len for r in results], [r.next_token for r in results]
+        for s in ids:
+            engine.release(s)
+    print(f"{args.rows}-row pass ({args.weights}): median {statistics.median(times) * 1e3:.2f} ms, "
+          f"p10 {sorted(times)[len(times) // 10] * 1e3:.2f} ms over {len(times)} passes")
+
+
+if __name__ == "__main__":
+    main()
