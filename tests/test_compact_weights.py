@@ -304,3 +304,28 @@ def test_the_services_serve_and_report_their_format(tmp_path):
                 assert list(response.token_ids) == expected, draft_length
     finally:
         stack.stop()
+
+
+def test_half_scales_in_the_panels_compute_the_same_bits_as_float_scales_beside_them():
+    """q4 weights keep their scales and minimums as halves (as GGUF's Q4_1 does), so the -a8 kernel
+    reads them from the panel's own stream (q4a8h): the same values, so the same outputs bit for bit
+    as the layout with float scales beside the codes, in fewer bytes. Scales that are not halves keep
+    that layout."""
+    torch.manual_seed(6)
+    kernel = gemm_kernel.load()
+    for out_features, in_features in [(80, 64), (37, 70), (3, 100)]:
+        q4 = compact.quantize(torch.randn(out_features, in_features) * 0.1, "q4")
+        half = compact.to_a8(q4)
+        assert half.kind == "q4a8h" and half.scales is None
+        kb = -(-in_features // 32)
+        codes = compact._codes(q4)[:out_features]
+        per_block = [compact._rows(t, kb)[:out_features] for t in (q4.scales, q4.mins)]
+        floats = compact.from_codes("q4a8", "q4", codes, *per_block)
+        assert torch.equal(half.dequantize(), floats.dequantize()) and torch.equal(half.dequantize(), q4.dequantize())
+        assert half.nbytes < floats.nbytes
+        bias = torch.randn(out_features)
+        for rows in (1, 2, 3, 8, 9, 17):
+            x = torch.randn(rows, in_features)
+            assert torch.equal(kernel.linear_compact(x, half, bias), kernel.linear_compact(x, floats, bias)), rows
+    off_grid = compact.from_codes("q4", "q4", codes, per_block[0] * (1 + 2 ** -20), per_block[1])
+    assert compact.to_a8(off_grid).kind == "q4a8"  # a scale between two halves: float scales, as before

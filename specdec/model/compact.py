@@ -41,7 +41,10 @@ from specdec.model.formats import FORMATS
 
 # The kernel's format numbers (enums in gemm.c). int8a8 / q4a8: the same codes laid out for integer dot
 # products against activations rounded to 8 bits per block of 32 (the `-a8` --weights values).
-KERNEL_FORMAT = {"bf16": 1, "f16": 2, "int8": 3, "q4": 4, "int8a8": 5, "q4a8": 6}
+KERNEL_FORMAT = {"bf16": 1, "f16": 2, "int8": 3, "q4": 4, "int8a8": 5, "q4a8": 6, "q4a8h": 7}
+# q4a8h: q4a8 with each block's scales and minimums as halves right after its codes (gemm.c SG_Q4A8H),
+# for weights whose scales are halves already (GGUF's Q4_1): the same values in fewer bytes, one stream.
+HALF_BLOCK = 256 + 2 * 2 * 16  # bytes of a q4a8h block of one panel: codes, 16 half scales, 16 half minimums
 A8 = "-a8"  # suffix of the --weights values whose activations are rounded to 8 bits
 BLOCK = 32  # weights per scale along the input dimension
 LANES = 16  # output features per panel
@@ -52,12 +55,12 @@ ALIGNMENT = 64  # bytes: the kernel reads panels and scales with aligned 64-byte
 class Compact:
     """One layer's weight in a kernel format: codes in panels, per-block scales (and minimums for q4)."""
 
-    kind: str  # bf16 | f16 | int8 | q4: the kernel format
+    kind: str  # bf16 | f16 | int8 | q4 | int8a8 | q4a8 | q4a8h: the kernel format
     source: str  # what it came from: "bf16", "q4", ... or a GGUF type such as "Q4_1"
     out_features: int
     in_features: int
     panels: torch.Tensor  # uint8 view of the panel bytes, 64-byte aligned
-    scales: torch.Tensor | None  # float32 [P, KB, 16], 64-byte aligned
+    scales: torch.Tensor | None  # float32 [P, KB, 16], 64-byte aligned (q4a8h: None, they are in the panels)
     mins: torch.Tensor | None
 
     @property
@@ -76,10 +79,18 @@ class Compact:
             w = _rows(self.panels.view(torch.bfloat16 if self.kind == "bf16" else torch.float16), k).float()
         else:
             kb = -(-k // BLOCK)
-            w = _codes(self).float() * _rows(self.scales, kb).repeat_interleave(BLOCK, dim=1)[:, :k]
-            if self.mins is not None:
-                w = w + _rows(self.mins, kb).repeat_interleave(BLOCK, dim=1)[:, :k]
+            scales, mins = _half_scales(self) if self.kind == "q4a8h" else (self.scales, self.mins)
+            w = _codes(self).float() * _rows(scales, kb).repeat_interleave(BLOCK, dim=1)[:, :k]
+            if mins is not None:
+                w = w + _rows(mins, kb).repeat_interleave(BLOCK, dim=1)[:, :k]
         return w[:n].contiguous()
+
+
+def _half_scales(c: Compact) -> tuple[torch.Tensor, torch.Tensor]:
+    """A q4a8h weight's [P, KB, 16] scales and minimums, as floats."""
+    blocks = c.panels.reshape(-1, -(-c.in_features // BLOCK), HALF_BLOCK)
+    return (blocks[..., 256:288].contiguous().view(torch.float16).float(),
+            blocks[..., 288:].contiguous().view(torch.float16).float())
 
 
 def _rows(t: torch.Tensor, per_row: int) -> torch.Tensor:
@@ -90,7 +101,7 @@ def _rows(t: torch.Tensor, per_row: int) -> torch.Tensor:
 def _codes(c: Compact) -> torch.Tensor:
     """The [N padded to 16, K] codes of an int8 or 4-bit weight (int8: signed q; 4-bit: 0..15), either layout."""
     k = c.in_features
-    if c.kind in ("int8a8", "q4a8"):
+    if c.kind in ("int8a8", "q4a8", "q4a8h"):
         return _a8_codes(c)
     if c.kind == "int8":
         return _rows(c.panels.view(torch.int8), k)
@@ -140,6 +151,12 @@ def from_codes(kind: str, source: str, codes: torch.Tensor, scales: torch.Tensor
         panels = _panels(c[:, 0::2] | (c[:, 1::2] << 4))
     elif kind in ("int8a8", "q4a8"):
         panels = _a8_panels(kind, codes)
+    elif kind == "q4a8h":
+        blocks = _a8_panels("q4a8", codes)
+        p, kb = blocks.shape[:2]
+        halves = [_panels(t.to(torch.float16)).view(torch.uint8) for t in (scales, mins)]  # [P, KB, 32] bytes each
+        panels = torch.cat([blocks.reshape(p, kb, 256), *halves], dim=-1)
+        return Compact(kind, source, n, k, _aligned(panels).reshape(-1), None, None)
     else:
         raise ValueError(f"no kernel format {kind!r}")
     return Compact(kind, source, n, k, _aligned(panels).view(torch.uint8).reshape(-1),
@@ -170,7 +187,8 @@ def _a8_codes(c: Compact) -> torch.Tensor:
     if c.kind == "int8a8":
         u = c.panels.reshape(-1, kb, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(-1, kb * BLOCK)
         return (u.to(torch.int16) - 128)[:, :k]
-    v = c.panels.reshape(-1, kb, 4, LANES, 4).permute(0, 3, 1, 2, 4)  # [P, 16, KB, chunk, t]
+    panels = c.panels.reshape(-1, kb, HALF_BLOCK)[..., :256] if c.kind == "q4a8h" else c.panels
+    v = panels.reshape(-1, kb, 4, LANES, 4).permute(0, 3, 1, 2, 4)  # [P, 16, KB, chunk, t]
     return torch.stack([v & 15, v >> 4], dim=-2).reshape(-1, kb * BLOCK)[:, :k]
 
 
@@ -183,7 +201,16 @@ def to_a8(c: Compact) -> Compact:
     def per_block(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else _rows(t, kb)[:n]
 
-    return from_codes(c.kind + "a8", c.source, _codes(c)[:n], per_block(c.scales), per_block(c.mins))
+    scales, mins = per_block(c.scales), per_block(c.mins)
+    kind = c.kind + "a8"
+    if kind == "q4a8" and all(_halves_exact(t) for t in (scales, mins)):
+        kind = "q4a8h"  # the same values in the smaller layout
+    return from_codes(kind, c.source, _codes(c)[:n], scales, mins)
+
+
+def _halves_exact(t: torch.Tensor) -> bool:
+    """Does every value of `t` survive a round trip through float16 unchanged?"""
+    return t is not None and bool((t.to(torch.float16).float() == t).all())
 
 
 def _panel_count(c: Compact) -> int:
@@ -244,6 +271,10 @@ def quantize(weight: torch.Tensor, kind: str) -> Compact:
     if kind == "q4":
         lo, hi = blocks.amin(dim=-1), blocks.amax(dim=-1)
         d = (hi - lo) / 15
+        # Scales and minimums as halves, as GGUF's Q4_1 keeps them: the -a8 kernel then reads them
+        # from the panel's own stream (q4a8h), 0.625 bytes a weight instead of 0.75.
+        if torch.isfinite(d.half()).all() and torch.isfinite(lo.half()).all():
+            d, lo = d.half().float(), lo.half().float()
         q = torch.where(d[..., None] > 0, torch.round((blocks - lo[..., None]) / d[..., None].clamp_min(1e-30)), 0).clamp(0, 15)
         return from_codes(kind, kind, q.reshape(n, -1)[:, :k].to(torch.uint8), d, lo)
     raise ValueError(f"weights must be one of {', '.join(FORMATS)}, not {kind!r}")
