@@ -235,3 +235,42 @@ def test_lookup_crosses_the_wire_and_a_bad_value_names_its_field(pair, service):
             stub.Verify(pb.VerifyRequest(sequence_id="bad", known_len=0, append_tokens=prompt, decode_ahead=4,
                                          lookup_max_tokens=40), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lookup_max_tokens" in info.value.details()
+
+
+def run_steps(loop: SpeculativeLoop, prompt: list[int], **spec_fields):
+    """The loop's Steps for one greedy request (tests.test_loop.run keeps only the tokens)."""
+    from coordinator.protocol import GenerationSpec, Stats
+
+    spec = GenerationSpec(request_id="r", prompt_ids=prompt, max_new_tokens=MAX_NEW, sampling=GREEDY, draft_length=8,
+                          adaptive=True, eos_token_ids=frozenset({tiny.EOS}), **spec_fields)
+
+    async def collect():
+        return [step async for step in loop.run(spec, Stats())]
+
+    return asyncio.run(collect())
+
+
+def test_logprobs_and_min_tokens_hold_with_lookup(pair):
+    """Each token made canonical by the target's own drafts gets its log-probability, in order, and a
+    request's min_tokens bans end-of-sequence on those passes too."""
+    target = engine(pair)
+    for prompt in echoing_prompts(pair, 3):
+        steps = {lookup: run_steps(ngram_loop(RecordingVerifier(target), lookup), prompt, logprobs=2)
+                 for lookup in (True, False)}
+        for lookup, got in steps.items():
+            tokens = [t for step in got for t in step.tokens]
+            assert tokens == tiny.reference_greedy(pair[0], prompt, MAX_NEW)
+            assert [lp.token_id for step in got for lp in step.logprobs] == tokens
+            assert all(len(lp.top) == 2 and lp.logprob <= 0 for step in got for lp in step.logprobs)
+        with_lookup = [lp.logprob for step in steps[True] for lp in step.logprobs]
+        without = [lp.logprob for step in steps[False] for lp in step.logprobs]
+        assert with_lookup == pytest.approx(without, abs=1e-4)
+    # prompts whose greedy continuation ends within MAX_NEW tokens: banned, the end moves past MAX_NEW
+    xs = tiny.prompts(40, seed=21)
+    for x in (xs[15], xs[29]):
+        prompt = x + tiny.reference_greedy(pair[0], x, 12) + x
+        reference = tiny.reference_greedy(pair[0], prompt, MAX_NEW)
+        end = reference.index(tiny.EOS)
+        banned = [t for step in run_steps(ngram_loop(RecordingVerifier(target), True), prompt, min_tokens=MAX_NEW)
+                  for t in step.tokens]
+        assert tiny.EOS not in banned and len(banned) == MAX_NEW and banned[:end] == reference[:end]
