@@ -257,7 +257,7 @@ def test_logprobs_and_min_tokens_hold_with_lookup(pair):
     for prompt in echoing_prompts(pair, 3):
         steps = {lookup: run_steps(ngram_loop(RecordingVerifier(target), lookup), prompt, logprobs=2)
                  for lookup in (True, False)}
-        for lookup, got in steps.items():
+        for got in steps.values():
             tokens = [t for step in got for t in step.tokens]
             assert tokens == tiny.reference_greedy(pair[0], prompt, MAX_NEW)
             assert [lp.token_id for step in got for lp in step.logprobs] == tokens
