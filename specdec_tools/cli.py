@@ -62,8 +62,9 @@ def cmd_serve(argv: list[str]) -> int:
 
         confine(config.compute_threads)
     try:
-        from specdec.serving.rpc import run_service
+        from specdec.serving.rpc import own_process, run_service
 
+        own_process()  # this process is the service's: its heap is frozen once it serves (settle_heap)
         run_service(serve(config), config.event_loop)
     except (ValueError, OSError) as exc:  # a bad --model/--tokenizer, a busy port: the message, not a traceback
         print(f"specdec serve {argv[0]}: error: {exc}", file=sys.stderr)
