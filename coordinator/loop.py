@@ -85,9 +85,10 @@ class SpeculativeLoop:
         calibrated chances of acceptance (the n-gram drafter), so each unseeded adaptive proposal
         is cut where its expected tokens per second peak (specdec/spec/costs.py). `decode_ahead`: the
         most tokens the target may decode in one exchange for steps that will not draft (0: none).
-        `lookup`: the draft is prompt lookup (n-gram), which the target runs itself on the passes it
-        decodes ahead: then every step may decode ahead, drafting steps too, and an n-gram step
-        costs no exchange (the exchange, not the forward, is most of a step once the forward is fast)."""
+        `lookup`: the draft is prompt lookup (n-gram), which the target runs itself on every pass:
+        an unseeded chain request then asks no draft, and each exchange carries up to
+        `decode_ahead` passes, so an n-gram step costs no exchange (the exchange, not the forward,
+        is most of a step once the forward is fast)."""
         RunAheadPolicy(overlap)  # validates the mode
         self.verifier = verifier
         self.proposer = proposer
