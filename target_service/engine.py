@@ -141,14 +141,18 @@ class TargetEngine:
     def _lookup_index(call: VerifyCall, seq: Sequence) -> NgramIndex:
         """The sequence's prompt-lookup index, kept beside its cache across calls (Sequence.side).
 
-        The index keeps what it shares with the sequence below call.known_len and re-indexes the
-        rest: a step indexes the tokens that arrived since the last one, not the whole sequence.
-        (Shared, not merely shorter: a call without lookup may have rolled the sequence back and
-        re-grown it in between, and a stale n-gram would draft worse tokens, never wrong ones.)"""
+        The index keeps the tokens it shares with the sequence and indexes only the rest: a step
+        indexes the tokens that arrived since the last one, not the whole sequence, and a call's
+        passes decoded ahead reuse what its own pass indexed. Shared, not merely held by both: a
+        call without lookup may have rolled the sequence back and re-grown it in between (then the
+        tokens below call.known_len are still shared), and a stale n-gram would draft worse tokens,
+        never wrong ones."""
         index = seq.side if isinstance(seq.side, NgramIndex) else NgramIndex(LOOKUP_MAX_N, 1)
-        keep = min(len(index), call.known_len)
+        keep = min(len(index), len(seq.tokens))
         if index.tokens[:keep] != seq.tokens[:keep]:
-            index, keep = NgramIndex(LOOKUP_MAX_N, 1), 0
+            keep = min(keep, call.known_len)
+            if index.tokens[:keep] != seq.tokens[:keep]:
+                index, keep = NgramIndex(LOOKUP_MAX_N, 1), 0
         index.crop(keep - len(index))
         seq.side = index
         return index
