@@ -300,7 +300,8 @@ class SpeculativeLoop:
         else:
             quiet = state.lengths.quiet_steps()
             quiet = self.decode_ahead if quiet is None else quiet
-        budget = min(quiet if drafting else min(self.decode_ahead, quiet), remaining - 1)
+        limit = MAX_DECODE_AHEAD if drafting else self.decode_ahead
+        budget = min(limit, quiet, remaining - 1)
         if max_context:
             budget = min(budget, max_context - len(state.tokens) - 2)
         return max(0, budget)
