@@ -44,7 +44,8 @@ from specdec.model.formats import FORMATS
 KERNEL_FORMAT = {"bf16": 1, "f16": 2, "int8": 3, "q4": 4, "int8a8": 5, "q4a8": 6, "q4a8h": 7}
 # q4a8h: q4a8 with each block's scales and minimums as halves right after its codes (gemm.c SG_Q4A8H),
 # for weights whose scales are halves already (GGUF's Q4_1): the same values in fewer bytes, one stream.
-HALF_BLOCK = 256 + 2 * 2 * 16  # bytes of a q4a8h block of one panel: codes, 16 half scales, 16 half minimums
+Q4_CODES = 256  # code bytes of a 4-bit block of one panel in the integer-dot layout: 32 k x 16 features, two a byte
+HALF_BLOCK = Q4_CODES + 2 * 2 * 16  # bytes of a q4a8h block of one panel: codes, 16 half scales, 16 half minimums
 A8 = "-a8"  # suffix of the --weights values whose activations are rounded to 8 bits
 BLOCK = 32  # weights per scale along the input dimension
 LANES = 16  # output features per panel
@@ -89,8 +90,9 @@ class Compact:
 def _half_scales(c: Compact) -> tuple[torch.Tensor, torch.Tensor]:
     """A q4a8h weight's [P, KB, 16] scales and minimums, as floats."""
     blocks = c.panels.reshape(-1, -(-c.in_features // BLOCK), HALF_BLOCK)
-    return (blocks[..., 256:288].contiguous().view(torch.float16).float(),
-            blocks[..., 288:].contiguous().view(torch.float16).float())
+    minimums = Q4_CODES + 2 * LANES  # where the half scales end
+    return (blocks[..., Q4_CODES:minimums].contiguous().view(torch.float16).float(),
+            blocks[..., minimums:].contiguous().view(torch.float16).float())
 
 
 def _rows(t: torch.Tensor, per_row: int) -> torch.Tensor:
@@ -155,7 +157,7 @@ def from_codes(kind: str, source: str, codes: torch.Tensor, scales: torch.Tensor
         blocks = _a8_panels("q4a8", codes)
         p, kb = blocks.shape[:2]
         halves = [_panels(t.to(torch.float16)).view(torch.uint8) for t in (scales, mins)]  # [P, KB, 32] bytes each
-        panels = torch.cat([blocks.reshape(p, kb, 256), *halves], dim=-1)
+        panels = torch.cat([blocks.reshape(p, kb, Q4_CODES), *halves], dim=-1)
         return Compact(kind, source, n, k, _aligned(panels).reshape(-1), None, None)
     else:
         raise ValueError(f"no kernel format {kind!r}")
@@ -187,7 +189,7 @@ def _a8_codes(c: Compact) -> torch.Tensor:
     if c.kind == "int8a8":
         u = c.panels.reshape(-1, kb, 8, LANES, 4).permute(0, 3, 1, 2, 4).reshape(-1, kb * BLOCK)
         return (u.to(torch.int16) - 128)[:, :k]
-    panels = c.panels.reshape(-1, kb, HALF_BLOCK)[..., :256] if c.kind == "q4a8h" else c.panels
+    panels = c.panels.reshape(-1, kb, HALF_BLOCK)[..., :Q4_CODES] if c.kind == "q4a8h" else c.panels
     v = panels.reshape(-1, kb, 4, LANES, 4).permute(0, 3, 1, 2, 4)  # [P, 16, KB, chunk, t]
     return torch.stack([v & 15, v >> 4], dim=-2).reshape(-1, kb * BLOCK)[:, :k]
 
