@@ -389,6 +389,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--warmup", type=int, default=2, help="Requests sent before measuring, per speculation mode.")
     parser.add_argument("--speculation", choices=("on", "off", "both"), default="both", help="Runs with speculation, without (draft_length 0), or both.")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="Runs of every level and mode, alternating which mode goes first; with both modes the summary "
+                             "gives speculation's throughput over speculation off's per level: the median of the pairs, "
+                             "and the lowest and highest pair.")
     parser.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
                         help="Compare every response with the target decoding alone (greedy generate in this process).")
     parser.add_argument("--overload", action=argparse.BooleanOptionalAction, default=False,
@@ -434,8 +438,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error(f"--concurrency: a comma-separated list of integers, got {args.concurrency!r}")
     if not args.levels or min(args.levels) < 1:
         parser.error(f"--concurrency: levels must be >= 1, got {args.concurrency!r}")
-    for flag in ("num_requests", "max_new_tokens", "warmup", "max_prompts", "max_concurrent_requests", "max_queue"):
-        if getattr(args, flag) < 0 or (flag == "max_new_tokens" and args.max_new_tokens < 1):
+    for flag in ("num_requests", "max_new_tokens", "warmup", "max_prompts", "max_concurrent_requests", "max_queue", "repeats"):
+        if getattr(args, flag) < 0 or (flag in ("max_new_tokens", "repeats") and getattr(args, flag) < 1):
             parser.error(f"--{flag.replace('_', '-')}: out of range: {getattr(args, flag)}")
     if args.request_rate < 0:
         parser.error(f"--request-rate: must be >= 0, got {args.request_rate}")
@@ -524,19 +528,24 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
             for speculation in modes:
                 if args.warmup:
                     level(prompts, args.warmup, args.max_new_tokens, speculation, args.warmup, None, args.seed)
+            # Each level runs its modes back to back, and each repeat the other mode first: on a
+            # shared machine whose speed drifts within minutes, a pair measured side by side is a
+            # fair ratio, and a mode always run second would carry the drift as a bias.
+            for repeat in range(args.repeats):
                 for concurrency in levels:
-                    n = args.num_requests or max(8, 2 * (concurrency or 4))
-                    results, duration = level(prompts, n, args.max_new_tokens, speculation, concurrency, args.request_rate or None,
-                                              args.seed, progress)
-                    report["runs"].append({"weights": weights, "speculation": speculation, "concurrency": concurrency,
-                                           "request_rate": args.request_rate or None,
-                                           "num_requests": n, "requested_output_tokens": args.max_new_tokens,
-                                           **summarise(results, duration), "_results": results})
-                    if args.long_prompt_tokens:  # what the long prompts cost the others
-                        short = [r for r in results if r.prompt_index % args.long_every != 0]
-                        report["runs"][-1]["short_requests"] = summarise(short, duration)
-                    save_partial(report, args.out)  # a long run killed later still leaves its numbers (main removes it at the end)
-                    progress.console.print(format_report({"runs": report["runs"][-1:]}).splitlines()[-1])
+                    for speculation in (modes if repeat % 2 == 0 else modes[::-1]):
+                        n = args.num_requests or max(8, 2 * (concurrency or 4))
+                        results, duration = level(prompts, n, args.max_new_tokens, speculation, concurrency,
+                                                  args.request_rate or None, args.seed, progress)
+                        report["runs"].append({"weights": weights, "speculation": speculation, "concurrency": concurrency,
+                                               "request_rate": args.request_rate or None, "repeat": repeat,
+                                               "num_requests": n, "requested_output_tokens": args.max_new_tokens,
+                                               **summarise(results, duration), "_results": results})
+                        if args.long_prompt_tokens:  # what the long prompts cost the others
+                            short = [r for r in results if r.prompt_index % args.long_every != 0]
+                            report["runs"][-1]["short_requests"] = summarise(short, duration)
+                        save_partial(report, args.out)  # a long run killed later still leaves its numbers (main removes it at the end)
+                        progress.console.print(format_report({"runs": report["runs"][-1:]}).splitlines()[-1])
             if overload and stack:
                 offered = 4 * (args.max_concurrent_requests + args.max_queue)
                 results, duration = level(prompts, offered, args.max_new_tokens, True, offered, None, args.seed, progress)
@@ -594,33 +603,49 @@ def save_partial(report: dict, out: str) -> None:
 
 def headline(runs: list[dict]) -> dict:
     """Aggregate output tokens/s at the highest concurrency over one stream, per speculation mode
-    (and weight format, when there are several); and each format's over the first's, per mode and level."""
+    (and weight format, when there are several); speculation's over speculation off's per level,
+    from the pairs each repeat measured side by side (median, lowest, highest); and each format's
+    over the first's, per mode and level. Repeated runs count by their median."""
     out = {}
     formats = list(dict.fromkeys(r.get("weights", "fp32") for r in runs))
+    medians: dict[tuple, float] = {}
+    for key in dict.fromkeys((r.get("weights", "fp32"), r["speculation"], r["concurrency"]) for r in runs if r["concurrency"]):
+        medians[key] = statistics.median(r["output_throughput"] for r in runs
+                                         if (r.get("weights", "fp32"), r["speculation"], r["concurrency"]) == key)
     for weights in formats:
         prefix = f"{weights}_" if len(formats) > 1 else ""
         for speculation in (True, False):
-            by_level = {r["concurrency"]: r["output_throughput"] for r in runs
-                        if r["speculation"] == speculation and r["concurrency"] and r.get("weights", "fp32") == weights}
+            by_level = {c: value for (w, s, c), value in medians.items() if (w, s) == (weights, speculation)}
             if 1 in by_level and len(by_level) > 1:
                 top = max(by_level)
                 out[f"{prefix}{'spec' if speculation else 'nospec'}_throughput_{top}_vs_1"] = by_level[top] / by_level[1] if by_level[1] else 0.0
-    first = {(r["speculation"], r["concurrency"]): r["output_throughput"] for r in runs if r.get("weights", "fp32") == formats[0]}
-    for r in runs:
-        weights, key = r.get("weights", "fp32"), (r["speculation"], r["concurrency"])
-        if weights != formats[0] and r["concurrency"] and first.get(key):
-            out[f"{weights}_vs_{formats[0]}_{'spec' if r['speculation'] else 'nospec'}_{r['concurrency']}"] = r["output_throughput"] / first[key]
+        for level in dict.fromkeys(c for (w, _, c) in medians if w == weights):
+            pairs = []
+            for repeat in sorted({r.get("repeat", 0) for r in runs}):
+                both = {r["speculation"]: r["output_throughput"] for r in runs
+                        if (r.get("weights", "fp32"), r["concurrency"], r.get("repeat", 0)) == (weights, level, repeat)}
+                if both.get(False) and True in both:
+                    pairs.append(both[True] / both[False])
+            if pairs:
+                out[f"{prefix}spec_vs_off_{level}"] = statistics.median(pairs)
+                if len(pairs) > 1:
+                    out[f"{prefix}spec_vs_off_{level}_lowest"], out[f"{prefix}spec_vs_off_{level}_highest"] = min(pairs), max(pairs)
+    for (weights, speculation, level), value in medians.items():
+        first = medians.get((formats[0], speculation, level))
+        if weights != formats[0] and first:
+            out[f"{weights}_vs_{formats[0]}_{'spec' if speculation else 'nospec'}_{level}"] = value / first
     return out
 
 
 def plot(report: dict, out: pathlib.Path) -> list[str]:
-    """Latency percentiles and throughput against concurrency, speculation on vs off."""
+    """Latency percentiles and throughput against concurrency, speculation on vs off (the first
+    repeat's runs: one line per mode; the summary has the repeats' ratios)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [r for r in report["runs"] if r["concurrency"]]
+    runs = [r for r in report["runs"] if r["concurrency"] and r.get("repeat", 0) == 0]
     if not runs:
         return []
     written = []

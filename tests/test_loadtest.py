@@ -42,7 +42,26 @@ def test_quick_loadtest(tmp_path, capsys):
     assert not (tmp_path / loadtest.PARTIAL).exists()  # written while it ran, gone once loadtest.json holds it all
 
 
-@pytest.mark.parametrize("argv", [["--concurrency", "0"], ["--concurrency", "a,b"], ["--max-new-tokens", "0"], ["--request-rate", "-1"]])
+def test_repeats_give_the_pairs_ratio_median_and_range():
+    def run(speculation: bool, level: int, repeat: int, throughput: float) -> dict:
+        return {"weights": "gguf-a8", "speculation": speculation, "concurrency": level, "repeat": repeat,
+                "output_throughput": throughput}
+
+    # the machine got faster between the repeats: each pair is measured side by side, so its ratio holds
+    runs = [run(True, 1, 0, 110.0), run(False, 1, 0, 100.0), run(True, 8, 0, 400.0), run(False, 8, 0, 500.0),
+            run(False, 1, 1, 200.0), run(True, 1, 1, 260.0), run(False, 8, 1, 800.0), run(True, 8, 1, 720.0),
+            run(True, 1, 2, 150.0), run(False, 1, 2, 125.0), run(True, 8, 2, 630.0), run(False, 8, 2, 700.0)]
+    summary = loadtest.headline(runs)
+    assert summary["spec_vs_off_1"] == pytest.approx(1.2)  # 1.1, 1.3, 1.2
+    assert (summary["spec_vs_off_1_lowest"], summary["spec_vs_off_1_highest"]) == (pytest.approx(1.1), pytest.approx(1.3))
+    assert summary["spec_vs_off_8"] == pytest.approx(0.9) and summary["spec_vs_off_8_lowest"] == pytest.approx(0.8)
+    assert summary["spec_throughput_8_vs_1"] == pytest.approx(630.0 / 150.0)  # medians over the repeats
+    once = loadtest.headline([r for r in runs if r["repeat"] == 0])
+    assert once["spec_vs_off_8"] == pytest.approx(0.8) and "spec_vs_off_8_lowest" not in once
+
+
+@pytest.mark.parametrize("argv", [["--concurrency", "0"], ["--concurrency", "a,b"], ["--max-new-tokens", "0"], ["--request-rate", "-1"],
+                                  ["--repeats", "0"]])
 def test_bad_flags_are_named(argv, capsys):
     with pytest.raises(SystemExit):
         loadtest.parse(argv)
