@@ -2,12 +2,13 @@
 side with the exchange per step it replaces, through the gRPC services on loopback with a real model.
 
     .venv/bin/python benchmarks/lookup_ahead.py [--weights gguf-a8] [--prompts chat,grounded]
-        [--limit 4] [--max-new-tokens 128] [--repeats 2]
+        [--limit 4] [--max-new-tokens 128] [--repeats 2] [--decode-ahead 8,16]
 
 One target service (the embedded SmolLM2-135M-Instruct unless --target), one n-gram draft service,
 and three coordinators on them: the n-gram draft with --lookup-ahead (the default), the same with
 --no-lookup-ahead (the coordinator asks the draft service and the target once a step that drafts),
-and speculation off (draft_length 0, decoding ahead plainly). Requests are greedy, one at a time,
+and speculation off (draft_length 0, decoding ahead plainly). Several --decode-ahead values give a
+lookup-ahead coordinator each (more passes an exchange: fewer exchanges, longer bursts of tokens). Requests are greedy, one at a time,
 interleaved over the three and over --repeats, so the machine's drift falls on all alike.
 
 Prints per prompt set and row: tokens per second (client wall), the speed-up over speculation off,
@@ -32,9 +33,6 @@ from protos import specdec_pb2_grpc as pb_grpc
 from specdec_tools.stacks import Stack
 from specdec_tools.workload import load_prompt_ids
 
-ROWS = ("lookup ahead", "no lookup ahead", "speculation off")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="", help="target model (default: the services' default)")
@@ -43,6 +41,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--decode-ahead", default="", help="comma-separated --decode-ahead values for lookup-ahead rows "
+                        "(default: the coordinator's own)")
     args = parser.parse_args()
 
     from specdec.model.loading import DEFAULT_TARGET, load_tokenizer
@@ -54,9 +54,12 @@ def main() -> None:
         try:
             stack.start_target("--weights", args.weights)
             draft = stack.start_draft("ngram")
-            addresses = {"lookup ahead": stack.start_coordinator(draft),
-                         "no lookup ahead": stack.start_coordinator(draft, "--no-lookup-ahead"),
-                         "speculation off": stack.start_coordinator(draft)}
+            ahead = [int(n) for n in args.decode_ahead.split(",") if n.strip()]
+            addresses = {f"lookup ahead {n}": stack.start_coordinator(draft, "--decode-ahead", str(n)) for n in ahead} or \
+                {"lookup ahead": stack.start_coordinator(draft)}
+            addresses |= {"no lookup ahead": stack.start_coordinator(draft, "--no-lookup-ahead"),
+                          "speculation off": stack.start_coordinator(draft)}
+            rows = tuple(addresses)
             stack.wait()
             stubs = {row: pb_grpc.CoordinatorServiceStub(grpc.insecure_channel(a)) for row, a in addresses.items()}
             for stub in stubs.values():  # first requests pay for lazy initialisation
@@ -66,7 +69,7 @@ def main() -> None:
             for repeat in range(args.repeats):
                 for name, prompts in sets.items():
                     for index, prompt in enumerate(prompts):
-                        for row in ROWS:
+                        for row in rows:
                             length = 0 if row == "speculation off" else 8
                             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=args.max_new_tokens,
                                                          speculation=pb.SpeculationParams(draft_length=length, adaptive=True))
@@ -82,12 +85,12 @@ def main() -> None:
                             outputs[(name, index, repeat, row)] = list(response.token_ids)
             for name, prompts in sets.items():
                 off = totals[(name, "speculation off")]
-                for row in ROWS:
+                for row in rows:
                     t = totals[(name, row)]
                     same = sum(outputs[(name, i, r, row)] == outputs[(name, i, r, "speculation off")]
                                for i in range(len(prompts)) for r in range(args.repeats))
                     rate, base = t["tokens"] / t["wall"], off["tokens"] / off["wall"]
-                    print(f"{name:9s} {row:16s} {rate:6.1f} tok/s  {rate / base:4.2f}x off  "
+                    print(f"{name:9s} {row:18s} {rate:6.1f} tok/s  {rate / base:4.2f}x off  "
                           f"{t['passes'] / t['tokens']:.2f} passes/token  wire {t['wire'] / t['passes'] * 1e6:4.0f} + "
                           f"coordination {t['coordination'] / t['passes'] * 1e6:3.0f} us a pass  "
                           f"identical {same}/{len(prompts) * args.repeats}")
