@@ -179,6 +179,34 @@ def test_greedy_speculation_equals_decoding_alone(device, dtype, mode):
     assert spoken == references
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+def test_the_targets_own_lookup_drafts_and_passes_ahead_give_the_tokens_decoded_alone(device, batched):
+    """The target drafting for itself by prompt lookup (VerifyCall.lookup_max_tokens) on every pass
+    without a draft, alone with passes decoded ahead or as rows of a batch, on fixed-shape passes:
+    the tokens are the engine's own decoded one at a time, and lookup drafts were made and accepted."""
+    lm = lm_on(small_model(seed=3), device, torch.float32)
+    engine = TargetEngine(lm, max_sequences=64)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(lm.vocab_size) for _ in range(12)] * 3 for _ in range(4 if batched else 2)]
+    n = 24
+    references = [decode_alone(engine, f"r{i}", p, n) for i, p in enumerate(prompts)]
+    states = [(list(p), 0) for p in prompts]
+    drafted = accepted = 0
+    while any(len(t) - len(p) < n for (t, _), p in zip(states, prompts)):
+        active = [i for i, ((t, _), p) in enumerate(zip(states, prompts)) if len(t) - len(p) < n]
+        calls = [VerifyCall(f"l{i}", states[i][1], states[i][0][states[i][1]:], [], [], GREEDY, lookup_max_tokens=8,
+                            decode_ahead=0 if batched else 16) for i in active]
+        results = engine.verify_batch(calls, decode_ahead=not batched)
+        for i, result in zip(active, results):
+            assert not isinstance(result, Exception), result
+            tokens, _ = states[i]
+            states[i] = (tokens + [result.next_token, *result.decoded], result.cached_len)
+            drafted, accepted = drafted + result.ahead_drafted, accepted + result.ahead_accepted
+    assert [t[len(p):len(p) + n] for (t, _), p in zip(states, prompts)] == references
+    assert drafted and accepted  # the lookup path ran, and its verdicts kept some drafts
+
+
 def test_sequences_past_the_slots_are_evicted_and_refilled():
     """The engine holds at most --static-slots sequences; the least recently used goes, and a
     released or evicted sequence's slot is free again."""
