@@ -266,6 +266,76 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
     return failed ? -1 : 0;
 }
 
+/* The causal attention of G sequences' new rows, each over its own cache, in ONE parallel region:
+ * sequence g's rows[g] query rows q + (r0 + i) * qsi (r0 its first row among all), heads of D at
+ * stride D, attend to its past[g] + rows[g] keys/values at k[g], v[g] (head stride ksh[g] / vsh[g],
+ * position stride kst[g] / vst[g]); out [M][H][D] contiguous, M the rows of all.
+ *
+ * Why one region: the decoder stack (csrc/stack.c) called sg_attention once per sequence, so a pass of
+ * 8 decoding sequences opened 8 parallel regions a layer, 240 a pass, each with its scratch and its
+ * barrier, and H heads of one query split unevenly over the threads; in a perf profile of such a pass
+ * attention and the idle threads' spin together outweighed the linear layers. Every (sequence,
+ * head, tile) is computed by attend_tile exactly as sg_attention computes it, so each row's bits do
+ * not change. */
+int sg_attention_groups(int G, const int *rows, const int *past, const float *q, long qsi, const float *const *k,
+                        const long *ksh, const long *kst, const float *const *v, const long *vsh, const long *vst, int H,
+                        int Hkv, int D, float scale, float *out) {
+    if (G < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 1) return -1;
+    int group = H / Hkv, failed = 0, R = D == 64 ? TILE_ROWS : D == 128 ? TILE_ROWS / 2 : 1;
+    int *first = malloc(sizeof(int) * (size_t)(G + 1)), *row0 = malloc(sizeof(int) * (size_t)G); /* items, rows before g */
+    if (!first || !row0) {
+        free(first);
+        free(row0);
+        return -1;
+    }
+    int longest = 0;
+    first[0] = 0;
+    for (int g = 0, r = 0; g < G; r += rows[g], g++) {
+        if (rows[g] < 1 || past[g] < 0) failed = 1;
+        row0[g] = r;
+        first[g + 1] = first[g] + H * ((rows[g] + R - 1) / R);
+        longest = past[g] + rows[g] > longest ? past[g] + rows[g] : longest;
+    }
+    long stride = (long)longest + VL, osi = (long)H * D;
+    if (!failed) {
+#pragma omp parallel
+        {
+            float *scores = malloc(sizeof(float) * (size_t)(stride * R)), *acc = malloc(sizeof(float) * (size_t)D);
+            int *index = malloc(sizeof(int) * (size_t)(stride * R));
+            if (!scores || !acc || !index) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            int g = 0;
+#pragma omp for schedule(static)
+            for (int item = 0; item < first[G]; item++) {
+                if (!scores || !acc || !index) continue;
+                while (item >= first[g + 1]) g++; /* the items run in increasing order within a thread */
+                while (item < first[g]) g--;
+                int local = item - first[g], tiles = (rows[g] + R - 1) / R, h = local / tiles, tile = local % tiles;
+                int i0 = tile * R, n = rows[g] - i0 < R ? rows[g] - i0 : R, T = past[g] + rows[g];
+                const float *qi = q + (size_t)(row0[g] + i0) * qsi + (size_t)h * D;
+                const float *kb = k[g] + (h / group) * ksh[g], *vb = v[g] + (h / group) * vsh[g];
+                float *o = out + ((size_t)(row0[g] + i0) * H + h) * D;
+                if (D == 64)
+                    attend_tile(4, TILE_ROWS, qi, qsi, kb, kst[g], vb, vst[g], 0, 0, n, T - rows[g] + i0, 0, T, scale,
+                                scores, index, stride, o, osi);
+                else if (D == 128)
+                    attend_tile(8, TILE_ROWS / 2, qi, qsi, kb, kst[g], vb, vst[g], 0, 0, n, T - rows[g] + i0, 0, T, scale,
+                                scores, index, stride, o, osi);
+                else
+                    attend_row(qi, kb, kst[g], vb, vst[g], 0, T - rows[g] + i0, D, scale, scores, index, acc, o);
+            }
+            free(scores);
+            free(acc);
+            free(index);
+        }
+    }
+    free(first);
+    free(row0);
+    return failed ? -1 : 0;
+}
+
 /* out = silu(gate) * up = gate / (1 + exp(-gate)) * up, n values, 16 at a time (the tail padded).
  * The compact model's gated MLP computes its activation here in every path (the per-layer forward
  * and csrc/stack.c): torch's own silu rounds differently, and the paths must agree bitwise. */

@@ -5,8 +5,8 @@
  * interpreter, a ctypes call, tensor allocations, views and the cache's bookkeeping around it. That
  * was about a third of a SmolLM2-135M decode step on two cores (docs/benchmarks.md), the share by
  * which llama.cpp, whose graph runs in C, decoded faster. Here one call runs every layer through the
- * same C functions the per-layer path calls (sg_rmsnorm, sg_linear_parts / sg_linear_c, sg_attention,
- * sg_silu_mul), so a row's result is bit-identical whichever path computes it; the rotary embedding
+ * same C functions the per-layer path calls (sg_rmsnorm, sg_linear_parts / sg_linear_c, sg_attention's
+ * tiles, sg_silu_mul), so a row's result is bit-identical whichever path computes it; the rotary embedding
  * and the residual adds are written as the IEEE operations torch performs for them (q * cos, then
  * rotate_half(q) * sin, then their sum; x + y), compiled without contraction.
  *
@@ -32,9 +32,9 @@ int sg_linear_c(int fmt, const float *x, int M, int K, const void *wp, const flo
                 const float *bias, float *y);
 int sg_linear_parts(int fmt, const float *x, int M, int K, const void *wp, const float *sc, const float *mn, int parts,
                     const int *Ns, float *y, const float *const *biases);
-int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, long ksb, long ksh, long kst,
-                 const float *v, long vsb, long vsh, long vst, const uint8_t *mask, long msb, long msh, long msi,
-                 int B, int H, int Hkv, int Mq, int T, int D, float scale, float *out);
+int sg_attention_groups(int G, const int *rows, const int *past, const float *q, long qsi, const float *const *k,
+                        const long *ksh, const long *kst, const float *const *v, const long *vsh, const long *vst, int H,
+                        int Hkv, int D, float scale, float *out);
 void sg_rmsnorm(const float *x, int M, int K, const float *w, float eps, float *y);
 void sg_silu_mul(const float *gate, const float *up, size_t n, float *out);
 
@@ -69,6 +69,8 @@ typedef struct {
 /* The working rows of one pass through the layers (sg_stack), for M rows in all. */
 typedef struct {
     float *h, *qkv, *att, *tmp, *gu, *act;
+    const float **kp, **vp; /* per sequence: this layer's key and value buffers, and their strides */
+    long *ksh, *kst, *vsh, *vst;
 } sg_rows;
 
 /* Layer l on x: 0, or -1 when a kernel refuses its shape or runs out of memory. */
@@ -85,6 +87,7 @@ static int layer_forward(const sg_layer *ly, int l, int L, int G, const int *row
         size_t at = (size_t)g * L + l;
         float *kc = kv[2 * at], *vc = kv[2 * at + 1];
         long ksh = strides[4 * at], kst = strides[4 * at + 1], vsh = strides[4 * at + 2], vst = strides[4 * at + 3];
+        w.kp[g] = kc, w.vp[g] = vc, w.ksh[g] = ksh, w.kst[g] = kst, w.vsh[g] = vsh, w.vst[g] = vst;
         for (int m = r0; m < r0 + rows[g]; m++) {
             const float *c = cos + (size_t)m * D, *s = sin + (size_t)m * D;
             long position = past[g] + (m - r0);
@@ -96,10 +99,10 @@ static int layer_forward(const sg_layer *ly, int l, int L, int G, const int *row
                 memcpy(vc + hh * vsh + position * vst, v + m * kvn + (size_t)hh * D, sizeof(float) * D);
             }
         }
-        if (sg_attention(q + r0 * qn, (long)(rows[g] * qn), D, (long)qn, kc, 0, ksh, kst, vc, 0, vsh, vst, 0, 0, 0, 0, 1,
-                         H, Hkv, rows[g], past[g] + rows[g], D, ly->scale, w.att + r0 * qn))
-            return -1;
     }
+    /* every sequence's rows in one parallel region (sg_attention_groups says why) */
+    if (sg_attention_groups(G, rows, past, q, (long)qn, w.kp, w.ksh, w.kst, w.vp, w.vsh, w.vst, H, Hkv, D, ly->scale, w.att))
+        return -1;
     if (sg_linear_c(ly->o.fmt, w.att, M, (int)qn, ly->o.wp, ly->o.sc, ly->o.mn, E, ly->o.bias[0], w.tmp)) return -1;
     for (size_t i = 0; i < n * E; i++) x[i] = x[i] + w.tmp[i];
     sg_rmsnorm(x, M, E, ly->norm2, ly->eps2, w.h);
@@ -133,9 +136,20 @@ int sg_stack(const sg_layer *layers, int L, int G, const int *rows, const int *p
     sg_rows w = {.h = work};
     w.qkv = w.h + n * E, w.att = w.qkv + n * (qn + 2 * kvn), w.tmp = w.att + n * qn, w.gu = w.tmp + n * E,
     w.act = w.gu + n * 2 * I;
+    const float **pointers = malloc(sizeof(float *) * 2 * (size_t)G);
+    long *lens = malloc(sizeof(long) * 4 * (size_t)G);
+    if (!pointers || !lens) {
+        free(pointers);
+        free(lens);
+        free(work);
+        return -1;
+    }
+    w.kp = pointers, w.vp = pointers + G, w.ksh = lens, w.kst = lens + G, w.vsh = lens + 2 * G, w.vst = lens + 3 * G;
     int failed = 0;
     for (int l = 0; l < L && !failed; l++)
         failed = layer_forward(layers + l, l, L, G, rows, past, kv, strides, x, M, E, H, Hkv, D, I, cos, sin, w);
+    free(pointers);
+    free(lens);
     free(work);
     return failed ? -1 : 0;
 }
