@@ -123,14 +123,14 @@ static inline float exp_packed(float *s, int n, float mx) {
 static inline __attribute__((always_inline)) void attend_tile(
     const int DV, const int R, const float *q, long qsi, const float *kb, long kst, const float *vb, long vst,
     const uint8_t *mask, long msi, int rows, int first_last, int masked, int T, float scale,
-    float *scores, int *index, long stride, float *out, long osi) {
+    float *scores, int *index, long stride, float *out, long osi, int row_step) {
     int n[8], last[8];
     float mx[8];
     int lastmax = 0;
     for (int r = 0; r < rows; r++) {
         n[r] = 0;
         mx[r] = -INFINITY;
-        last[r] = masked ? T - 1 : first_last + r;
+        last[r] = masked ? T - 1 : first_last + r * row_step; /* row_step 0: the rows are heads of one query */
         lastmax = last[r] > lastmax ? last[r] : lastmax;
     }
     /* scores 16 keys at a time: each row's 16 dot products, reduced together (reduce16) */
@@ -252,10 +252,10 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
                     long osi = (long)H * D;
                     if (D == 64)
                         attend_tile(4, TILE_ROWS, qi, qsi, kb, kst, vb, vst, mi, msi, rows, T - Mq + i0, mask != 0, T, scale,
-                                    scores, index, stride, o, osi);
+                                    scores, index, stride, o, osi, 1);
                     else if (D == 128)
                         attend_tile(8, TILE_ROWS / 2, qi, qsi, kb, kst, vb, vst, mi, msi, rows, T - Mq + i0, mask != 0, T, scale,
-                                    scores, index, stride, o, osi);
+                                    scores, index, stride, o, osi, 1);
                     else
                         attend_row(qi, kb, kst, vb, vst, mi, mask ? T - 1 : T - Mq + i0, D, scale, scores, index, acc, o);
                 }
@@ -282,6 +282,9 @@ int sg_attention_groups(int G, const int *rows, const int *past, const float *q,
                         int Hkv, int D, float scale, float *out) {
     if (G < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 1) return -1;
     int group = H / Hkv, failed = 0, R = D == 64 ? TILE_ROWS : D == 128 ? TILE_ROWS / 2 : 1;
+    /* A sequence with one new row (a decode step) attends as Hkv tiles, each the `group` query heads
+     * that share a key head: each key is read once for them all, not once per head. */
+    int by_heads = group > 1 && group <= R;
     int *first = malloc(sizeof(int) * (size_t)(G + 1)), *row0 = malloc(sizeof(int) * (size_t)G); /* items, rows before g */
     if (!first || !row0) {
         free(first);
@@ -293,7 +296,7 @@ int sg_attention_groups(int G, const int *rows, const int *past, const float *q,
     for (int g = 0, r = 0; g < G; r += rows[g], g++) {
         if (rows[g] < 1 || past[g] < 0) failed = 1;
         row0[g] = r;
-        first[g + 1] = first[g] + H * ((rows[g] + R - 1) / R);
+        first[g + 1] = first[g] + (by_heads && rows[g] == 1 ? Hkv : H * ((rows[g] + R - 1) / R));
         longest = past[g] + rows[g] > longest ? past[g] + rows[g] : longest;
     }
     long stride = (long)longest + VL, osi = (long)H * D;
@@ -312,17 +315,31 @@ int sg_attention_groups(int G, const int *rows, const int *past, const float *q,
                 if (!scores || !acc || !index) continue;
                 while (item >= first[g + 1]) g++; /* the items run in increasing order within a thread */
                 while (item < first[g]) g--;
-                int local = item - first[g], tiles = (rows[g] + R - 1) / R, h = local / tiles, tile = local % tiles;
-                int i0 = tile * R, n = rows[g] - i0 < R ? rows[g] - i0 : R, T = past[g] + rows[g];
+                int local = item - first[g], T = past[g] + rows[g];
+                if (by_heads && rows[g] == 1) { /* key head `local`, its query heads as the tile's rows */
+                    int h0 = local * group;
+                    const float *qi = q + (size_t)row0[g] * qsi + (size_t)h0 * D;
+                    float *o = out + ((size_t)row0[g] * H + h0) * D;
+                    const float *kb = k[g] + local * ksh[g], *vb = v[g] + local * vsh[g];
+                    if (D == 64)
+                        attend_tile(4, TILE_ROWS, qi, D, kb, kst[g], vb, vst[g], 0, 0, group, T - 1, 0, T, scale, scores, index,
+                                    stride, o, D, 0);
+                    else
+                        attend_tile(8, TILE_ROWS / 2, qi, D, kb, kst[g], vb, vst[g], 0, 0, group, T - 1, 0, T, scale, scores,
+                                    index, stride, o, D, 0);
+                    continue;
+                }
+                int tiles = (rows[g] + R - 1) / R, h = local / tiles, tile = local % tiles;
+                int i0 = tile * R, n = rows[g] - i0 < R ? rows[g] - i0 : R;
                 const float *qi = q + (size_t)(row0[g] + i0) * qsi + (size_t)h * D;
                 const float *kb = k[g] + (h / group) * ksh[g], *vb = v[g] + (h / group) * vsh[g];
                 float *o = out + ((size_t)(row0[g] + i0) * H + h) * D;
                 if (D == 64)
                     attend_tile(4, TILE_ROWS, qi, qsi, kb, kst[g], vb, vst[g], 0, 0, n, T - rows[g] + i0, 0, T, scale,
-                                scores, index, stride, o, osi);
+                                scores, index, stride, o, osi, 1);
                 else if (D == 128)
                     attend_tile(8, TILE_ROWS / 2, qi, qsi, kb, kst[g], vb, vst[g], 0, 0, n, T - rows[g] + i0, 0, T, scale,
-                                scores, index, stride, o, osi);
+                                scores, index, stride, o, osi, 1);
                 else
                     attend_row(qi, kb, kst[g], vb, vst[g], 0, T - rows[g] + i0, D, scale, scores, index, acc, o);
             }
