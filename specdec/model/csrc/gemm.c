@@ -617,21 +617,36 @@ static int linear_a8(int fmt, const float *x, int M, int K, const char *wp, cons
     if (!work) return -1;
     qrows q = {(const int8_t *)work, (const float *)(work + (size_t)M * KB * QK),
                (const float *)(work + (size_t)M * KB * (QK + 4)), (const int32_t *)(work + (size_t)M * KB * (QK + 8)), KB};
-    quantize_rows(x, M, K, (int8_t *)q.qx, (float *)q.dx, (int32_t *)q.sq, (float *)q.dxsq);
+    /* Rows rounded by the team where there are several (each row alone, so the same bits whoever
+     * rounds it): done by the calling thread, they left the other threads waiting in a perf profile
+     * of an 8-row pass for about a twentieth of it. One row is not worth a barrier. */
+    if (M == 1) quantize_rows(x, M, K, (int8_t *)q.qx, (float *)q.dx, (int32_t *)q.sq, (float *)q.dxsq);
     int panels = o->first[o->parts];
     size_t pstride = (size_t)KB * (fmt == SG_Q8A8 ? 512 : fmt == SG_Q4A8H ? 320 : 256), sstride = (size_t)KB * LANES;
     /* One panel at a time for every row count: for one or two rows four (or two) panels side by side
      * read twelve streams at once and were 10-18% slower from memory than one panel's three
      * (SmolLM2's 120 layers, M = 1 and 2, AMD EPYC); the panels also split more evenly between the
      * threads. Each output's operations are the same either way. */
-#pragma omp parallel for schedule(static)
-    for (int p = 0; p < panels; p++)
-        for (int g = 0; g < M; g += AROWS) {
-            int rows = M - g < AROWS ? M - g : AROWS;
-            vec out[AROWS];
-            APANELS1[f][rows](rows_from(q, g), wp + p * pstride, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0, out);
-            put(o, out, rows, p, g);
+#pragma omp parallel
+    {
+        if (M > 1) {
+#pragma omp for schedule(static)
+            for (int r = 0; r < M; r++) {
+                qrows mine = rows_from(q, r);
+                quantize_rows(x + (size_t)r * K, 1, K, (int8_t *)mine.qx, (float *)mine.dx, (int32_t *)mine.sq,
+                              (float *)mine.dxsq);
+            }
         }
+#pragma omp for schedule(static)
+        for (int p = 0; p < panels; p++)
+            for (int g = 0; g < M; g += AROWS) {
+                int rows = M - g < AROWS ? M - g : AROWS;
+                vec out[AROWS];
+                APANELS1[f][rows](rows_from(q, g), wp + p * pstride, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0,
+                                  out);
+                put(o, out, rows, p, g);
+            }
+    }
     free(work);
     return 0;
 }
