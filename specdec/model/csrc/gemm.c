@@ -609,6 +609,8 @@ static qrows rows_from(qrows q, int r) {
     return q;
 }
 
+#define QUANTIZE_SHARED_ROWS 16
+
 static int linear_a8(int fmt, const float *x, int M, int K, const char *wp, const float *sc, const float *mn,
                      const outputs *o) {
     int KB = (K + QK - 1) / QK, f = fmt - SG_Q8A8;
@@ -617,10 +619,11 @@ static int linear_a8(int fmt, const float *x, int M, int K, const char *wp, cons
     if (!work) return -1;
     qrows q = {(const int8_t *)work, (const float *)(work + (size_t)M * KB * QK),
                (const float *)(work + (size_t)M * KB * (QK + 4)), (const int32_t *)(work + (size_t)M * KB * (QK + 8)), KB};
-    /* Rows rounded by the team where there are several (each row alone, so the same bits whoever
-     * rounds it): done by the calling thread, they left the other threads waiting in a perf profile
-     * of an 8-row pass for about a twentieth of it. One row is not worth a barrier. */
-    if (M == 1) quantize_rows(x, M, K, (int8_t *)q.qx, (float *)q.dx, (int32_t *)q.sq, (float *)q.dxsq);
+    /* A prompt chunk's rows rounded by the team (each row alone, so the same bits whoever rounds
+     * it): done by the calling thread, they left the other threads waiting for about a tenth of a
+     * 32-token chunk's forward. A few decode rows are not worth the extra barrier. */
+    int shared = M >= QUANTIZE_SHARED_ROWS;
+    if (!shared) quantize_rows(x, M, K, (int8_t *)q.qx, (float *)q.dx, (int32_t *)q.sq, (float *)q.dxsq);
     int panels = o->first[o->parts];
     size_t pstride = (size_t)KB * (fmt == SG_Q8A8 ? 512 : fmt == SG_Q4A8H ? 320 : 256), sstride = (size_t)KB * LANES;
     /* One panel at a time for every row count: for one or two rows four (or two) panels side by side
@@ -629,7 +632,7 @@ static int linear_a8(int fmt, const float *x, int M, int K, const char *wp, cons
      * threads. Each output's operations are the same either way. */
 #pragma omp parallel
     {
-        if (M > 1) {
+        if (shared) {
 #pragma omp for schedule(static)
             for (int r = 0; r < M; r++) {
                 qrows mine = rows_from(q, r);
