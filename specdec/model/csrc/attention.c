@@ -222,6 +222,27 @@ static void attend_row(const float *qi, const float *kb, long kst, const float *
     for (int d = 0; d < D; d++) o[d] = acc[d] * inv;
 }
 
+/* A thread's working memory for tiles of up to R rows over `stride` keys: scores, their key indices,
+ * and attend_row's sums. NULL members where malloc failed (scratch_ok says). */
+typedef struct {
+    float *scores, *acc;
+    int *index;
+} scratch;
+
+static scratch scratch_open(long stride, int R, int D) {
+    scratch s = {malloc(sizeof(float) * (size_t)(stride * R)), malloc(sizeof(float) * (size_t)D),
+                 malloc(sizeof(int) * (size_t)(stride * R))};
+    return s;
+}
+
+static int scratch_ok(scratch s) { return s.scores && s.acc && s.index; }
+
+static void scratch_close(scratch s) {
+    free(s.scores);
+    free(s.acc);
+    free(s.index);
+}
+
 #define TILE_ROWS 4 /* rows a tile: D = 64 keeps 4 rows' sums in 16 vector registers, D = 128 two rows' */
 
 int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, long ksb, long ksh, long kst,
@@ -233,9 +254,10 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
     long stride = (long)T + VL;
 #pragma omp parallel
     {
-        float *scores = malloc(sizeof(float) * (size_t)(stride * R)), *acc = malloc(sizeof(float) * (size_t)D);
-        int *index = malloc(sizeof(int) * (size_t)(stride * R));
-        if (!scores || !acc || !index) {
+        scratch mine = scratch_open(stride, R, D);
+        float *scores = mine.scores, *acc = mine.acc;
+        int *index = mine.index;
+        if (!scratch_ok(mine)) {
 #pragma omp atomic write
             failed = 1;
         }
@@ -243,7 +265,7 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
         for (int b = 0; b < B; b++)
             for (int h = 0; h < H; h++)
                 for (int tile = 0; tile < tiles; tile++) {
-                    if (!scores || !acc || !index) continue;
+                    if (!scratch_ok(mine)) continue;
                     int i0 = tile * R, rows = Mq - i0 < R ? Mq - i0 : R;
                     const float *qi = q + b * qsb + h * qsh + i0 * qsi;
                     const float *kb = k + b * ksb + (h / group) * ksh, *vb = v + b * vsb + (h / group) * vsh;
@@ -259,9 +281,7 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
                     else
                         attend_row(qi, kb, kst, vb, vst, mi, mask ? T - 1 : T - Mq + i0, D, scale, scores, index, acc, o);
                 }
-        free(scores);
-        free(acc);
-        free(index);
+        scratch_close(mine);
     }
     return failed ? -1 : 0;
 }
@@ -303,16 +323,17 @@ int sg_attention_groups(int G, const int *rows, const int *past, const float *q,
     if (!failed) {
 #pragma omp parallel
         {
-            float *scores = malloc(sizeof(float) * (size_t)(stride * R)), *acc = malloc(sizeof(float) * (size_t)D);
-            int *index = malloc(sizeof(int) * (size_t)(stride * R));
-            if (!scores || !acc || !index) {
+            scratch mine = scratch_open(stride, R, D);
+            float *scores = mine.scores, *acc = mine.acc;
+            int *index = mine.index;
+            if (!scratch_ok(mine)) {
 #pragma omp atomic write
                 failed = 1;
             }
             int g = 0;
 #pragma omp for schedule(static)
             for (int item = 0; item < first[G]; item++) {
-                if (!scores || !acc || !index) continue;
+                if (!scratch_ok(mine)) continue;
                 while (item >= first[g + 1]) g++; /* the items run in increasing order within a thread */
                 while (item < first[g]) g--;
                 int local = item - first[g], T = past[g] + rows[g];
@@ -343,9 +364,7 @@ int sg_attention_groups(int G, const int *rows, const int *past, const float *q,
                 else
                     attend_row(qi, kb, kst[g], vb, vst[g], 0, T - rows[g] + i0, D, scale, scores, index, acc, o);
             }
-            free(scores);
-            free(acc);
-            free(index);
+            scratch_close(mine);
         }
     }
     free(first);
