@@ -138,3 +138,23 @@ def test_a_batch_of_chains_appends_to_each_sequences_own_cache_with_the_bits_of_
         assert seq.cached == len(seq.tokens) == twin.cached
         for mine, theirs in zip(seq.cache.layers, twin.cache.layers):
             assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+
+
+def test_a_cache_that_outgrows_its_room_is_written_where_its_buffers_now_are():
+    """The stack keeps each cache's buffer addresses between forwards (Stack._reopened): a cache
+    that grows past its room several times, is cropped, and grows again must still get the per-layer
+    path's bits at every step, and its keys must be the per-layer path's."""
+    model, layered = _pair("q4-a8", hidden=256)
+    caches = new_cache(model.config), new_cache(layered.config)
+    tokens = tiny.prompts(1, seed=12)[0][:5]
+    for step in range(300):
+        if step == 150:
+            for cache in caches:
+                cache.crop(-40)
+            tokens = tokens[:-40]
+        got, want = _feed(model, caches[0], tokens[-1:] if step else tokens), _feed(layered, caches[1], tokens[-1:] if step else tokens)
+        assert torch.equal(got, want), step
+        tokens.append(int(got[-1].argmax()))
+    for mine, theirs in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    assert caches[0].layers[0]._buffers[0].shape[-2] > 64  # it did outgrow its first room
