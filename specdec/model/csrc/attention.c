@@ -229,13 +229,18 @@ typedef struct {
     int *index;
 } scratch;
 
-static scratch scratch_open(long stride, int R, int D) {
+static int scratch_ok(scratch s) { return s.scores && s.acc && s.index; }
+
+/* Called by each thread of a parallel region; sets *failed where memory ran out. */
+static scratch scratch_open(long stride, int R, int D, int *failed) {
     scratch s = {malloc(sizeof(float) * (size_t)(stride * R)), malloc(sizeof(float) * (size_t)D),
                  malloc(sizeof(int) * (size_t)(stride * R))};
+    if (!scratch_ok(s)) {
+#pragma omp atomic write
+        *failed = 1;
+    }
     return s;
 }
-
-static int scratch_ok(scratch s) { return s.scores && s.acc && s.index; }
 
 static void scratch_close(scratch s) {
     free(s.scores);
@@ -254,13 +259,9 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
     long stride = (long)T + VL;
 #pragma omp parallel
     {
-        scratch mine = scratch_open(stride, R, D);
+        scratch mine = scratch_open(stride, R, D, &failed);
         float *scores = mine.scores, *acc = mine.acc;
         int *index = mine.index;
-        if (!scratch_ok(mine)) {
-#pragma omp atomic write
-            failed = 1;
-        }
 #pragma omp for collapse(3) schedule(static)
         for (int b = 0; b < B; b++)
             for (int h = 0; h < H; h++)
@@ -323,13 +324,9 @@ int sg_attention_groups(int G, const int *rows, const int *past, const float *q,
     if (!failed) {
 #pragma omp parallel
         {
-            scratch mine = scratch_open(stride, R, D);
+            scratch mine = scratch_open(stride, R, D, &failed);
             float *scores = mine.scores, *acc = mine.acc;
             int *index = mine.index;
-            if (!scratch_ok(mine)) {
-#pragma omp atomic write
-                failed = 1;
-            }
             int g = 0;
 #pragma omp for schedule(static)
             for (int item = 0; item < first[G]; item++) {
