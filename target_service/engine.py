@@ -396,7 +396,7 @@ class TargetEngine:
         gamma = len(call.draft_tokens)
         if call.sampling.greedy and call.logprobs is None:
             # verify_greedy's rule on one row, in one tensor call: the batched function's tensors
-            # and masks cost each row of a pass tens of microseconds of Python around one argmax.
+            # and masks are Python around one argmax, paid by every row of every pass.
             argmax = logits.argmax(dim=-1).tolist()
             accepted = 0
             while accepted < gamma and call.draft_tokens[accepted] == argmax[accepted]:

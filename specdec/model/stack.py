@@ -142,8 +142,8 @@ class Stack:
         (none grew, was replaced or was adopted from someone else) with room for `needed` positions.
 
         Why: asking each layer for its buffers, their addresses and strides is a dozen Python and
-        tensor calls a layer, 240 layers for 8 sequences of a 30-layer model, and measured about
-        0.9 ms of a 7.4 ms batched pass, while the buffers change only when a sequence outgrows them."""
+        tensor calls a layer, 240 layers for 8 sequences of a 30-layer model, a measurable share of
+        a batched pass (docs/benchmarks.md), while the buffers change only when a sequence outgrows them."""
         saved = getattr(cache, "_specdec_opened", None)
         if saved is None or saved[1] < needed:
             return None
