@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import types
+import weakref
 
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -133,7 +134,8 @@ class Stack:
             strides += (k.stride(1), k.stride(2), v.stride(1), v.stride(2))
             held.append(buffers)
         capacity = min(min(k.shape[-2], v.shape[-2]) for k, v in held)
-        cache._specdec_opened = (held, capacity, pointers, strides)
+        # weak: a cache whose layers move to other buffers (an arena, a replacement) frees the old ones
+        cache._specdec_opened = ([(weakref.ref(k), weakref.ref(v)) for k, v in held], capacity, pointers, strides)
         return pointers, strides
 
     @staticmethod
@@ -147,8 +149,9 @@ class Stack:
         saved = getattr(cache, "_specdec_opened", None)
         if saved is None or saved[1] < needed:
             return None
-        for layer, buffers in zip(cache.layers, saved[0]):
-            if layer._buffers is not buffers or not layer._owned():
+        for layer, (k, v) in zip(cache.layers, saved[0]):
+            buffers = layer._buffers
+            if buffers is None or buffers[0] is not k() or buffers[1] is not v() or not layer._owned():
                 return None
         return saved[2], saved[3]
 
