@@ -29,7 +29,7 @@ from specdec.spec.request import VerifyCall
 from specdec.spec.tree import EMPTY_DIST, SparseDist, tree_depth
 from specdec.spec.treeplan import TreePlan, plan_tree, tree_verdict
 from specdec.serving.batcher import Requeue
-from specdec.spec.verify import verify_greedy, verify_rejection
+from specdec.spec.verify import verify_greedy_row, verify_rejection
 
 log = structlog.get_logger(__name__)
 
@@ -394,26 +394,17 @@ class TargetEngine:
         `position` is the first draft token's index (row i scores position + i)."""
         logits = ban_tokens(logits, position, call.eos_banned_until, self.lm.eos_token_ids)
         gamma = len(call.draft_tokens)
-        if call.sampling.greedy and call.logprobs is None:
-            # verify_greedy's rule on one row, in one tensor call: the batched function's tensors
-            # and masks are Python around one argmax, paid by every row of every pass.
-            argmax = logits.argmax(dim=-1).tolist()
-            accepted = 0
-            while accepted < gamma and call.draft_tokens[accepted] == argmax[accepted]:
-                accepted += 1
-            return accepted, argmax[accepted], []
-        drafts = torch.tensor([call.draft_tokens], dtype=torch.long)  # [1, G]
-        lens = torch.tensor([gamma])
         if call.sampling.greedy:
-            verdict = verify_greedy(logits[None], drafts, lens)
+            accepted, next_token = verify_greedy_row(logits, call.draft_tokens)
         else:
             q = target_probs(logits, call.sampling)  # [G+1, V]
             p = self._dense_draft_probs(call.draft_tokens, call.draft_dists, q.shape[-1])  # [G, V]
             # Keyed by position, not by call order: a row draws the same uniforms in any batch.
             gen = generator_for(call.sampling.seed, position, "target")
             accept_u, sample_u = torch.rand(1, gamma, generator=gen), torch.rand(1, generator=gen)
-            verdict = verify_rejection(q[None], drafts, p[None], lens, accept_u, sample_u)
-        accepted, next_token = int(verdict.accepted[0]), int(verdict.next_tokens[0])
+            drafts = torch.tensor([call.draft_tokens], dtype=torch.long)  # [1, G]
+            verdict = verify_rejection(q[None], drafts, p[None], torch.tensor([gamma]), accept_u, sample_u)
+            accepted, next_token = int(verdict.accepted[0]), int(verdict.next_tokens[0])
         if call.logprobs is None:
             return accepted, next_token, []
         chosen = call.draft_tokens[:accepted] + [next_token]

@@ -7,7 +7,7 @@ import torch
 from scipy import stats
 
 from specdec.spec.sampling import SamplingConfig, target_probs
-from specdec.spec.verify import sample_from, verify_greedy, verify_rejection
+from specdec.spec.verify import sample_from, verify_greedy, verify_greedy_row, verify_rejection
 
 # Each chi-square test below fails by chance with probability FALSE_ALARM when the maths is right.
 FALSE_ALARM = 1e-4
@@ -165,3 +165,17 @@ def test_rejection_sampling_is_a_pure_function_of_its_uniforms():
     second = verify_rejection(q, drafts, p, lens, u, v)
     assert torch.equal(first.accepted, second.accepted) and torch.equal(first.next_tokens, second.next_tokens)
     assert (first.accepted <= lens).all()
+
+
+def test_the_one_row_greedy_rule_is_the_batched_ones():
+    """verify_greedy_row on each row alone gives verify_greedy's verdict: full, partial and no
+    accepts, empty drafts, and ties (few distinct logit values), where both take the first argmax."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        g = trial % 5
+        logits = torch.randint(0, 3, (g + 1, 6), generator=gen).float()  # ties everywhere
+        best = logits.argmax(dim=-1)
+        drafts = [int(best[i]) if torch.rand(1, generator=gen) < 0.7 else int(torch.randint(0, 6, (1,), generator=gen))
+                  for i in range(g)]
+        batched = verify_greedy(logits[None], torch.tensor([drafts], dtype=torch.long).reshape(1, g), torch.tensor([g]))
+        assert verify_greedy_row(logits, drafts) == (int(batched.accepted[0]), int(batched.next_tokens[0]))

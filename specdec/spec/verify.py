@@ -48,6 +48,19 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft
     return Verdict(accepted=accepted, next_tokens=next_tokens)
 
 
+def verify_greedy_row(target_logits: torch.Tensor, draft_tokens: list[int]) -> tuple[int, int]:
+    """verify_greedy for one sequence: (accepted, next token), from target_logits [G+1, V].
+
+    Why a row of its own: the target verifies each row of a pass apart (its verdicts are per row),
+    and the batched form's tensors and masks are Python around one argmax, paid by every row of
+    every pass. One argmax call, then the same rule on a list."""
+    argmax = target_logits.argmax(dim=-1).tolist()
+    accepted = 0
+    while accepted < len(draft_tokens) and draft_tokens[accepted] == argmax[accepted]:
+        accepted += 1
+    return accepted, argmax[accepted]
+
+
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling. probs: [B, V] (unnormalised, >= 0, positive sum); uniforms: [B] in [0, 1).
 
