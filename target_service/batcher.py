@@ -5,8 +5,9 @@ A Verify's sequence is its sequence_id, and a row costs the positions it feeds t
 then draft tokens or tree nodes). The batch expects every sequence that called lately: after a pass
 returns, the coordinator loops each call their draft and come back apart, and a pass started on the
 first of them would split them into half batches for good. The only active sequence's call runs
-directly, and only then may the engine decode ahead (TargetEngine.verify_batch's `decode_ahead`):
-with other sequences active, decoding ahead would hold their next calls up.
+directly. The engine may decode ahead (TargetEngine.verify_batch's `decode_ahead`) only for a pass
+that holds every active sequence's call, the lone one's or all of them together, and stops once a
+call waits (`waiting`): with other sequences active, decoding ahead would hold their next calls up.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ import operator
 from specdec.serving.batcher import ContinuousBatcher
 from specdec.spec.request import VerifyCall
 from target_service.engine import StepResult
+
+
+def _pass_seconds(result: StepResult) -> float:
+    """One forward's compute, from the engine's own timing (without the thread hops): a result
+    that decoded ahead took several."""
+    return result.compute_seconds / (1 + result.ahead_passes)
 
 
 class VerifyBatcher(ContinuousBatcher[VerifyCall, StepResult]):
@@ -29,6 +36,6 @@ class VerifyBatcher(ContinuousBatcher[VerifyCall, StepResult]):
             run, verify_batch,
             key=operator.attrgetter("sequence_id"),
             cost=operator.attrgetter("new_positions"),
-            seconds=operator.attrgetter("compute_seconds"),  # the engine's own timing, without the thread hops
+            seconds=_pass_seconds,
             window_s=window_s, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, inline=inline,
         )

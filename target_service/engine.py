@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 
 import structlog
 import torch
@@ -49,6 +50,24 @@ class StepResult:
     ahead_passes: int = 0  # decode_ahead: the forwards it took (fewer than len(decoded) when lookup drafts were accepted)
     ahead_drafted: int = 0  # lookup_max_tokens: tokens the target drafted for itself (this pass's too, when it drafted it)
     ahead_accepted: int = 0  # and how many of them it accepted
+
+
+@dataclasses.dataclass
+class _RowAhead:
+    """A row decoding ahead with the others of its pass (TargetEngine._decode_ahead_rows)."""
+
+    index: int  # the row's place among the pass's calls
+    seq: Sequence
+    call: VerifyCall  # the row's call without its catch-up and draft: a plain step at the next position
+    lookup: NgramIndex | None  # its prompt-lookup index, when it drafts by lookup
+    budget: int  # tokens it may decode
+    pending: int  # its last token, not in the cache yet
+    decoded: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    proposal: tuple | None = None  # this pass's lookup draft: (tokens, proposal, match length)
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
 
 class TargetEngine:
@@ -167,7 +186,8 @@ class TargetEngine:
         and the accepted draft tokens (hidden [T, H] covers the whole forward)."""
         return FeatureRows(before, hidden[: len(seq.tokens) - before].float().cpu())
 
-    def verify_batch(self, calls: list[VerifyCall], decode_ahead: bool = True) -> list[StepResult | SpecdecError]:
+    def verify_batch(self, calls: list[VerifyCall], decode_ahead: bool = True,
+                     interrupt: Callable[[], bool] | None = None) -> list[StepResult | SpecdecError]:
         """Verifies several sequences' proposals in ONE forward pass (specdec/forward/batching.py),
         or a few where the rows' cache lengths differ so much that padding them to the longest
         would cost more than another pass (pad_groups).
@@ -176,8 +196,10 @@ class TargetEngine:
         and the others go ahead. Rows must name distinct sequences (the batcher sees to it). The
         tokens each row gets are the ones `verify` would give it alone: same per-row logits up to
         float rounding, same per-row verdict, same per-position seeded uniforms when sampling.
-        A row decodes ahead (VerifyCall.decode_ahead) only alone, and only if `decode_ahead`: the
-        batcher says no while other sequences are active, whose calls it would hold up.
+        Rows decode ahead (VerifyCall.decode_ahead) only if `decode_ahead`: the batcher says no
+        while sequences outside the pass are active, whose calls it would hold up. A lone row
+        decodes ahead on its own (`_decode_ahead`), the rows of a pass that holds every call
+        together (`_decode_ahead_rows`), until `interrupt()` says a call is waiting.
         """
         start = time.perf_counter()
         calls = list(calls)  # a row that drafts by lookup gets its draft here
@@ -204,10 +226,7 @@ class TargetEngine:
         if chunked:
             self._learn(prefill_token_s=(time.perf_counter() - start) / chunked)
             start = time.perf_counter()
-        if not self.batchable:  # a model whose cache cannot be padded: row by row
-            groups = [[row] for row in rows]
-        else:  # rows of very unlike cache lengths in passes of their own (batching.PAD_KEYS)
-            groups = [[rows[i] for i in group] for group in pass_groups(self.lm, [seq.cached for _, seq in rows])]
+        groups = self._groups(rows)
         for group in groups:
             if len(group) == 1:
                 (index, seq), = group
@@ -217,10 +236,85 @@ class TargetEngine:
                 results[index] = result
         if rows:
             self._learn(step_s=time.perf_counter() - start)
+        if decode_ahead and len(groups) == 1:  # the rows' passes are one forward each
+            self._decode_ahead_rows(calls, rows, results, start, interrupt)
         for index, _ in rows:
             if calls[index].lookup_match and isinstance(results[index], StepResult):
                 results[index] = self._as_decoded(calls[index], results[index])
         return results
+
+    def _groups(self, rows: list[tuple[int, Sequence]]) -> list[list[tuple[int, Sequence]]]:
+        """The rows of each forward of a pass."""
+        if not self.batchable:  # a model whose cache cannot be padded: row by row
+            return [[row] for row in rows]
+        # rows of very unlike cache lengths in passes of their own (batching.PAD_KEYS)
+        return [[rows[i] for i in group] for group in pass_groups(self.lm, [seq.cached for _, seq in rows])]
+
+    def _decode_ahead_rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]],
+                           results: list[StepResult | SpecdecError | None], start: float,
+                           interrupt: Callable[[], bool] | None) -> None:
+        """Decodes ahead for every row of a batched pass together: one batched forward a pass, as
+        many passes as the row that asked least allows, each row's token (and lookup draft) made
+        as `_decode_ahead` makes it alone. Writes the rows' results back into `results`.
+
+        Why: under load the coordinators stop drafting, and every token of every sequence then costs
+        an exchange of its own; between two passes the target waits for the last of them to come
+        back (a sizeable share of a pass on a small machine). Decoding ahead, the passes follow one
+        another with no exchange in between. Only when every row asked for it (a row that did not
+        would wait for the others' passes) and all of them feed one forward; stopped as soon as a
+        call is waiting (`interrupt`), so a request that arrives meanwhile waits one pass, not all.
+        Each row's tokens are the ones its own exchanges would have got: a row's logits do not
+        depend on the pass's other rows, and its verdict is keyed by position.
+        """
+        if len(rows) < 2 or len(rows) != len(calls):  # one row decodes ahead in _row; a chunk or an error: no
+            return
+        eos, context = self.lm.eos_token_ids, self.lm.max_context
+        rows_ahead: list[_RowAhead] = []
+        for index, seq in rows:
+            call, result = calls[index], results[index]
+            if not isinstance(result, StepResult) or call.tree is not None or call.return_features or call.decode_ahead <= 0:
+                return
+            own = list(call.draft_tokens[:result.accepted]) if call.lookup_match else []
+            budget = call.decode_ahead - len(own)
+            if budget <= 0 or any(t in eos for t in own):
+                return
+            plain = dataclasses.replace(call, append=[], draft_tokens=[], draft_dists=[], lookup_match=None)
+            rows_ahead.append(_RowAhead(index, seq, plain, self._lookup_index(call, seq) if call.lookup_max_tokens else None,
+                                        budget, result.next_token, logprobs=list(result.logprobs)))
+        most = min(min(r.budget, r.call.decode_ahead_passes or r.budget) for r in rows_ahead)
+        for _ in range(most):
+            if interrupt is not None and interrupt():
+                break
+            live = [r for r in rows_ahead if len(r.decoded) < r.budget and r.pending not in eos
+                    and not (context and len(r.seq.tokens) + 2 > context)]
+            if not live:
+                break
+            pass_calls: dict[int, VerifyCall] = {}
+            for r in live:
+                r.seq.tokens.append(r.pending)  # canonical now; it is the forward's first new position
+                r.proposal = ([], [], 0)
+                if r.lookup is not None:
+                    r.lookup.extend(r.seq.tokens[len(r.lookup):])
+                    room = r.budget - len(r.decoded) - 1  # the pass's own token comes on top
+                    if context:
+                        room = min(room, context - len(r.seq.tokens) - 1)
+                    r.proposal = lookup_draft(r.lookup, self.calibration, r.call.lookup_max_tokens, r.call.lookup_costs, room)
+                draft = r.proposal[0]
+                pass_calls[r.index] = dataclasses.replace(r.call, draft_tokens=draft) if draft else r.call
+            for r, outcome in zip(live, self._rows(pass_calls, [(r.index, r.seq) for r in live], start, len(live))):
+                draft, proposal, n = r.proposal
+                taken = outcome.accepted
+                if n:
+                    self.calibration.observe(n, proposal, draft[:taken] + [outcome.next_token])
+                r.decoded += draft[:taken] + [outcome.next_token]
+                r.pending = outcome.next_token
+                r.logprobs += outcome.logprobs
+                r.passes, r.drafted, r.accepted = r.passes + 1, r.drafted + len(draft), r.accepted + taken
+        for r in rows_ahead:
+            results[r.index] = dataclasses.replace(
+                results[r.index], cached_len=len(r.seq.tokens), compute_seconds=time.perf_counter() - start,
+                decoded=tuple(r.decoded), logprobs=tuple(r.logprobs), ahead_passes=r.passes, ahead_drafted=r.drafted,
+                ahead_accepted=r.accepted)
 
     def _with_lookup(self, call: VerifyCall, seq: Sequence) -> VerifyCall:
         """`call` with the draft prompt lookup makes for its pass (maybe none)."""

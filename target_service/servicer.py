@@ -46,7 +46,8 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                                      inline=self._inline)
 
     def _verify_batch(self, calls, decode_ahead: bool = True):
-        return self.engine.verify_batch(calls, decode_ahead)
+        # read from the worker thread: a list's length, set on the loop's thread, is safe to read
+        return self.engine.verify_batch(calls, decode_ahead, interrupt=self.batcher.waiting)
 
     def _inline(self, call: VerifyCall) -> bool:
         """Whether a lone call runs right on the event loop, without the hop to the worker thread

@@ -83,11 +83,49 @@ def test_decoding_ahead_follows_a_verified_draft_and_stops_after_eos(pair):
         assert out.next_token == tiny.EOS and out.decoded == ()
 
 
-def test_a_batch_of_several_rows_decodes_nothing_ahead(pair):
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=0.9, top_k=20, seed=7)], ids=["greedy", "seeded"])
+def test_the_rows_of_a_pass_decode_ahead_together_with_the_tokens_single_steps_make(pair, sampling):
     target = engine(pair)
-    prompts = tiny.prompts(2, seed=13)
-    results = target.verify_batch([VerifyCall(f"r{i}", 0, p, [], [], GREEDY, decode_ahead=4) for i, p in enumerate(prompts)])
-    assert all(r.decoded == () for r in results)
+    prompts = tiny.prompts(4, seed=13)
+    expected = [one_at_a_time(target, f"single{i}", p, 8, sampling) for i, p in enumerate(prompts)]
+    # Unequal budgets: the pass decodes as far as the row that asked least; the rest come next exchange.
+    results = target.verify_batch([VerifyCall(f"r{i}", 0, p, [], [], sampling, decode_ahead=3 + i) for i, p in enumerate(prompts)])
+    for i, (result, want) in enumerate(zip(results, expected)):
+        got = [result.next_token, *result.decoded]
+        assert got == want[: len(got)]
+        assert len(result.decoded) == 3 or tiny.EOS in got
+        assert result.batch_size == len(prompts) and result.ahead_passes == len(result.decoded)
+        if tiny.EOS not in got:
+            more = target.verify_batch([VerifyCall(f"r{i}", result.cached_len, [got[-1]], [], [], sampling)])[0]
+            assert more.next_token == want[len(got)]
+
+
+def test_the_rows_of_a_pass_decode_ahead_with_their_own_lookup_drafts(pair):
+    target = engine(pair)
+    # Prompts that repeat themselves, so prompt lookup finds matches to draft from.
+    prompts = [(p * 3)[:30] for p in tiny.prompts(3, seed=31)]
+    expected = [tiny.reference_greedy(pair[0], p, 16) for p in prompts]
+    calls = [VerifyCall(f"r{i}", 0, p, [], [], GREEDY, decode_ahead=12, lookup_max_tokens=4, decode_ahead_passes=6)
+             for i, p in enumerate(prompts)]
+    results = target.verify_batch(calls)
+    for result, want in zip(results, expected):
+        got = [result.next_token, *result.decoded]
+        assert got == want[: len(got)] and 1 <= result.ahead_passes <= 6
+    assert sum(r.ahead_drafted for r in results) > 0  # the lookup drafted (and the tokens above still match)
+
+
+def test_a_pass_decodes_nothing_ahead_unless_every_row_asks_and_no_call_waits(pair):
+    target = engine(pair)
+    prompts = tiny.prompts(3, seed=13)
+    mixed = target.verify_batch([VerifyCall(f"m{i}", 0, p, [], [], GREEDY, decode_ahead=4 if i else 0) for i, p in enumerate(prompts)])
+    assert all(r.decoded == () for r in mixed)  # the row that asked nothing would wait for the others
+    crowded = target.verify_batch([VerifyCall(f"c{i}", 0, p, [], [], GREEDY, decode_ahead=4) for i, p in enumerate(prompts)],
+                                  decode_ahead=False)
+    assert all(r.decoded == () for r in crowded)  # other sequences active: the batcher said no
+    passes = []
+    waiting = target.verify_batch([VerifyCall(f"w{i}", 0, p, [], [], GREEDY, decode_ahead=4) for i, p in enumerate(prompts)],
+                                  interrupt=lambda: passes.append(1) or len(passes) > 2)
+    assert all(r.ahead_passes == 2 or tiny.EOS in (r.next_token, *r.decoded) for r in waiting)  # stopped when a call came
     alone = target.verify_batch([VerifyCall("alone", 0, prompts[0], [], [], GREEDY, decode_ahead=4)])
     assert len(alone[0].decoded) == 4 or tiny.EOS in (alone[0].next_token, *alone[0].decoded)
 
@@ -122,6 +160,27 @@ def test_the_batcher_lets_a_call_decode_ahead_only_while_its_sequence_is_the_onl
     alone, crowded, again = asyncio.run(main())
     assert len(alone.decoded) == 3 and crowded.decoded == () and len(again.decoded) == 3
     assert [alone.next_token, *alone.decoded, crowded.next_token] == tiny.reference_greedy(pair[0], first, 5)
+
+
+def test_the_batcher_lets_a_pass_of_every_active_sequence_decode_ahead_together(pair):
+    target = engine(pair)
+    first, second = [p for p in tiny.prompts(40, seed=17) if tiny.EOS not in tiny.reference_greedy(pair[0], p, 5)][:2]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        batcher = VerifyBatcher(lambda fn, *args: loop.run_in_executor(None, fn, *args), target.verify_batch, window_s=0.0)
+        a = await batcher.submit(VerifyCall("a", 0, first, [], [], GREEDY))
+        b = await batcher.submit(VerifyCall("b", 0, second, [], [], GREEDY))
+        together = await asyncio.gather(batcher.submit(VerifyCall("a", a.cached_len, [a.next_token], [], [], GREEDY, decode_ahead=3)),
+                                        batcher.submit(VerifyCall("b", b.cached_len, [b.next_token], [], [], GREEDY, decode_ahead=3)))
+        batcher.close()
+        return a, b, together
+
+    a, b, (ta, tb) = asyncio.run(main())
+    assert ta.batch_size == tb.batch_size == 2
+    for start, step, prompt in ((a, ta, first), (b, tb, second)):
+        got = [start.next_token, step.next_token, *step.decoded]
+        assert got == tiny.reference_greedy(pair[0], prompt, 5) and len(step.decoded) == 3
 
 
 class CountingVerifier(LocalVerifier):

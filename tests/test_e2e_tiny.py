@@ -103,9 +103,9 @@ def test_greedy_matches_with_the_target_stepping_on_its_event_loop(env, referenc
     threads = collections.Counter()
     verify_batch = TargetEngine.verify_batch
 
-    def counted(self, calls, decode_ahead=True):
+    def counted(self, calls, decode_ahead=True, **kwargs):
         threads["worker" if threading.current_thread().name.startswith("target") else "loop"] += 1
-        return verify_batch(self, calls, decode_ahead)
+        return verify_batch(self, calls, decode_ahead, **kwargs)
 
     monkeypatch.setattr(TargetEngine, "verify_batch", counted)
     for prompt, expected in zip(tiny.prompts(), references):

@@ -95,7 +95,7 @@ def test_greedy_tokens_are_the_targets_own_and_accepted_drafts_save_passes(pair)
 def test_a_call_without_a_draft_gets_the_targets_own_and_so_does_each_row_of_a_batch(pair):
     """The call's own pass drafts by lookup too when the caller sent no draft; the caller knows no
     draft tokens, so the accepted ones come back as next_token and decoded_tokens. In a batch
-    (where nothing is decoded ahead) each row drafts for itself, and gets what it gets alone."""
+    (its rows decoding ahead together) each row drafts for itself, and gets what it gets alone."""
     target = engine(pair)
     prompts = echoing_prompts(pair, 6)
     drafted = 0
@@ -109,7 +109,8 @@ def test_a_call_without_a_draft_gets_the_targets_own_and_so_does_each_row_of_a_b
     batch = target.verify_batch([VerifyCall(f"b{n}", 0, p, [], [], GREEDY, decode_ahead=4, decode_ahead_passes=2,
                                             lookup_max_tokens=MOST) for n, p in enumerate(prompts)])
     for n, (prompt, out) in enumerate(zip(prompts, batch)):
-        alone = target.verify(VerifyCall(f"a{n}", 0, prompt, [], [], GREEDY, lookup_max_tokens=MOST))
+        alone = target.verify(VerifyCall(f"a{n}", 0, prompt, [], [], GREEDY, decode_ahead=4, decode_ahead_passes=2,
+                                         lookup_max_tokens=MOST))
         assert (out.next_token, out.decoded, out.ahead_drafted) == (alone.next_token, alone.decoded, alone.ahead_drafted)
 
 

@@ -131,6 +131,11 @@ class ContinuousBatcher(Generic[C, R]):
         self._arrived.set()
         return await item.future  # cancelled while waiting: the pass skips it
 
+    def waiting(self) -> bool:
+        """Whether a call waits for the next pass: a pass that does extra work for its own rows
+        (the target decoding ahead) stops then. Safe to call from the worker thread."""
+        return bool(self._pending)
+
     def released(self, key: Hashable) -> None:
         """A sequence left: do not wait for its next call."""
         self._active.pop(key, None)
