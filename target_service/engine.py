@@ -96,7 +96,8 @@ class TargetEngine:
             raise result
         return result
 
-    def _decode_ahead(self, call: VerifyCall, seq: Sequence, result: StepResult, start: float) -> StepResult:
+    def _decode_ahead(self, call: VerifyCall, seq: Sequence, result: StepResult, start: float,
+                      interrupt: Callable[[], bool] | None = None) -> StepResult:
         """Decodes up to call.decode_ahead more tokens after the verdict, one forward a pass.
 
         Why: the coordinator asks for this only for steps it would not draft anyway (an n-gram
@@ -106,8 +107,9 @@ class TargetEngine:
         Each pass verifies its lookup draft, if any, as a Verify at its position would (`_verdict`:
         greedy, or rejection sampling against a one-hot draft with the position-keyed generator),
         so greedy tokens are the ones those steps would have made and sampled ones follow the
-        target's distribution. Stops after an end-of-sequence token and before the context is
-        full; the coordinator cuts anything past its own stops.
+        target's distribution. Stops after an end-of-sequence token, before the context is full,
+        and once another call waits (`interrupt`: a new request then waits one pass, not eight);
+        the coordinator cuts anything past its own stops.
 
         With return_features (a feature draft resting), each forward's hidden states extend the
         features, so they still cover every position the target holds: the draft catches up on
@@ -125,7 +127,7 @@ class TargetEngine:
         passes = drafted = accepted = 0
         most = call.decode_ahead_passes or budget
         while (len(decoded) < budget and passes < most and pending not in eos
-               and not (context and len(seq.tokens) + 2 > context)):
+               and not (context and len(seq.tokens) + 2 > context) and not (interrupt is not None and interrupt())):
             seq.tokens.append(pending)  # canonical now; it is the forward's first new position
             draft, proposal, n = [], [], 0
             if index is not None:
@@ -230,7 +232,7 @@ class TargetEngine:
         for group in groups:
             if len(group) == 1:
                 (index, seq), = group
-                results[index] = self._row(calls[index], seq, start, len(rows), decode_ahead and len(rows) == 1)
+                results[index] = self._row(calls[index], seq, start, len(rows), decode_ahead and len(rows) == 1, interrupt)
                 continue
             for (index, _), result in zip(group, self._rows(calls, group, start, len(rows))):
                 results[index] = result
@@ -337,7 +339,8 @@ class TargetEngine:
                                    ahead_drafted=result.ahead_drafted + len(call.draft_tokens),
                                    ahead_accepted=result.ahead_accepted + result.accepted)
 
-    def _row(self, call: VerifyCall, seq: Sequence, start: float, batch_size: int, decode_ahead: bool) -> StepResult:
+    def _row(self, call: VerifyCall, seq: Sequence, start: float, batch_size: int, decode_ahead: bool,
+             interrupt: Callable[[], bool] | None = None) -> StepResult:
         """One row's forward on its own; it decodes ahead only when it is the pass's only row
         (decoding ahead would hold the other rows up for several forwards)."""
         if call.tree is not None:
@@ -347,7 +350,7 @@ class TargetEngine:
             logits = self.lm.forward(seq, call.draft_tokens, keep=len(call.draft_tokens) + 1)
         result = self._finish(call, seq, logits, start, batch_size, hidden[0][0] if hidden else None, before)
         seq.crop_cache(len(seq.tokens))
-        return self._decode_ahead(call, seq, result, start) if decode_ahead else result
+        return self._decode_ahead(call, seq, result, start, interrupt) if decode_ahead else result
 
     def _rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]], start: float, batch_size: int) -> list[StepResult]:
         """Several rows (chains and trees mixed) in ONE batched forward; their results in order."""

@@ -128,6 +128,11 @@ def test_a_pass_decodes_nothing_ahead_unless_every_row_asks_and_no_call_waits(pa
     assert all(r.ahead_passes == 2 or tiny.EOS in (r.next_token, *r.decoded) for r in waiting)  # stopped when a call came
     alone = target.verify_batch([VerifyCall("alone", 0, prompts[0], [], [], GREEDY, decode_ahead=4)])
     assert len(alone[0].decoded) == 4 or tiny.EOS in (alone[0].next_token, *alone[0].decoded)
+    asked = []
+    cut = target.verify_batch([VerifyCall("cut", 0, prompts[0], [], [], GREEDY, decode_ahead=4)],
+                              interrupt=lambda: asked.append(1) or len(asked) > 2)
+    assert cut[0].ahead_passes == min(2, len(alone[0].decoded))  # a lone row stops when a call comes too
+    assert [cut[0].next_token, *cut[0].decoded] == [alone[0].next_token, *alone[0].decoded][: 1 + cut[0].ahead_passes]
 
 
 @pytest.mark.parametrize("call, field", [
