@@ -29,7 +29,7 @@ from specdec.spec.lookup import LOOKUP_MAX_N, MatchCalibration, NgramIndex, look
 from specdec.spec.request import VerifyCall
 from specdec.spec.tree import EMPTY_DIST, SparseDist, tree_depth
 from specdec.spec.treeplan import TreePlan, plan_tree, tree_verdict
-from specdec.serving.batcher import Requeue
+from specdec.serving.batcher import RECENT_FLOOR_S, RECENT_PASSES, Requeue
 from specdec.spec.verify import verify_greedy_row, verify_rejection
 
 log = structlog.get_logger(__name__)
@@ -375,10 +375,16 @@ class TargetEngine:
         return results
 
     def _others_decode(self, seq: Sequence) -> bool:
-        """Whether another sequence held here has its prompt fed, or short enough to feed in one
-        pass: a long chunk would hold its steps up. Long prompts that are all still being fed
-        delay nobody's tokens by taking long chunks, and finish sooner."""
-        return any(other is not seq and len(other.tokens) - other.cached <= self.max_prefill_tokens for other in self.store)
+        """Whether another sequence held here decodes: its prompt fed, and called lately (as the
+        batcher counts its active ones). A long chunk would hold its steps up; long prompts that
+        are all still being fed delay nobody's tokens by taking long chunks, and finish sooner.
+        (A prompt that arrives meanwhile is the batcher's to see: its call waits, and the batcher
+        says so.) This counted prompts with fewer than --max-prefill-tokens-per-pass tokens left
+        as decoding, and sequences idle for long (a paused client, one gone without a release):
+        120 prompts of 479 tokens beside one idle 3-token sequence then fed each other 2-token
+        chunks and took 2 to over 8 s to drain (tests/test_shutdown.py)."""
+        horizon = time.monotonic() - max(RECENT_FLOOR_S, RECENT_PASSES * self._step_s)
+        return any(other is not seq and other.cached == len(other.tokens) and other.last_used >= horizon for other in self.store)
 
     # A chunk may take this share of a step of the other sequences: their time per token grows by
     # that much (plus the long sequence's own steps once it decodes) while a long prompt is fed.

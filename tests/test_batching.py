@@ -366,6 +366,25 @@ def test_other_sequences_step_between_the_chunks_of_a_long_prompt(target):
     assert results[0] == decode(engine(target), "alone", long_prompt, 2)
 
 
+def test_only_sequences_that_decode_lately_keep_a_lone_prompts_chunks_short(target):
+    """A long prompt's chunks grow 8x when nobody else decodes: a sequence still being fed does not
+    count, nor one idle past the batcher's horizon (a paused client). Counting those made 120 prompts
+    beside one idle sequence feed each other 2-token chunks (tests/test_shutdown.py's drain)."""
+    eng = TargetEngine(CausalLM(target, torch.device("cpu")), max_sequences=8, max_prefill_tokens=16)
+    long_prompt = (prompts(1, seed=21)[0] * 60)[:400]
+    waiting = eng.verify_batch([VerifyCall("w", 0, long_prompt[:40], [], [], GREEDY)], decode_ahead=False)[0]
+    assert isinstance(waiting, Requeue)  # "w" holds 24 tokens not fed yet
+    first = eng.verify_batch([VerifyCall("c", 0, long_prompt, [], [], GREEDY)])[0]
+    assert isinstance(first, Requeue) and eng.store._sequences["c"].cached == 128  # "w" does not decode
+    decode(eng, "other", prompts(1, seed=24)[0][:6], 1)
+    second = eng.verify_batch([first.call])[0]
+    fed = eng.store._sequences["c"].cached
+    assert isinstance(second, Requeue) and 128 < fed <= 128 + 16  # "other" decodes: a chunk within the bound
+    eng.store._sequences["other"].last_used -= 60  # ... but not for a minute
+    eng.verify_batch([second.call])
+    assert eng.store._sequences["c"].cached == fed + 128
+
+
 # -- passes split by cache length (batching.pad_groups) --------------------------------------------------
 
 def test_pad_groups_keeps_like_lengths_together_and_a_long_cache_apart():
