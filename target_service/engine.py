@@ -265,8 +265,9 @@ class TargetEngine:
         another with no exchange in between. Only when every row asked for it (a row that did not
         would wait for the others' passes) and all of them feed one forward; stopped as soon as a
         call is waiting (`interrupt`), so a request that arrives meanwhile waits one pass, not all.
-        Each row's tokens are the ones its own exchanges would have got: a row's logits do not
-        depend on the pass's other rows, and its verdict is keyed by position.
+        Each row's tokens are the ones its own exchanges would have got, as exact as any batched
+        pass: its verdict is keyed by position, and which rows share its forwards is the load's
+        doing either way.
         """
         if len(rows) < 2 or len(rows) != len(calls):  # one row decodes ahead in _row; a chunk or an error: no
             return
