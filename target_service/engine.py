@@ -54,13 +54,16 @@ class StepResult:
 
 @dataclasses.dataclass
 class _RowAhead:
-    """A row decoding ahead with the others of its pass (TargetEngine._decode_ahead_rows)."""
+    """A row decoding ahead after its pass's verdict, alone (TargetEngine._decode_ahead) or with the
+    others of its pass (_decode_ahead_rows): both take their passes through _ahead_pass and
+    _ahead_taken, so a row's tokens are made alike either way."""
 
     index: int  # the row's place among the pass's calls
     seq: Sequence
     call: VerifyCall  # the row's call without its catch-up and draft: a plain step at the next position
     lookup: NgramIndex | None  # its prompt-lookup index, when it drafts by lookup
     budget: int  # tokens it may decode
+    most: int  # passes it may take
     pending: int  # its last token, not in the cache yet
     decoded: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
@@ -68,6 +71,12 @@ class _RowAhead:
     passes: int = 0
     drafted: int = 0
     accepted: int = 0
+    ended: bool = False  # an end-of-sequence token was accepted inside a draft: what follows is cut anyway
+
+    def going(self, eos, context: int) -> bool:
+        """Whether the row takes another pass: budget and passes left, no end of sequence, room in the context."""
+        return (not self.ended and len(self.decoded) < self.budget and self.passes < self.most and self.pending not in eos
+                and not (context and len(self.seq.tokens) + 2 > context))
 
 
 class TargetEngine:
@@ -115,48 +124,68 @@ class TargetEngine:
         features, so they still cover every position the target holds: the draft catches up on
         the decoded tokens next time as it does on accepted ones.
         """
-        # a lookup draft's accepted tokens are among the caller's budget (_as_decoded), and end it at an end of sequence
-        own = list(call.draft_tokens[:result.accepted]) if call.lookup_match else []
-        budget = call.decode_ahead - len(own)
-        if budget <= 0 or any(t in self.lm.eos_token_ids for t in own):
+        row = self._ahead(call, seq, result)
+        if row is None:
             return result
-        plain = dataclasses.replace(call, append=[], draft_tokens=[], draft_dists=[], lookup_match=None)
-        index = self._lookup_index(call, seq) if call.lookup_max_tokens else None
         eos, context = self.lm.eos_token_ids, self.lm.max_context
-        pending, decoded, rows, logprobs = result.next_token, [], [], list(result.logprobs)
-        passes = drafted = accepted = 0
-        most = call.decode_ahead_passes or budget
-        while (len(decoded) < budget and passes < most and pending not in eos
-               and not (context and len(seq.tokens) + 2 > context) and not (interrupt is not None and interrupt())):
-            seq.tokens.append(pending)  # canonical now; it is the forward's first new position
-            draft, proposal, n = [], [], 0
-            if index is not None:
-                index.extend(seq.tokens[len(index):])
-                room = budget - len(decoded) - 1  # the pass's own token comes on top
-                if context:
-                    room = min(room, context - len(seq.tokens) - 1)
-                draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_max_tokens, call.lookup_costs, room)
+        rows = []
+        while row.going(eos, context) and not (interrupt is not None and interrupt()):
+            step = self._ahead_pass(row)
             with self._capturing(call.return_features) as hidden:
-                logits = self.lm.forward(seq, draft, keep=len(draft) + 1)  # [1 + len(draft), V]
-            taken, pending, chosen = self._verdict(dataclasses.replace(plain, draft_tokens=draft) if draft else plain,
-                                                   logits, len(seq.tokens))
+                logits = self.lm.forward(seq, step.draft_tokens, keep=len(step.draft_tokens) + 1)  # [1 + len(draft), V]
+            taken, pending, chosen = self._verdict(step, logits, len(seq.tokens))
             if hidden:
                 rows.append(hidden[0][0][: 1 + taken].float().cpu())  # the positions that are canonical now
-            if n:
-                self.calibration.observe(n, proposal, draft[:taken] + [pending])
-            seq.tokens.extend(draft[:taken])
+            seq.tokens.extend(step.draft_tokens[:taken])
             seq.crop_cache(len(seq.tokens))
-            decoded += draft[:taken] + [pending]
-            logprobs += chosen
-            passes, drafted, accepted = passes + 1, drafted + len(draft), accepted + taken
-            if any(t in eos for t in draft[:taken]):
-                break  # the sequence ends inside the draft: what follows is cut anyway
+            self._ahead_taken(row, taken, pending, chosen)
         features = result.features
         if rows and features is not None:
             features = FeatureRows(features.start, torch.cat([features.values, *rows]))
-        return dataclasses.replace(result, cached_len=len(seq.tokens), compute_seconds=time.perf_counter() - start,
-                                   decoded=tuple(decoded), features=features, logprobs=tuple(logprobs),
-                                   ahead_passes=passes, ahead_drafted=drafted, ahead_accepted=accepted)
+        return self._ahead_result(result, row, start, features=features)
+
+    def _ahead(self, call: VerifyCall, seq: Sequence, result: StepResult, index: int = 0) -> _RowAhead | None:
+        """The row that decodes ahead after `result`, or None if its budget is spent: a lookup draft's
+        accepted tokens are among the caller's budget (_as_decoded), and end it at an end of sequence."""
+        own = list(call.draft_tokens[:result.accepted]) if call.lookup_match else []
+        budget = call.decode_ahead - len(own)
+        if budget <= 0 or any(t in self.lm.eos_token_ids for t in own):
+            return None
+        plain = dataclasses.replace(call, append=[], draft_tokens=[], draft_dists=[], lookup_match=None)
+        return _RowAhead(index, seq, plain, self._lookup_index(call, seq) if call.lookup_max_tokens else None, budget,
+                         call.decode_ahead_passes or budget, result.next_token, logprobs=list(result.logprobs))
+
+    def _ahead_pass(self, row: _RowAhead) -> VerifyCall:
+        """Makes the row's pending token canonical (its pass's first new position) and returns the call
+        its pass verifies: a plain step, with the row's lookup draft when it drafts by lookup."""
+        row.seq.tokens.append(row.pending)
+        row.proposal = ([], [], 0)
+        if row.lookup is not None:
+            row.lookup.extend(row.seq.tokens[len(row.lookup):])
+            room = row.budget - len(row.decoded) - 1  # the pass's own token comes on top
+            if self.lm.max_context:
+                room = min(room, self.lm.max_context - len(row.seq.tokens) - 1)
+            row.proposal = lookup_draft(row.lookup, self.calibration, row.call.lookup_max_tokens, row.call.lookup_costs, room)
+        draft = row.proposal[0]
+        return dataclasses.replace(row.call, draft_tokens=draft) if draft else row.call
+
+    def _ahead_taken(self, row: _RowAhead, taken: int, next_token: int, logprobs) -> None:
+        """Records a pass's verdict on the row: `taken` draft tokens accepted (already appended to the
+        sequence), then `next_token`, pending."""
+        draft, proposal, n = row.proposal
+        if n:
+            self.calibration.observe(n, proposal, draft[:taken] + [next_token])
+        row.decoded += draft[:taken] + [next_token]
+        row.pending = next_token
+        row.logprobs += logprobs
+        row.passes, row.drafted, row.accepted = row.passes + 1, row.drafted + len(draft), row.accepted + taken
+        row.ended = any(t in self.lm.eos_token_ids for t in draft[:taken])
+
+    @staticmethod
+    def _ahead_result(result: StepResult, row: _RowAhead, start: float, **extra) -> StepResult:
+        return dataclasses.replace(result, cached_len=len(row.seq.tokens), compute_seconds=time.perf_counter() - start,
+                                   decoded=tuple(row.decoded), logprobs=tuple(row.logprobs), ahead_passes=row.passes,
+                                   ahead_drafted=row.drafted, ahead_accepted=row.accepted, **extra)
 
     @staticmethod
     def _lookup_index(call: VerifyCall, seq: Sequence) -> NgramIndex:
@@ -271,53 +300,25 @@ class TargetEngine:
         """
         if len(rows) < 2 or len(rows) != len(calls):  # one row decodes ahead in _row; a chunk or an error: no
             return
-        eos, context = self.lm.eos_token_ids, self.lm.max_context
         rows_ahead: list[_RowAhead] = []
         for index, seq in rows:
             call, result = calls[index], results[index]
             if not isinstance(result, StepResult) or call.tree is not None or call.return_features or call.decode_ahead <= 0:
                 return
-            own = list(call.draft_tokens[:result.accepted]) if call.lookup_match else []
-            budget = call.decode_ahead - len(own)
-            if budget <= 0 or any(t in eos for t in own):
+            row = self._ahead(call, seq, result, index)
+            if row is None:
                 return
-            plain = dataclasses.replace(call, append=[], draft_tokens=[], draft_dists=[], lookup_match=None)
-            rows_ahead.append(_RowAhead(index, seq, plain, self._lookup_index(call, seq) if call.lookup_max_tokens else None,
-                                        budget, result.next_token, logprobs=list(result.logprobs)))
-        most = min(min(r.budget, r.call.decode_ahead_passes or r.budget) for r in rows_ahead)
-        for _ in range(most):
-            if interrupt is not None and interrupt():
+            rows_ahead.append(row)
+        eos, context = self.lm.eos_token_ids, self.lm.max_context
+        for _ in range(min(min(r.budget, r.most) for r in rows_ahead)):
+            live = [r for r in rows_ahead if r.going(eos, context)]
+            if not live or (interrupt is not None and interrupt()):
                 break
-            live = [r for r in rows_ahead if len(r.decoded) < r.budget and r.pending not in eos
-                    and not (context and len(r.seq.tokens) + 2 > context)]
-            if not live:
-                break
-            pass_calls: dict[int, VerifyCall] = {}
-            for r in live:
-                r.seq.tokens.append(r.pending)  # canonical now; it is the forward's first new position
-                r.proposal = ([], [], 0)
-                if r.lookup is not None:
-                    r.lookup.extend(r.seq.tokens[len(r.lookup):])
-                    room = r.budget - len(r.decoded) - 1  # the pass's own token comes on top
-                    if context:
-                        room = min(room, context - len(r.seq.tokens) - 1)
-                    r.proposal = lookup_draft(r.lookup, self.calibration, r.call.lookup_max_tokens, r.call.lookup_costs, room)
-                draft = r.proposal[0]
-                pass_calls[r.index] = dataclasses.replace(r.call, draft_tokens=draft) if draft else r.call
-            for r, outcome in zip(live, self._rows(pass_calls, [(r.index, r.seq) for r in live], start, len(live))):
-                draft, proposal, n = r.proposal
-                taken = outcome.accepted
-                if n:
-                    self.calibration.observe(n, proposal, draft[:taken] + [outcome.next_token])
-                r.decoded += draft[:taken] + [outcome.next_token]
-                r.pending = outcome.next_token
-                r.logprobs += outcome.logprobs
-                r.passes, r.drafted, r.accepted = r.passes + 1, r.drafted + len(draft), r.accepted + taken
+            steps = {r.index: self._ahead_pass(r) for r in live}
+            for r, outcome in zip(live, self._rows(steps, [(r.index, r.seq) for r in live], start, len(live))):
+                self._ahead_taken(r, outcome.accepted, outcome.next_token, outcome.logprobs)
         for r in rows_ahead:
-            results[r.index] = dataclasses.replace(
-                results[r.index], cached_len=len(r.seq.tokens), compute_seconds=time.perf_counter() - start,
-                decoded=tuple(r.decoded), logprobs=tuple(r.logprobs), ahead_passes=r.passes, ahead_drafted=r.drafted,
-                ahead_accepted=r.accepted)
+            results[r.index] = self._ahead_result(results[r.index], r, start)
 
     def _with_lookup(self, call: VerifyCall, seq: Sequence) -> VerifyCall:
         """`call` with the draft prompt lookup makes for its pass (maybe none)."""
