@@ -2,12 +2,13 @@
 frees up run as ONE verify pass.
 
 A Verify's sequence is its sequence_id, and a row costs the positions it feeds the target (catch-up,
-then draft tokens or tree nodes). The batch expects every sequence that called lately: after a pass
-returns, the coordinator loops each call their draft and come back apart, and a pass started on the
-first of them would split them into half batches for good. The only active sequence's call runs
-directly. The engine may decode ahead (TargetEngine.verify_batch's `decode_ahead`) only for a pass
-that holds every active sequence's call, the lone one's or all of them together, and stops once a
-call waits (`waiting`): with other sequences active, decoding ahead would hold their next calls up.
+then draft tokens or tree nodes; of a prompt longer than a chunk, one chunk's). The batch expects
+every sequence that called lately: after a pass returns, the coordinator loops each call their draft
+and come back apart, and a pass started on the first of them would split them into half batches for
+good. The only active sequence's call runs directly. The engine may decode ahead
+(TargetEngine.verify_batch's `decode_ahead`) only for a pass that holds every active sequence's
+call, the lone one's or all of them together, and stops once a call waits (`waiting`): with other
+sequences active, decoding ahead would hold their next calls up.
 """
 
 from __future__ import annotations
@@ -29,13 +30,20 @@ class VerifyBatcher(ContinuousBatcher[VerifyCall, StepResult]):
     name = "verify-batcher"
 
     def __init__(self, run, verify_batch, window_s: float = 0.002, max_batch_size: int = 16, max_batch_tokens: int = 256,
-                 inline=None):
+                 inline=None, engine=None):
         """`run(fn, *args)` awaits fn on the engine's worker; `verify_batch(calls, decode_ahead)` is the engine's;
-        `inline(call)`: whether a lone call may run on the event loop (ContinuousBatcher)."""
+        `inline(call)`: whether a lone call may run on the event loop (ContinuousBatcher); `engine()`:
+        the TargetEngine once loaded, which says what a call costs a pass (TargetEngine.pass_positions)
+        and whether its passes pad their rows (None: a call costs every position it feeds, padded)."""
+        self._engine = engine
         super().__init__(
             run, verify_batch,
             key=operator.attrgetter("sequence_id"),
-            cost=operator.attrgetter("new_positions"),
+            cost=self._positions,
             seconds=_pass_seconds,
             window_s=window_s, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, inline=inline,
+            ragged=lambda: engine is not None and engine().ragged,
         )
+
+    def _positions(self, call: VerifyCall) -> int:
+        return call.new_positions if self._engine is None else self._engine().pass_positions(call)

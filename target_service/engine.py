@@ -18,7 +18,8 @@ import torch
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, SequenceStore
-from specdec.model.lm import CausalLM, feed
+from specdec.model import stack
+from specdec.model.lm import CausalLM, feed, pending_only
 from specdec.spec.sampling import (SamplingConfig, TokenLogprob, ban_tokens, chosen_logprobs, generator_for, target_probs,
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
@@ -33,6 +34,11 @@ from specdec.serving.batcher import RECENT_FLOOR_S, RECENT_PASSES, Requeue
 from specdec.spec.verify import verify_greedy_row, verify_rejection
 
 log = structlog.get_logger(__name__)
+
+
+def _average(mean: float, sample: float) -> float:
+    """A moving average that starts at its first sample (`mean` 0: none yet)."""
+    return sample if not mean else 0.8 * mean + 0.2 * sample
 
 
 
@@ -88,6 +94,7 @@ class TargetEngine:
         self.lm = lm
         self.max_prefill_tokens = max_prefill_tokens
         self._step_s = self._prefill_token_s = 0.0  # measured costs that size the chunks (_chunk_budget)
+        self._forward_s = self._chunk_token_s = 0.0  # the same, for a chunk riding in the rows' forward (_fuses)
         # a static GPU cache (specdec/model/static.py) holds a fixed number of sequences: evict past it
         self.store = SequenceStore(min(max_sequences, getattr(lm, "max_sequences", max_sequences)), idle_timeout_s)
         self.batchable = batchable(lm)
@@ -242,37 +249,91 @@ class TargetEngine:
                 prepared.append((index, self._prepare(call)))
             except SpecdecError as exc:
                 results[index] = exc
-        chunked = 0  # tokens fed as a chunk this pass: one row's, the budget is the pass's
-        for index, seq in prepared:
-            call, pending = calls[index], len(seq.tokens) - seq.cached
-            if self.max_prefill_tokens and pending > self.MIN_CHUNK and not call.return_features:
-                full = self._chunk_budget(alone=bool(decode_ahead) and not self._others_decode(seq))
-                if pending > max(full, self.MIN_CHUNK):
-                    budget = 0 if chunked else full
-                    results[index], chunked = self._chunk(call, seq, budget), chunked + budget
-                    continue
-            if call.lookup_max_tokens and not call.draft_tokens and call.tree is None:
-                calls[index] = self._with_lookup(call, seq)
-            rows.append((index, seq))
-        if chunked:
-            self._learn(prefill_token_s=(time.perf_counter() - start) / chunked)
-            start = time.perf_counter()
+        rows, chunk = self._split(calls, prepared, results, decode_ahead)
         groups = self._groups(rows)
+        fused = chunk is not None and self._fuses(calls, groups)
+        # a pass whose rows are steps (not a prompt fed whole) measures a step, or what a chunk adds to one
+        steps = all(len(seq.tokens) - seq.cached <= self.MIN_CHUNK for _, seq in rows)
+        if chunk is not None and not fused:  # the chunk in a forward of its own, before the rows'
+            index, seq, budget = chunk
+            feed(self.lm, seq, budget)
+            results[index] = self._rest(calls[index], seq)
+            self._learn(prefill_token_s=(time.perf_counter() - start) / budget)
+            start = time.perf_counter()
         for group in groups:
-            if len(group) == 1:
+            if len(group) == 1 and not fused:
                 (index, seq), = group
                 results[index] = self._row(calls[index], seq, start, len(rows), decode_ahead and len(rows) == 1, interrupt)
                 continue
-            for (index, _), result in zip(group, self._rows(calls, group, start, len(rows))):
+            for (index, _), result in zip(group, self._rows(calls, group, start, len(rows), chunk if fused else None)):
                 results[index] = result
-        if rows:
-            self._learn(step_s=time.perf_counter() - start)
+        if fused:
+            index, seq, budget = chunk
+            results[index] = self._rest(calls[index], seq)
+            if self._forward_s and steps:  # what the chunk added to the rows' forward, a token
+                self._learn(chunk_token_s=max(time.perf_counter() - start - self._forward_s, 0.0) / budget)
+        elif rows:
+            # a lone row's passes decoded ahead (_row) are not one forward: one of them is
+            ahead = sum(r.ahead_passes for r in results if isinstance(r, StepResult))
+            elapsed = time.perf_counter() - start
+            self._learn(step_s=elapsed, forward_s=elapsed / (1 + ahead) if steps else 0.0)
         if decode_ahead and len(groups) == 1:  # the rows' passes are one forward each
             self._decode_ahead_rows(calls, rows, results, start, interrupt)
         for index, _ in rows:
             if calls[index].lookup_match and isinstance(results[index], StepResult):
                 results[index] = self._as_decoded(calls[index], results[index])
         return results
+
+    def _split(self, calls: list[VerifyCall], prepared: list[tuple[int, Sequence]],
+               results: list[StepResult | SpecdecError | None], decode_ahead: bool
+               ) -> tuple[list[tuple[int, Sequence]], tuple[int, Sequence, int] | None]:
+        """The rows whose tokens this pass verifies, and the one row (index, sequence, tokens) whose
+        prompt is longer than a pass may feed and gets a chunk of it (`_chunk_budget`). Another such
+        row waits for a later pass (its Requeue goes into `results`): the budget is the pass's. A row
+        drafting by lookup gets its draft here (into `calls`)."""
+        rows: list[tuple[int, Sequence]] = []
+        chunk = None
+        for index, seq in prepared:
+            call, pending = calls[index], len(seq.tokens) - seq.cached
+            if self.max_prefill_tokens and pending > self.MIN_CHUNK and not call.return_features:
+                full = self._chunk_budget(alone=bool(decode_ahead) and not self._others_decode(seq))
+                if pending > max(full, self.MIN_CHUNK):
+                    if chunk is None:
+                        chunk = (index, seq, full)
+                    else:
+                        results[index] = self._rest(call, seq)
+                    continue
+            if call.lookup_max_tokens and not call.draft_tokens and call.tree is None:
+                calls[index] = self._with_lookup(call, seq)
+            rows.append((index, seq))
+        return rows, chunk
+
+    @property
+    def ragged(self) -> bool:
+        """Whether a pass's rows feed only their own positions (none padded to the longest row's):
+        one forward of the compact stack (specdec/model/stack.py) takes them all so."""
+        return stack.applies(self.lm)
+
+    def pass_positions(self, call: VerifyCall) -> int:
+        """The positions `call` feeds a pass (the batcher's cost): where a chunk rides in the rows'
+        forward (`ragged`), a prompt longer than a chunk beside other rows feeds one chunk
+        (`_chunk_budget`), not all of it. (Elsewhere a chunk takes a forward of its own, and a
+        batch of prompts, each priced at a chunk, would be one chunk and many rows that wait.)"""
+        budget = self._chunk_budget(alone=False) if self.ragged else 0
+        return min(call.new_positions, max(budget, self.MIN_CHUNK)) if budget else call.new_positions
+
+    def _fuses(self, calls: list[VerifyCall], groups: list[list[tuple[int, Sequence]]]) -> bool:
+        """Whether a prompt chunk rides in the rows' forward instead of one of its own: where the
+        rows are one forward of the compact stack (specdec/model/stack.py), which pads nothing, so
+        the chunk's positions cost only their own arithmetic and attention.
+
+        Why: a forward's fixed cost (reading every weight once, and a hundred calls around the
+        stack) is most of a decode step on a CPU, and a chunk in a forward of its own paid it again:
+        beside decoding rows, chunks are cut short (`_chunk_budget`), so a prompt's many small chunks
+        paid it many times (docs/benchmarks.md, "Chunks inside the rows' forward"). Exact all the
+        same: the stack's rows do not depend on which rows share the pass."""
+        return (len(groups) == 1 and self.ragged
+                and all(calls[index].tree is None and not calls[index].return_features for index, _ in groups[0]))
 
     def _groups(self, rows: list[tuple[int, Sequence]]) -> list[list[tuple[int, Sequence]]]:
         """The rows of each forward of a pass."""
@@ -354,15 +415,25 @@ class TargetEngine:
         seq.crop_cache(len(seq.tokens))
         return self._decode_ahead(call, seq, result, start, interrupt) if decode_ahead else result
 
-    def _rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]], start: float, batch_size: int) -> list[StepResult]:
-        """Several rows (chains and trees mixed) in ONE batched forward; their results in order."""
+    def _rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]], start: float, batch_size: int,
+              feeding: tuple[int, Sequence, int] | None = None) -> list[StepResult]:
+        """Several rows (chains and trees mixed) in ONE batched forward; their results in order.
+        `feeding` (index, sequence, tokens): a prompt chunk fed in the same forward (`_fuses`)."""
         seqs = [seq for _, seq in rows]
         plans = [self._plan(calls[index]) if calls[index].tree is not None else None for index, _ in rows]
         extras = [plan.tokens if plan else calls[index].draft_tokens for plan, (index, _) in zip(plans, rows)]
+        keeps = [len(extra) + 1 for extra in extras]
         trees = [plan.parents if plan else None for plan in plans]
         befores = [seq.cached for seq in seqs]
-        with self._capturing(any(calls[index].return_features for index, _ in rows)) as hidden:
-            logits, state = forward_batch(self.lm, seqs, extras, [len(extra) + 1 for extra in extras], trees)
+        chunk = contextlib.nullcontext()
+        if feeding is not None:  # one more row: its next tokens only, no logits kept
+            _, fed, count = feeding
+            chunk, fed_to = pending_only(fed, count), fed.cached + count
+            seqs, extras, keeps, trees = [*seqs, fed], [*extras, []], [*keeps, 0], [*trees, None]
+        with self._capturing(any(calls[index].return_features for index, _ in rows)) as hidden, chunk:
+            logits, state = forward_batch(self.lm, seqs, extras, keeps, trees)
+        if feeding is not None:
+            state.write_back(len(rows), fed, self.lm, fed_to)
         results = []
         for row, ((index, seq), plan) in enumerate(zip(rows, plans)):
             if plan is not None:
@@ -384,9 +455,12 @@ class TargetEngine:
         says so.) This counted prompts with fewer than --max-prefill-tokens-per-pass tokens left
         as decoding, and sequences idle for long (a paused client, one gone without a release):
         120 prompts of 479 tokens beside one idle 3-token sequence then fed each other 2-token
-        chunks and took 2 to over 8 s to drain (tests/test_shutdown.py)."""
+        chunks and took 2 to over 8 s to drain (tests/test_shutdown.py). "Fed" allows the token or
+        two a step's call brings: the rows of this very pass hold them, and a chunk riding in their
+        forward (_fuses) must not take them for prompts.)"""
         horizon = time.monotonic() - max(RECENT_FLOOR_S, RECENT_PASSES * self._step_s)
-        return any(other is not seq and other.cached == len(other.tokens) and other.last_used >= horizon for other in self.store)
+        return any(other is not seq and len(other.tokens) - other.cached <= self.MIN_CHUNK and other.last_used >= horizon
+                   for other in self.store)
 
     # A chunk may take this share of a step of the other sequences: their time per token grows by
     # that much (plus the long sequence's own steps once it decodes) while a long prompt is fed.
@@ -413,34 +487,47 @@ class TargetEngine:
             if self._prefill_token_s:
                 return max(limit, min(limit * 8, int(self.ALONE_CHUNK_S / self._prefill_token_s)))
             return limit * 8
+        if self.ragged and self._forward_s and self._chunk_token_s:  # riding in the rows' forward (_fuses)
+            return max(self.MIN_CHUNK, min(limit, int(self.CHUNK_STEPS * self._forward_s / self._chunk_token_s)))
         if self._step_s and self._prefill_token_s:
             return max(self.MIN_CHUNK, min(limit, int(self.CHUNK_STEPS * self._step_s / self._prefill_token_s)))
         return limit
 
-    def _learn(self, step_s: float = 0.0, prefill_token_s: float = 0.0) -> None:
-        """Moving averages of a verify pass's time and of a prefill token's (chunk sizing)."""
+    def _learn(self, step_s: float = 0.0, prefill_token_s: float = 0.0, forward_s: float = 0.0, chunk_token_s: float = 0.0) -> None:
+        """Moving averages (chunk sizing) of a verify pass's time and of a prompt token's in a chunk's
+        own forward; and of one forward of decode steps, and of what a chunk's token adds to such a
+        forward when it rides in it (_fuses).
+
+        Why two measures of a step: a pass's time counts a prompt fed whole beside the rows and a
+        lone row's passes decoded ahead, which a chunk riding in one forward of steps must not be
+        sized by (a 4,000-token prompt's last piece, fed whole, once made every chunk after it
+        256 tokens long, and short requests' steps 15x their plain time). Chunks in forwards of
+        their own keep the pass's time, on which they were tuned: sized by a step's own time,
+        where a chunk forward's fixed cost is most of a step (the tiny test models), they shrank
+        to 2 tokens and 120 queued prompts no longer drained within 8 s (tests/test_shutdown.py)."""
         if step_s:
-            self._step_s = step_s if not self._step_s else 0.8 * self._step_s + 0.2 * step_s
+            self._step_s = _average(self._step_s, step_s)
+        if forward_s:
+            self._forward_s = _average(self._forward_s, forward_s)
         if prefill_token_s:
-            self._prefill_token_s = prefill_token_s if not self._prefill_token_s else 0.8 * self._prefill_token_s + 0.2 * prefill_token_s
+            self._prefill_token_s = _average(self._prefill_token_s, prefill_token_s)
+        if chunk_token_s:
+            self._chunk_token_s = _average(self._chunk_token_s, chunk_token_s)
 
-    def _chunk(self, call: VerifyCall, seq: Sequence, budget: int) -> Requeue:
-        """Feeds the next `budget` canonical tokens of a row whose prompt is longer than a pass may
-        feed, without a verdict, and returns the call that goes on from there.
+    @staticmethod
+    def _rest(call: VerifyCall, seq: Sequence) -> Requeue:
+        """The call that goes on after a chunk of a row's prompt was fed (or none yet), without a
+        verdict.
 
-        Why: a prefill is one forward over every pending position, compute-bound, and every other
-        sequence's next step waits for it (a prompt of thousands of tokens held a CPU for many
-        seconds). In chunks,
-        the batcher runs the other sequences' rows between two chunks (specdec/serving/batcher.py,
-        Requeue). One row a pass is chunked: the budget is the pass's. The rest call names every token
+        Why chunks: a prefill is one forward over every pending position, compute-bound, and every
+        other sequence's next step waits for it (a prompt of thousands of tokens held a CPU for many
+        seconds). In chunks, the other sequences' rows run between two chunks, or beside them in
+        one forward (specdec/serving/batcher.py, Requeue; `_fuses`). The rest call names every token
         the target now holds (known_len), so its sync keeps the cache; `prefill` tells the batcher
         how many positions it still feeds. A call asking for the target's hidden states (a feature
         draft) is fed whole: its features must cover every position it feeds.
         """
-        if budget:
-            feed(self.lm, seq, budget)
-        rest = dataclasses.replace(call, known_len=len(seq.tokens), append=[], prefill=len(seq.tokens) - seq.cached)
-        return Requeue(rest)
+        return Requeue(dataclasses.replace(call, known_len=len(seq.tokens), append=[], prefill=len(seq.tokens) - seq.cached))
 
     def verify_tree(self, call: VerifyCall) -> StepResult:
         """Verifies a draft tree in ONE forward pass (tree attention, positions by depth) and keeps

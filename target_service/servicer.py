@@ -43,7 +43,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         # One worker: the model runs one forward at a time; Verify calls that wait together share it.
         self.host = EngineHost("target")
         self.batcher = VerifyBatcher(self.host.run, self._verify_batch, batch_window_ms / 1000, max_batch_size, max_batch_tokens,
-                                     inline=self._inline)
+                                     inline=self._inline, engine=lambda: self.engine)
 
     def _verify_batch(self, calls, decode_ahead: bool = True):
         # read from the worker thread: a list's length, set on the loop's thread, is safe to read

@@ -94,9 +94,17 @@ def feed(lm, seq: Sequence, count: int) -> None:
     """Feeds the next `count` of seq's pending tokens into lm's cache and nothing after them (one
     chunk of a long prompt, specdec/serving/batcher.py Requeue); their logits are not needed. `lm`:
     anything with CausalLM's forward (a pruned draft's too)."""
-    tokens = seq.tokens
-    seq.tokens = tokens[:seq.cached + count]  # forward feeds seq.tokens[seq.cached:]
-    try:
+    with pending_only(seq, count):
         lm.forward(seq, [], keep=1)
+
+
+@contextlib.contextmanager
+def pending_only(seq: Sequence, count: int):
+    """seq as if only its next `count` pending tokens were known, while a forward (which feeds
+    seq.tokens[seq.cached:]) feeds them as one chunk."""
+    tokens = seq.tokens
+    seq.tokens = tokens[:seq.cached + count]
+    try:
+        yield seq
     finally:
         seq.tokens = tokens

@@ -16,7 +16,8 @@ leave at any step. A batcher is given:
 - `key(call)`: the sequence a call belongs to. Rows of one pass are distinct sequences: two rows
   must not share a cache, so a second call for the same sequence (a late retry) waits a pass;
 - `cost(call)`: the positions a call feeds. Rows are padded to the longest, so a pass costs rows x
-  longest, which `max_batch_tokens` bounds;
+  longest, which `max_batch_tokens` bounds; where `ragged()` says the engine pads nothing (each row
+  feeds only its own positions), a pass costs the sum of its rows' instead;
 - `seconds(result)`: what a result says its compute took (None: the pass's wall time), which sizes
   the window below;
 - `inline(call)` (optional): whether a call run alone (below) may run on the event loop itself.
@@ -104,11 +105,12 @@ class ContinuousBatcher(Generic[C, R]):
         max_batch_tokens: int = 256,
         seconds: Callable[[R], float] | None = None,
         inline: Callable[[C], bool] | None = None,
+        ragged: Callable[[], bool] | None = None,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self._run, self._run_batch, self._key, self._cost, self._seconds = run, run_batch, key, cost, seconds
-        self._inline = inline
+        self._inline, self._ragged = inline, ragged
         self.window_s, self.max_batch_size, self.max_batch_tokens = window_s, max_batch_size, max_batch_tokens
         self._pending: list[_Pending[C]] = []
         self._arrived = asyncio.Event()
@@ -264,20 +266,21 @@ class ContinuousBatcher(Generic[C, R]):
 
     def _take(self) -> list[_Pending[C]]:
         """Up to max_batch_size calls, oldest first, one per sequence. Past max_batch_tokens padded
-        positions a call waits for the next pass (the oldest always goes): one long prefill does not
-        pad every short decode row to its length. Prefill is compute-bound anyway, so batching it
-        gains nothing on a CPU and could overrun deadlines."""
+        positions (or positions, `ragged`) a call waits for the next pass (the oldest always goes):
+        one long prefill does not pad every short decode row to its length."""
         batch: list[_Pending[C]] = []
         seen: set[Hashable] = set()
         rest: list[_Pending[C]] = []
-        longest = 0
+        longest = total = 0
+        ragged = self._ragged is not None and self._ragged()
         for item in self._live():
             key, cost = self._key(item.call), self._cost(item.call)
-            fits = not batch or (len(batch) + 1) * max(longest, cost) <= self.max_batch_tokens
+            padded = total + cost if ragged else (len(batch) + 1) * max(longest, cost)
+            fits = not batch or padded <= self.max_batch_tokens
             if len(batch) < self.max_batch_size and key not in seen and fits:
                 seen.add(key)
                 batch.append(item)
-                longest = max(longest, cost)
+                longest, total = max(longest, cost), total + cost
             else:
                 rest.append(item)
         self._pending = rest
