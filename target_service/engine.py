@@ -288,24 +288,28 @@ class TargetEngine:
                results: list[StepResult | SpecdecError | None], decode_ahead: bool
                ) -> tuple[list[tuple[int, Sequence]], tuple[int, Sequence, int] | None]:
         """The rows whose tokens this pass verifies, and the one row (index, sequence, tokens) whose
-        prompt is longer than a pass may feed and gets a chunk of it (`_chunk_budget`). Another such
-        row waits for a later pass (its Requeue goes into `results`): the budget is the pass's. A row
-        drafting by lookup gets its draft here (into `calls`)."""
+        prompt is longer than a pass may feed and gets a chunk of it (`_chunk_budget`), the oldest.
+        Another such row waits for a later pass (its Requeue goes into `results`): the budget is
+        the pass's. A row drafting by lookup gets its draft here (into `calls`)."""
         rows: list[tuple[int, Sequence]] = []
-        chunk = None
+        prompts: list[tuple[int, Sequence, int]] = []
         for index, seq in prepared:
             call, pending = calls[index], len(seq.tokens) - seq.cached
             if self.max_prefill_tokens and pending > self.MIN_CHUNK and not call.return_features:
                 full = self._chunk_budget(alone=bool(decode_ahead) and not self._others_decode(seq))
                 if pending > max(full, self.MIN_CHUNK):
-                    if chunk is None:
-                        chunk = (index, seq, full)
-                    else:
-                        results[index] = self._rest(call, seq)
+                    prompts.append((index, seq, full))
                     continue
             if call.lookup_max_tokens and not call.draft_tokens and call.tree is None:
                 calls[index] = self._with_lookup(call, seq)
             rows.append((index, seq))
+        # The oldest prompt: the first in the pass was, but prompts arriving during a pass queue
+        # ahead of those requeued after it, and each newcomer's chunks then went first while
+        # older prompts waited (seconds, beside 8 streams of grounded prompts).
+        chunk = min(prompts, key=lambda prompt: prompt[1].created, default=None)
+        for index, seq, _ in prompts:
+            if index != chunk[0]:
+                results[index] = self._rest(calls[index], seq)
         return rows, chunk
 
     @property

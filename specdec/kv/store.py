@@ -42,6 +42,7 @@ class Sequence:
     cached: int = 0  # leading positions of `tokens` (plus fed drafts) whose keys/values are in `cache`
     side: Any = None  # a drafter's own per-sequence state beside the cache (staged drafting's n-gram index)
     last_used: float = dataclasses.field(default_factory=time.monotonic)
+    created: float = dataclasses.field(default_factory=time.monotonic)  # first come, first fed (prompt chunks)
 
     def crop_cache(self, length: int) -> None:
         """Drops cached positions past `length` (rollback). Cropping is O(1) views in transformers."""
