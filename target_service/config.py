@@ -49,7 +49,11 @@ class TargetConfig:
         "batching); 0: no wait.",
     )
     max_batch_size: int = option(16, "Most sequences verified in one forward pass; 1 turns batching off.")
-    max_batch_tokens: int = option(256, "Most padded positions (rows x longest row's new tokens) in one pass: long prefills run alone.")
+    max_batch_tokens: int = option(
+        256,
+        "Most padded positions (rows x longest row's new tokens) in one pass: long prefills run alone. Where "
+        "the compact stack runs the pass (nothing padded), the rows' positions, a long prompt counting one chunk.",
+    )
     max_prefill_tokens_per_pass: int = option(
         256,
         "Chunked prefill: a prompt longer than this is fed at most this many tokens a pass, with the other "
