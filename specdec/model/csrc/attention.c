@@ -250,12 +250,31 @@ static void scratch_close(scratch s) {
 
 #define TILE_ROWS 4 /* rows a tile: D = 64 keeps 4 rows' sums in 16 vector registers, D = 128 two rows' */
 
+/* `rows` query rows (at most tile_rows(D)) as attend_tile computes them, its constants fixed for the
+ * head dims whose tiles keep their sums in registers; any other D one row at a time (attend_row,
+ * rows 1). Inlined, so each branch is the specialised tile the three callers spelled out before. */
+static inline __attribute__((always_inline)) void attend(
+    int D, const float *q, long qsi, const float *kb, long kst, const float *vb, long vst, const uint8_t *mask, long msi,
+    int rows, int first_last, int masked, int T, float scale, float *scores, int *index, float *acc, long stride,
+    float *out, long osi, int row_step) {
+    if (D == 64)
+        attend_tile(4, TILE_ROWS, q, qsi, kb, kst, vb, vst, mask, msi, rows, first_last, masked, T, scale, scores, index,
+                    stride, out, osi, row_step);
+    else if (D == 128)
+        attend_tile(8, TILE_ROWS / 2, q, qsi, kb, kst, vb, vst, mask, msi, rows, first_last, masked, T, scale, scores,
+                    index, stride, out, osi, row_step);
+    else
+        attend_row(q, kb, kst, vb, vst, mask, masked ? T - 1 : first_last, D, scale, scores, index, acc, out);
+}
+
+static inline int tile_rows(int D) { return D == 64 ? TILE_ROWS : D == 128 ? TILE_ROWS / 2 : 1; }
+
 int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, long ksb, long ksh, long kst,
                  const float *v, long vsb, long vsh, long vst, const uint8_t *mask, long msb, long msh, long msi,
                  int B, int H, int Hkv, int Mq, int T, int D, float scale, float *out) {
     if (B < 1 || H < 1 || Hkv < 1 || H % Hkv || Mq < 1 || T < Mq || D < 1) return -1;
     int group = H / Hkv, failed = 0;
-    int R = D == 64 ? TILE_ROWS : D == 128 ? TILE_ROWS / 2 : 1, tiles = (Mq + R - 1) / R;
+    int R = tile_rows(D), tiles = (Mq + R - 1) / R;
     long stride = (long)T + VL;
 #pragma omp parallel
     {
@@ -273,14 +292,8 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
                     const uint8_t *mi = mask ? mask + b * msb + h * msh + i0 * msi : 0;
                     float *o = out + (((size_t)b * Mq + i0) * H + h) * D;
                     long osi = (long)H * D;
-                    if (D == 64)
-                        attend_tile(4, TILE_ROWS, qi, qsi, kb, kst, vb, vst, mi, msi, rows, T - Mq + i0, mask != 0, T, scale,
-                                    scores, index, stride, o, osi, 1);
-                    else if (D == 128)
-                        attend_tile(8, TILE_ROWS / 2, qi, qsi, kb, kst, vb, vst, mi, msi, rows, T - Mq + i0, mask != 0, T, scale,
-                                    scores, index, stride, o, osi, 1);
-                    else
-                        attend_row(qi, kb, kst, vb, vst, mi, mask ? T - 1 : T - Mq + i0, D, scale, scores, index, acc, o);
+                    attend(D, qi, qsi, kb, kst, vb, vst, mi, msi, rows, T - Mq + i0, mask != 0, T, scale, scores, index, acc,
+                           stride, o, osi, 1);
                 }
         scratch_close(mine);
     }
@@ -302,7 +315,7 @@ int sg_attention_groups(int G, const int *rows, const int *past, const float *q,
                         const long *ksh, const long *kst, const float *const *v, const long *vsh, const long *vst, int H,
                         int Hkv, int D, float scale, float *out) {
     if (G < 1 || H < 1 || Hkv < 1 || H % Hkv || D < 1) return -1;
-    int group = H / Hkv, failed = 0, R = D == 64 ? TILE_ROWS : D == 128 ? TILE_ROWS / 2 : 1;
+    int group = H / Hkv, failed = 0, R = tile_rows(D);
     /* A sequence with one new row (a decode step) attends as Hkv tiles, each the `group` query heads
      * that share a key head: each key is read once for them all, not once per head. */
     int by_heads = group > 1 && group <= R;
@@ -339,12 +352,7 @@ int sg_attention_groups(int G, const int *rows, const int *past, const float *q,
                     const float *qi = q + (size_t)row0[g] * qsi + (size_t)h0 * D;
                     float *o = out + ((size_t)row0[g] * H + h0) * D;
                     const float *kb = k[g] + local * ksh[g], *vb = v[g] + local * vsh[g];
-                    if (D == 64)
-                        attend_tile(4, TILE_ROWS, qi, D, kb, kst[g], vb, vst[g], 0, 0, group, T - 1, 0, T, scale, scores, index,
-                                    stride, o, D, 0);
-                    else
-                        attend_tile(8, TILE_ROWS / 2, qi, D, kb, kst[g], vb, vst[g], 0, 0, group, T - 1, 0, T, scale, scores,
-                                    index, stride, o, D, 0);
+                    attend(D, qi, D, kb, kst[g], vb, vst[g], 0, 0, group, T - 1, 0, T, scale, scores, index, acc, stride, o, D, 0);
                     continue;
                 }
                 int tiles = (rows[g] + R - 1) / R, h = local / tiles, tile = local % tiles;
@@ -352,14 +360,8 @@ int sg_attention_groups(int G, const int *rows, const int *past, const float *q,
                 const float *qi = q + (size_t)(row0[g] + i0) * qsi + (size_t)h * D;
                 const float *kb = k[g] + (h / group) * ksh[g], *vb = v[g] + (h / group) * vsh[g];
                 float *o = out + ((size_t)(row0[g] + i0) * H + h) * D;
-                if (D == 64)
-                    attend_tile(4, TILE_ROWS, qi, qsi, kb, kst[g], vb, vst[g], 0, 0, n, T - rows[g] + i0, 0, T, scale,
-                                scores, index, stride, o, osi, 1);
-                else if (D == 128)
-                    attend_tile(8, TILE_ROWS / 2, qi, qsi, kb, kst[g], vb, vst[g], 0, 0, n, T - rows[g] + i0, 0, T, scale,
-                                scores, index, stride, o, osi, 1);
-                else
-                    attend_row(qi, kb, kst[g], vb, vst[g], 0, T - rows[g] + i0, D, scale, scores, index, acc, o);
+                attend(D, qi, qsi, kb, kst[g], vb, vst[g], 0, 0, n, T - rows[g] + i0, 0, T, scale, scores, index, acc, stride,
+                       o, osi, 1);
             }
             scratch_close(mine);
         }
