@@ -461,7 +461,7 @@ class TargetEngine:
         120 prompts of 479 tokens beside one idle 3-token sequence then fed each other 2-token
         chunks and took 2 to over 8 s to drain (tests/test_shutdown.py). "Fed" allows the token or
         two a step's call brings: the rows of this very pass hold them, and a chunk riding in their
-        forward (_fuses) must not take them for prompts.)"""
+        forward (_fuses) must not take them for prompts."""
         horizon = time.monotonic() - max(RECENT_FLOOR_S, RECENT_PASSES * self._step_s)
         return any(other is not seq and len(other.tokens) - other.cached <= self.MIN_CHUNK and other.last_used >= horizon
                    for other in self.store)
@@ -504,8 +504,8 @@ class TargetEngine:
 
         Why two measures of a step: a pass's time counts a prompt fed whole beside the rows and a
         lone row's passes decoded ahead, which a chunk riding in one forward of steps must not be
-        sized by (a 4,000-token prompt's last piece, fed whole, once made every chunk after it
-        256 tokens long, and short requests' steps 15x their plain time). Chunks in forwards of
+        sized by (a 4,000-token prompt's last piece, fed whole beside two rows, took 2 s and moved
+        the average pass to 0.4 s: chunks sized from that would run at the 256-token limit). Chunks in forwards of
         their own keep the pass's time, on which they were tuned: sized by a step's own time,
         where a chunk forward's fixed cost is most of a step (the tiny test models), they shrank
         to 2 tokens and 120 queued prompts no longer drained within 8 s (tests/test_shutdown.py)."""
