@@ -146,3 +146,18 @@ def test_the_verify_batcher_prices_a_long_prompt_at_one_chunk(compact):
     call = VerifyCall("long", 0, list(range(3, 200)), [], [], GREEDY)
     assert batcher._cost(call) == CHUNK and batcher._ragged()
     assert batcher._cost(VerifyCall("s", 0, [5, 6, 7], [1, 2], [], GREEDY)) == 5
+
+
+def test_a_row_decoding_in_the_same_pass_keeps_the_chunk_short(compact):
+    """A decoding row of this very pass holds its new token when the chunk is sized: it still decodes,
+    so the prompt beside it gets an ordinary chunk, not the 8x one for a server where nobody decodes
+    (which, riding in the row's forward, made that step seconds long)."""
+    model = copy.deepcopy(compact)
+    gemm.pack_linears(model, gemm.DEFAULT_ROWS, 1, "int8-a8")
+    eng = TargetEngine(CausalLM(model, CPU), max_sequences=8, max_prefill_tokens=CHUNK)
+    first = eng.verify(VerifyCall("other", 0, tiny.prompts(1, seed=35)[0][:6], [], [], GREEDY))
+    long_prompt = (tiny.prompts(1, seed=36)[0] * 40)[:150]
+    results = eng.verify_batch([VerifyCall("other", first.cached_len, [first.next_token], [], [], GREEDY),
+                                VerifyCall("long", 0, long_prompt, [], [], GREEDY)], decode_ahead=True)
+    assert isinstance(results[0], StepResult) and isinstance(results[1], Requeue)
+    assert eng.store._sequences["long"].cached == CHUNK
