@@ -19,10 +19,24 @@ import time
 from collections.abc import Callable
 
 
+_GIVEN: set[int] = set()  # ports this process handed out
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port free now, and not one handed out before by this process.
+
+    Why the second condition: the port is free only until the child binds it, and a stack spawns
+    its children one after another before any has bound; the system may then offer the same port
+    twice, and gRPC servers bind with SO_REUSEPORT, so two replicas silently shared one address
+    (a clean-clone CI run of tests/test_fleet.py: "target replicas served [8, 16]", two addresses
+    for three replicas, and the sequences of the replica it then killed were never re-filled)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def health_ok(address: str, timeout: float = 1.0) -> bool:
