@@ -279,7 +279,10 @@ class Server:
         max_connection_age_s: float = 0.0,
     ):
         self.drain = Drain()
-        options = list(CHANNEL_OPTIONS)
+        # A port taken by another server is an error, not shared: gRPC binds with SO_REUSEPORT by
+        # default, and two services (or two fleet replicas handed one free port) then split one
+        # address's connections silently (specdec_tools/children.free_port).
+        options = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
         if max_connection_age_s > 0:  # a GOAWAY makes the client re-resolve its target and reconnect
             options += [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
                         ("grpc.max_connection_age_grace_ms", int(CONNECTION_AGE_GRACE_S * 1000))]
@@ -295,9 +298,12 @@ class Server:
             self.server,
         )
         address = f"{host}:{port}"
-        self.port = self.server.add_secure_port(address, credentials) if credentials else self.server.add_insecure_port(address)
+        try:
+            self.port = self.server.add_secure_port(address, credentials) if credentials else self.server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc.aio raises where grpc returned 0
+            raise OSError(f"cannot bind {address}: is another server on that port? ({exc})") from exc
         if self.port == 0:
-            raise OSError(f"cannot bind {host}:{port}")
+            raise OSError(f"cannot bind {address}: is another server on that port?")
         self._stopped = asyncio.Event()
         self._stopping = False
 
