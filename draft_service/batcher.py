@@ -20,7 +20,7 @@ from specdec.serving.batcher import ContinuousBatcher
 
 
 def _new_positions(seq: Sequence) -> int:
-    return len(seq.tokens) - seq.cached
+    return seq.uncached
 
 
 class DraftBatcher(ContinuousBatcher[Sequence, torch.Tensor]):

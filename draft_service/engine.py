@@ -96,7 +96,7 @@ class DraftEngine:
         out: list[torch.Tensor | Requeue | None] = [None] * len(seqs)
         rows, budget = [], self.max_prefill_tokens
         for i, seq in enumerate(seqs):
-            if self.max_prefill_tokens and len(seq.tokens) - seq.cached > self.max_prefill_tokens:
+            if self.max_prefill_tokens and seq.uncached > self.max_prefill_tokens:
                 if budget:
                     feed(lm, seq, budget)
                     budget = 0

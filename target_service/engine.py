@@ -253,7 +253,7 @@ class TargetEngine:
         groups = self._groups(rows)
         fused = chunk is not None and self._fuses(calls, groups)
         # a pass whose rows are steps (not a prompt fed whole) measures a step, or what a chunk adds to one
-        steps = all(len(seq.tokens) - seq.cached <= self.MIN_CHUNK for _, seq in rows)
+        steps = all(seq.uncached <= self.MIN_CHUNK for _, seq in rows)
         if chunk is not None and not fused:  # the chunk in a forward of its own, before the rows'
             index, seq, budget = chunk
             feed(self.lm, seq, budget)
@@ -294,7 +294,7 @@ class TargetEngine:
         rows: list[tuple[int, Sequence]] = []
         prompts: list[tuple[int, Sequence, int]] = []
         for index, seq in prepared:
-            call, pending = calls[index], len(seq.tokens) - seq.cached
+            call, pending = calls[index], seq.uncached
             if self.max_prefill_tokens and pending > self.MIN_CHUNK and not call.return_features:
                 full = self._chunk_budget(alone=bool(decode_ahead) and not self._others_decode(seq))
                 if pending > max(full, self.MIN_CHUNK):
@@ -463,8 +463,7 @@ class TargetEngine:
         two a step's call brings: the rows of this very pass hold them, and a chunk riding in their
         forward (_fuses) must not take them for prompts."""
         horizon = time.monotonic() - max(RECENT_FLOOR_S, RECENT_PASSES * self._step_s)
-        return any(other is not seq and len(other.tokens) - other.cached <= self.MIN_CHUNK and other.last_used >= horizon
-                   for other in self.store)
+        return any(other is not seq and other.uncached <= self.MIN_CHUNK and other.last_used >= horizon for other in self.store)
 
     # A chunk may take this share of a step of the other sequences: their time per token grows by
     # that much (plus the long sequence's own steps once it decodes) while a long prompt is fed.
@@ -505,10 +504,11 @@ class TargetEngine:
         Why two measures of a step: a pass's time counts a prompt fed whole beside the rows and a
         lone row's passes decoded ahead, which a chunk riding in one forward of steps must not be
         sized by (a 4,000-token prompt's last piece, fed whole beside two rows, took 2 s and moved
-        the average pass to 0.4 s: chunks sized from that would run at the 256-token limit). Chunks in forwards of
-        their own keep the pass's time, on which they were tuned: sized by a step's own time,
-        where a chunk forward's fixed cost is most of a step (the tiny test models), they shrank
-        to 2 tokens and 120 queued prompts no longer drained within 8 s (tests/test_shutdown.py)."""
+        the average pass to 0.4 s: chunks sized from that would run at the 256-token limit).
+        Chunks in forwards of their own keep the pass's time, on which they were tuned: sized by a
+        step's own time, where a chunk forward's fixed cost is most of a step (the tiny test
+        models), they shrank to 2 tokens and 120 queued prompts no longer drained within 8 s
+        (tests/test_shutdown.py)."""
         if step_s:
             self._step_s = _average(self._step_s, step_s)
         if forward_s:
@@ -531,7 +531,7 @@ class TargetEngine:
         how many positions it still feeds. A call asking for the target's hidden states (a feature
         draft) is fed whole: its features must cover every position it feeds.
         """
-        return Requeue(dataclasses.replace(call, known_len=len(seq.tokens), append=[], prefill=len(seq.tokens) - seq.cached))
+        return Requeue(dataclasses.replace(call, known_len=len(seq.tokens), append=[], prefill=seq.uncached))
 
     def verify_tree(self, call: VerifyCall) -> StepResult:
         """Verifies a draft tree in ONE forward pass (tree attention, positions by depth) and keeps

@@ -36,10 +36,14 @@ def compact():
     return LlamaForCausalLM(tiny.tiny_config(hidden=256)).eval()
 
 
-def _engine(model) -> TargetEngine:
+def _packed_engine(model) -> TargetEngine:
     model = copy.deepcopy(model)
     gemm.pack_linears(model, gemm.DEFAULT_ROWS, 1, "int8-a8")
-    eng = TargetEngine(CausalLM(model, CPU), max_sequences=16, max_prefill_tokens=CHUNK)
+    return TargetEngine(CausalLM(model, CPU), max_sequences=16, max_prefill_tokens=CHUNK)
+
+
+def _engine(model) -> TargetEngine:
+    eng = _packed_engine(model)
     eng._chunk_budget = lambda alone: CHUNK  # chunk boundaries fixed, whatever the costs measured
     return eng
 
@@ -152,9 +156,7 @@ def test_a_row_decoding_in_the_same_pass_keeps_the_chunk_short(compact):
     """A decoding row of this very pass holds its new token when the chunk is sized: it still decodes,
     so the prompt beside it gets an ordinary chunk, not the 8x one for a server where nobody decodes
     (which, riding in the row's forward, made that step seconds long)."""
-    model = copy.deepcopy(compact)
-    gemm.pack_linears(model, gemm.DEFAULT_ROWS, 1, "int8-a8")
-    eng = TargetEngine(CausalLM(model, CPU), max_sequences=8, max_prefill_tokens=CHUNK)
+    eng = _packed_engine(compact)
     first = eng.verify(VerifyCall("other", 0, tiny.prompts(1, seed=35)[0][:6], [], [], GREEDY))
     long_prompt = (tiny.prompts(1, seed=36)[0] * 40)[:150]
     results = eng.verify_batch([VerifyCall("other", first.cached_len, [first.next_token], [], [], GREEDY),

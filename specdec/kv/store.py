@@ -44,6 +44,11 @@ class Sequence:
     last_used: float = dataclasses.field(default_factory=time.monotonic)
     created: float = dataclasses.field(default_factory=time.monotonic)  # first come, first fed (prompt chunks)
 
+    @property
+    def uncached(self) -> int:
+        """Tokens held but not in the cache yet: what the next forward feeds before any draft."""
+        return len(self.tokens) - self.cached
+
     def crop_cache(self, length: int) -> None:
         """Drops cached positions past `length` (rollback). Cropping is O(1) views in transformers."""
         if length <= 0:
