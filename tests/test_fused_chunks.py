@@ -135,7 +135,6 @@ def test_a_ragged_batcher_counts_positions_not_padding():
         loop = asyncio.get_running_loop()
         batcher = ContinuousBatcher(lambda fn, *a: loop.run_in_executor(None, fn, *a), run_batch, key=lambda c: c, cost=lambda c: c,
                                     window_s=0.05, max_batch_size=8, max_batch_tokens=32, ragged=lambda: ragged)
-        batcher._pending = []
         await asyncio.gather(*(batcher.submit(c) for c in (1.0, 1.1, 1.2, 20)))
         batcher.close()
         return passes
