@@ -90,8 +90,16 @@ def _location(loc: tuple) -> str:
     return out or "body"
 
 
+def _telling(errors: list[dict]) -> dict:
+    """The error to report. Where a value fits no branch of a union (a prompt is text or token ids),
+    pydantic lists every branch's complaint, the first branch's first: token id -5 read "prompt:
+    Input should be a valid string". The branch whose type matched and whose constraint failed says
+    what is wrong ("prompt[0]: Input should be greater than or equal to 0")."""
+    return next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+
+
 def invalid_body(errors: list[dict]) -> JSONResponse:
-    first = errors[0]
+    first = _telling(errors)
     if first["type"] == "json_invalid":
         return error(400, f"the body is not valid JSON: {first['msg']}", "invalid_request_error", "invalid_json", "body")
     param = _location(first["loc"])
@@ -388,6 +396,10 @@ def _token_routes(app: FastAPI, servicer, max_body_bytes: int) -> None:
             body = await bodies.parse(DetokenizeRequest, await read_body(raw, max_body_bytes), servicer.config.max_prompt_tokens)
             if servicer.tokenizer is None:
                 raise Unavailable("the coordinator is still loading its tokenizer")
+            vocab = servicer.target_info.vocab_size
+            outside = next((t for t in body.tokens if vocab and t >= vocab), None)
+            if outside is not None:  # the tokenizer would drop it silently: an empty string for a wrong id
+                raise InvalidArgument("tokens", f"token id {outside} outside the target's vocabulary [0, {vocab})")
         except REFUSALS as exc:
             return refused(exc)
         return {"prompt": servicer.tokenizer.decode(body.tokens)}

@@ -258,6 +258,16 @@ def test_malformed_bodies_are_400_not_500(env):
         assert status == 400 and body["error"]["param"] == param, (raw[:40], body)
 
 
+def test_a_bad_token_id_is_named_as_such(env):
+    """A negative id fails the token-id branch of the prompt's union: that branch's complaint is the
+    message, not the text branch's "should be a valid string"; /detokenize refuses an id past the
+    vocabulary instead of decoding it to nothing."""
+    status, _, body = post(f"{env['base']}/v1/completions", {"prompt": [3, -5], "max_tokens": 2})
+    assert status == 400 and body["error"]["param"] == "prompt[1]" and "greater than or equal to 0" in body["error"]["message"]
+    status, _, body = post(f"{env['base']}/detokenize", {"tokens": [3, 10**6]})
+    assert status == 400 and body["error"]["param"] == "tokens" and "1000000" in body["error"]["message"], body
+
+
 # --- 4.: shapes ---
 
 
