@@ -181,6 +181,8 @@ def test_seeded_sampling_repeats_exactly_and_seeds_differ(env):
         (dict(text="hi", max_new_tokens=10**9), "max_new_tokens"),
         (dict(text="hi", sampling=pb.SamplingParams(temperature=-0.5)), "sampling.temperature"),
         (dict(text="hi", sampling=pb.SamplingParams(temperature=float("nan"))), "sampling.temperature"),
+        # infinity made a banned token's -inf logit NaN: an internal error with min_tokens
+        (dict(text="hi", min_tokens=2, sampling=pb.SamplingParams(temperature=float("inf"))), "sampling.temperature"),
         (dict(text="hi", sampling=pb.SamplingParams(temperature=1.0, top_p=0.0)), "sampling.top_p"),
         (dict(text="hi", sampling=pb.SamplingParams(temperature=1.0, top_p=1.5)), "sampling.top_p"),
         (dict(text="hi", sampling=pb.SamplingParams(top_k=-3)), "sampling.top_k"),

@@ -57,6 +57,8 @@ def test_derived_seeds_are_stable_and_distinct():
 @pytest.mark.parametrize(("sampling", "field"), [
     (SamplingConfig(temperature=float("nan")), "sampling.temperature"),
     (SamplingConfig(temperature=-0.5), "sampling.temperature"),
+    (SamplingConfig(temperature=float("inf")), "sampling.temperature"),
+    (SamplingConfig(temperature=1e39), "sampling.temperature"),  # finite, but infinity as float32
     (SamplingConfig(top_k=-1), "sampling.top_k"),
     (SamplingConfig(top_p=0.0), "sampling.top_p"),
     (SamplingConfig(top_p=1.5), "sampling.top_p"),

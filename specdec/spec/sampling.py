@@ -30,11 +30,17 @@ class SamplingConfig:
         return self.temperature == 0.0
 
 
+# The largest temperature a float32 division takes: past it the logits are divided by infinity, a
+# banned token's -inf logit becomes NaN, and a request with min_tokens sampled at temperature inf
+# drew token id -2**63 from the NaN distribution and failed with an internal error.
+MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
+
+
 def check_temperature(temperature: float, field: str = "temperature") -> None:
-    """The one temperature check of every service: >= 0, and not NaN (which `< 0` lets through and
-    which then poisons every probability)."""
-    if not temperature >= 0:
-        raise InvalidArgument(field, f"must be >= 0, got {temperature}")
+    """The one temperature check of every service: a finite number >= 0 (NaN, which `< 0` lets
+    through, and infinity would poison every probability)."""
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise InvalidArgument(field, f"must be a finite number >= 0, got {temperature}")
 
 
 def check_sampling(sampling: SamplingConfig, prefix: str = "sampling.") -> SamplingConfig:
