@@ -32,7 +32,7 @@ class SamplingConfig:
 
 # The largest temperature a float32 division takes: past it the logits are divided by infinity, a
 # banned token's -inf logit becomes NaN, and a request with min_tokens sampled at temperature inf
-# drew token id -2**63 from the NaN distribution and failed with an internal error.
+# drew a negative token id from the NaN distribution and failed with an internal error.
 MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 
 
