@@ -107,6 +107,9 @@ class ChatCompletionRequest(Sampling):
     tools: list[dict[str, Any]] | None = Field(None, description="Only none: no tool calling.")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only none.")
     parallel_tool_calls: bool | None = None
+    # what the official clients send where a program sets them (OpenAI keeps stored completions)
+    store: bool | None = Field(None, description="Only false: nothing is stored.")
+    metadata: dict[str, str] | None = Field(None, description="Accepted and ignored: it labels stored completions, and none are stored.")
 
 
 def refuse_unsupported(body: Sampling) -> None:
@@ -119,25 +122,35 @@ def refuse_unsupported(body: Sampling) -> None:
     if body.logit_bias:
         raise InvalidArgument("logit_bias", "is not supported")
     if isinstance(body, CompletionRequest):
-        if body.best_of not in (None, 1):
-            raise InvalidArgument("best_of", "only best_of = 1 is supported")
-        if body.suffix:
-            raise InvalidArgument("suffix", "is not supported")
-        if body.echo and body.logprobs is not None:
-            raise InvalidArgument("echo", "echo with logprobs is not supported (the prompt's log-probabilities are not computed)")
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list)) and len(body.prompt) != 1:
-            raise InvalidArgument("prompt", "one prompt per request")
+        _refuse_unsupported_completion(body)
     if isinstance(body, ChatCompletionRequest):
-        if body.response_format is not None and body.response_format.type != "text":
-            raise InvalidArgument("response_format", f"{body.response_format.type} is not supported: the output is not constrained")
-        if body.tools:
-            raise InvalidArgument("tools", "tool calling is not supported")
-        if body.tool_choice not in (None, "none"):
-            raise InvalidArgument("tool_choice", "tool calling is not supported")
-        if body.top_logprobs is not None and not body.logprobs:
-            raise InvalidArgument("top_logprobs", "needs logprobs: true")
-        if body.max_tokens is not None and body.max_completion_tokens is not None:
-            raise InvalidArgument("max_completion_tokens", "send max_tokens or max_completion_tokens, not both")
+        _refuse_unsupported_chat(body)
+
+
+def _refuse_unsupported_completion(body: CompletionRequest) -> None:
+    if body.best_of not in (None, 1):
+        raise InvalidArgument("best_of", "only best_of = 1 is supported")
+    if body.suffix:
+        raise InvalidArgument("suffix", "is not supported")
+    if body.echo and body.logprobs is not None:
+        raise InvalidArgument("echo", "echo with logprobs is not supported (the prompt's log-probabilities are not computed)")
+    if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], (str, list)) and len(body.prompt) != 1:
+        raise InvalidArgument("prompt", "one prompt per request")
+
+
+def _refuse_unsupported_chat(body: ChatCompletionRequest) -> None:
+    if body.response_format is not None and body.response_format.type != "text":
+        raise InvalidArgument("response_format", f"{body.response_format.type} is not supported: the output is not constrained")
+    if body.tools:
+        raise InvalidArgument("tools", "tool calling is not supported")
+    if body.tool_choice not in (None, "none"):
+        raise InvalidArgument("tool_choice", "tool calling is not supported")
+    if body.store:
+        raise InvalidArgument("store", "storing completions is not supported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise InvalidArgument("top_logprobs", "needs logprobs: true")
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise InvalidArgument("max_completion_tokens", "send max_tokens or max_completion_tokens, not both")
 
 
 def to_generate_request(body: CompletionRequest | ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:

@@ -231,12 +231,23 @@ def test_echo_puts_the_prompt_first(env):
     ({"temperature": -1}, "temperature", "invalid_value"),
     ({"max_completion_tokens": 10**12}, "max_completion_tokens", "invalid_value"),
     ({"seed": -3}, "seed", "invalid_value"),
+    ({"store": True}, "store", "invalid_value"),
 ])
 def test_unsupported_chat_fields_are_refused_by_name(env, kwargs, param, code):
     with pytest.raises(openai.BadRequestError) as info:
         env["client"].chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, **kwargs)
     error = info.value.body if isinstance(info.value.body, dict) and "param" in info.value.body else info.value.body["error"]
     assert error["param"] == param and error["code"] == code and error["type"] == "invalid_request_error"
+
+
+def test_what_the_client_sends_when_told_not_to_store_is_accepted(env):
+    """store=false and metadata, as a program using the official client may set them: nothing is
+    stored, so they change nothing (store=true is refused above)."""
+    chat = env["client"].chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                                 temperature=0, store=False, metadata={"team": "a"})
+    plain = env["client"].chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                                  temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_an_unknown_model_is_404(env):
