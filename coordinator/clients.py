@@ -152,7 +152,8 @@ def _verify_proto(call: VerifyCall) -> pb.VerifyRequest:
                                draft_tokens=call.draft_tokens, sampling=_sampling_proto(call.sampling),
                                return_features=call.return_features, decode_ahead=call.decode_ahead, logprobs=call.logprobs,
                                eos_banned_until=call.eos_banned_until, lookup_max_tokens=call.lookup_max_tokens,
-                               lookup_costs=call.lookup_costs, decode_ahead_passes=call.decode_ahead_passes)
+                               lookup_costs=call.lookup_costs, decode_ahead_passes=call.decode_ahead_passes,
+                               lookup_source=call.lookup_source)
     sampled = not call.sampling.greedy
     if sampled and any(ids for ids, _ in call.draft_dists):
         for ids, probs in call.draft_dists:

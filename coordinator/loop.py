@@ -390,7 +390,9 @@ class SpeculativeLoop:
             sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [], spec.sampling,
             return_features=self.features, decode_ahead=decode_ahead, logprobs=spec.logprobs,
             eos_banned_until=len(spec.prompt_ids) + spec.min_tokens if spec.min_tokens else 0,
-            lookup_max_tokens=lookup[0], lookup_costs=lookup[1], decode_ahead_passes=self.decode_ahead if lookup[0] else 0))
+            lookup_max_tokens=lookup[0], lookup_costs=lookup[1], decode_ahead_passes=self.decode_ahead if lookup[0] else 0,
+            # the call that creates the target's sequence (or re-fills it) seeds its lookup
+            lookup_source=spec.prediction_ids if self.lookup and not known else ()))
 
     def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyOutcome, appended: int,
                  asked: bool = False) -> None:

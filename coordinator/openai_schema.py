@@ -93,6 +93,14 @@ class ChatMessage(Strict):
         return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
+class Prediction(Strict):
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class ResponseFormat(Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
@@ -110,6 +118,9 @@ class ChatCompletionRequest(Sampling):
     # what the official clients send where a program sets them (OpenAI keeps stored completions)
     store: bool | None = Field(None, description="Only false: nothing is stored.")
     metadata: dict[str, str] | None = Field(None, description="Accepted and ignored: it labels stored completions, and none are stored.")
+    prediction: Prediction | None = Field(
+        None, description="Predicted output (text much of the answer repeats, as code being edited): where the target "
+                          "drafts by prompt lookup, it drafts from this text too. The tokens are the target's own either way.")
 
 
 def refuse_unsupported(body: Sampling) -> None:
@@ -164,6 +175,8 @@ def to_generate_request(body: CompletionRequest | ChatCompletionRequest, request
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if body.logprobs:
             request.logprobs = body.top_logprobs or 0
+        if body.prediction is not None:
+            request.prediction = body.prediction.text()
     else:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):  # a batch of one

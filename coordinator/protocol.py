@@ -119,6 +119,7 @@ class GenerationSpec:
     tree: TreeSpec | None = None  # draft trees instead of chains (the draft length caps their depth)
     logprobs: int | None = None  # report the target's log-probabilities, with this many alternatives (chains only)
     min_tokens: int = 0  # no end-of-sequence token among the first min_tokens (the target bans them: chains only)
+    prediction_ids: tuple[int, ...] = ()  # a predicted output: the target's prompt lookup drafts from it too
 
 
 @dataclasses.dataclass

@@ -20,7 +20,7 @@ from coordinator.config import CoordinatorConfig
 from coordinator.protocol import GenerationSpec, TreeSpec
 from protos import specdec_pb2 as pb
 from specdec.errors import InvalidArgument
-from specdec.limits import MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_REQUEST_ID
+from specdec.limits import MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_LOOKUP_SOURCE, MAX_REQUEST_ID
 from specdec.spec.checks import check_token_ids
 from specdec.spec.tree import check_tree_bounds
 from specdec.spec.sampling import SamplingConfig, check_sampling
@@ -43,6 +43,7 @@ def generation_spec(request: Request, config: CoordinatorConfig, tokenizer, targ
     stop = stop_strings(request.stop)
     check_request_id(request.request_id)
     logprobs, min_tokens = output_options(request, max_new)
+    prediction = prediction_tokens(request, tokenizer, config.max_prompt_chars)
     spec = GenerationSpec(
         request_id=request.request_id or uuid.uuid4().hex[:16],
         prompt_ids=prompt_ids,
@@ -56,8 +57,22 @@ def generation_spec(request: Request, config: CoordinatorConfig, tokenizer, targ
         tree=tree if logprobs is None and not min_tokens else None,  # the target reports and bans on chains only
         logprobs=logprobs,
         min_tokens=min_tokens,
+        prediction_ids=prediction,
     )
     return spec, stop
+
+
+def prediction_tokens(request: Request, tokenizer, max_chars: int) -> tuple[int, ...]:
+    """The predicted output's target token ids (bounded before and after tokenizing, as a prompt is)."""
+    if not request.prediction:
+        return ()
+    if max_chars and len(request.prediction) > max_chars:
+        raise InvalidArgument("prediction", f"{len(request.prediction)} characters, more than --max-prompt-chars={max_chars}")
+    ids = tokenizer(request.prediction, add_special_tokens=False, return_attention_mask=False,
+                    return_token_type_ids=False)["input_ids"]
+    if len(ids) > MAX_LOOKUP_SOURCE:
+        raise InvalidArgument("prediction", f"{len(ids)} tokens, more than {MAX_LOOKUP_SOURCE}")
+    return tuple(ids)
 
 
 # --- the prompt: one of text, token_ids or chat, in the target's token ids ---

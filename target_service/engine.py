@@ -203,13 +203,16 @@ class TargetEngine:
         passes decoded ahead reuse what its own pass indexed. Shared, not merely held by both: a
         call without lookup may have rolled the sequence back and re-grown it in between (then the
         tokens below call.known_len are still shared), and a stale n-gram would draft worse tokens,
-        never wrong ones."""
-        index = seq.side if isinstance(seq.side, NgramIndex) else NgramIndex(LOOKUP_MAX_N, 1)
+        never wrong ones. A call that brings a source (a predicted output: the call that creates the
+        sequence, or re-fills it) starts an index over it, which later calls keep."""
+        index = seq.side if isinstance(seq.side, NgramIndex) else None
+        if index is None or (call.lookup_source and tuple(call.lookup_source) != index.source):
+            index = NgramIndex(LOOKUP_MAX_N, 1, call.lookup_source)
         keep = min(len(index), len(seq.tokens))
         if index.tokens[:keep] != seq.tokens[:keep]:
             keep = min(keep, call.known_len)
             if index.tokens[:keep] != seq.tokens[:keep]:
-                index, keep = NgramIndex(LOOKUP_MAX_N, 1), 0
+                index, keep = NgramIndex(LOOKUP_MAX_N, 1, index.source), 0
         index.crop(keep - len(index))
         seq.side = index
         return index
@@ -571,6 +574,8 @@ class TargetEngine:
     def _prepare(self, call: VerifyCall) -> Sequence:
         check_verify_call(call, self.lm.vocab_size, self.lm.has_features)
         seq = self.store.sync(call.sequence_id, call.known_len, call.append)
+        if call.lookup_source:  # kept for the lookup drafts of this call and the later ones (_lookup_index)
+            self._lookup_index(call, seq)
         total = len(seq.tokens) + (tree_depth(call.tree.parents) if call.tree is not None else len(call.draft_tokens))
         if self.lm.max_context and total > self.lm.max_context:
             raise InvalidArgument("draft_tokens", f"sequence would hold {total} tokens, past the target's context of {self.lm.max_context}")

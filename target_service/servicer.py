@@ -105,6 +105,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             lookup_max_tokens=request.lookup_max_tokens,
             lookup_costs=tuple(request.lookup_costs),
             decode_ahead_passes=request.decode_ahead_passes,
+            lookup_source=tuple(request.lookup_source),
         ))
         m = metrics.target()
         m.verify_seconds.observe(result.compute_seconds)

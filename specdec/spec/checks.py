@@ -9,7 +9,8 @@ import math
 from collections.abc import Sequence
 
 from specdec.errors import InvalidArgument
-from specdec.limits import MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_TREE_NODES, MAX_VERIFY_POSITIONS
+from specdec.limits import (MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_LOOKUP_SOURCE, MAX_TREE_NODES,
+                            MAX_VERIFY_POSITIONS)
 from specdec.spec.request import VerifyCall
 from specdec.spec.sampling import check_sampling
 from specdec.spec.tree import SparseDist, check_parents
@@ -63,6 +64,9 @@ def check_verify_call(call: VerifyCall, vocab: int, has_features: bool = True) -
         raise InvalidArgument("lookup_max_tokens", "is for chains without return_features (a feature draft drafts for itself)")
     if len(call.lookup_costs) > MAX_VERIFY_POSITIONS or not all(0 < c < math.inf for c in call.lookup_costs):
         raise InvalidArgument("lookup_costs", f"at most {MAX_VERIFY_POSITIONS} values, each positive and finite")
+    if len(call.lookup_source) > MAX_LOOKUP_SOURCE:
+        raise InvalidArgument("lookup_source", f"at most {MAX_LOOKUP_SOURCE} tokens, got {len(call.lookup_source)}")
+    check_token_ids("lookup_source", call.lookup_source, vocab)
     if call.logprobs is not None and not 0 <= call.logprobs <= MAX_LOGPROBS:
         raise InvalidArgument("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {call.logprobs}")
     if call.tree is not None and (call.logprobs is not None or call.eos_banned_until):

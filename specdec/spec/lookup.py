@@ -23,12 +23,20 @@ class NgramIndex:
     the target rejects draft tokens; `len(index)` is the number of tokens it has seen.
     """
 
-    def __init__(self, max_n: int = 4, min_n: int = 1):
+    def __init__(self, max_n: int = 4, min_n: int = 1, source: tuple[int, ...] = ()):
+        """`source`: tokens to draft from besides the sequence's own (a request's predicted output):
+        its n-grams are indexed first, so the sequence's own later occurrences take precedence, and
+        rolling the sequence back restores them. `tokens` and len() stay the sequence's alone."""
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
         self.max_n, self.min_n = max_n, min_n
         self.tokens: list[int] = []
-        self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token that followed it last
+        # n-gram -> index of the token that followed it last; ~i (negative) for source[i]
+        self._next: dict[tuple[int, ...], int] = {}
+        self.source = tuple(source)
+        for pos in range(1, len(self.source)):
+            for n in range(self.min_n, min(self.max_n, pos) + 1):
+                self._next[self.source[pos - n: pos]] = ~pos
         self._undo: list[list[tuple[tuple[int, ...], int | None]]] = []  # per token: (key, previous value)
         # The last proposal, to learn from once the sequence has moved past it (MatchCalibration):
         # (position of its first token, the token before it, the tokens, n of the match).
@@ -73,6 +81,8 @@ class NgramIndex:
             return [], 0
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             start = self._next.get(tuple(self.tokens[length - n:]))
+            if start is not None and start < 0:  # in the source: its continuation, as far as it goes
+                return list(self.source[~start: ~start + max_tokens]), n
             if start is not None:
                 out = self.tokens[start: start + max_tokens]
                 period = length - start

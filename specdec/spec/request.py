@@ -32,6 +32,7 @@ class VerifyCall:
     lookup_max_tokens: int = 0
     lookup_costs: tuple[float, ...] = ()  # V(n) / V(1) for n = 1, 2, ...; empty: no cut
     decode_ahead_passes: int = 0  # with decode_ahead: at most this many passes after this one (0: decode_ahead's tokens bound them)
+    lookup_source: tuple[int, ...] = ()  # tokens the lookup drafts from besides the sequence's (a predicted output)
     prefill: int = 0  # the target's own: canonical tokens it holds but has not fed yet (a prompt fed in chunks)
     # the target's own: draft_tokens are its lookup draft, not the caller's: the match's n and the whole proposal
     lookup_match: tuple[int, tuple[int, ...]] | None = None
