@@ -358,6 +358,20 @@ def test_ngram_drafted_by_the_target(models):
     assert LookupCounting.drafted > 0.3 * SAMPLES and 0 < LookupCounting.accepted < LookupCounting.drafted
 
 
+def test_prediction_drafted_by_the_target(models):
+    """A predicted output (GenerateRequest.prediction) seeds the target's lookup: from the first pass
+    on, the target drafts the prediction's continuation of the prompt's tail, and rejection sampling
+    against those one-hot drafts keeps the target's distribution."""
+    drafted = {}
+    for name, prediction in (("none", ()), ("greedy", tuple(PROMPT[-2:] + tiny.reference_greedy(models["target"], PROMPT, DEPTH + 5)))):
+        LookupCounting.drafted = LookupCounting.accepted = 0
+        check_case(f"prediction {name}, drafted by the target", models, NgramDrafter(4, 1), loop_kwargs={"drafter": "ngram"},
+                   verifier_type=LookupCounting, max_new=DEPTH + 5, prediction_ids=prediction, min_drafted=0.0)
+        assert 0 < LookupCounting.accepted < LookupCounting.drafted
+        drafted[name] = LookupCounting.drafted
+    assert drafted["greedy"] > 1.5 * drafted["none"], drafted  # the prediction, not the output's own repeats, drafted
+
+
 def test_overlap_on(models):
     """The draft runs ahead during Verify and bets on the bonus token. One draft token per step puts
     the bet, and a fresh draft after a lost bet, inside the first three tokens."""
