@@ -17,6 +17,7 @@ variables (SPECDEC_ADDRESS for --address), as the services' from SPECDEC_<SERVIC
 from __future__ import annotations
 
 import argparse
+import pathlib
 import signal
 import sys
 import time
@@ -158,6 +159,8 @@ def cmd_generate(argv: list[str]) -> int:
     parser.add_argument("--tree-top-k", type=int, default=None, help="Children per expanded node of a dynamic tree.")
     parser.add_argument("--tree-shape", default=None, help="A static tree: children per node at each depth, e.g. 4,2,2,1.")
     parser.add_argument("--stop", action="append", default=[])
+    parser.add_argument("--prediction", default="", help="Predicted output (text much of the answer repeats); @FILE reads it "
+                        "from a file. Where the target drafts by prompt lookup it drafts from this too: faster, the same tokens.")
     parser.add_argument("--compare", action="store_true", help="Also generate twice with speculation off and once more with it (A B B A), report whether every run's tokens are identical and the speed-up over the two runs of each.")
     parser.add_argument("--wait", type=float, default=60.0, help="Seconds to wait for the coordinator to come up.")
     connect.add_arguments(parser)
@@ -173,8 +176,15 @@ def cmd_generate(argv: list[str]) -> int:
     from protos import specdec_pb2 as pb
     from protos import specdec_pb2_grpc as pb_grpc
 
+    prediction = args.prediction
+    if prediction.startswith("@"):
+        try:
+            prediction = pathlib.Path(prediction[1:]).read_text()
+        except OSError as exc:
+            parser.error(f"--prediction {args.prediction}: {exc.strerror}")
+
     def build(draft_length):
-        request = pb.GenerateStreamRequest(max_new_tokens=args.max_new_tokens, stop=args.stop)
+        request = pb.GenerateStreamRequest(max_new_tokens=args.max_new_tokens, stop=args.stop, prediction=prediction)
         if args.raw:
             request.text = args.prompt
         else:

@@ -14,8 +14,9 @@ drives `--address` (with --api-token and the --tls-* flags of specdec_tools/conn
 `specdec generate`), or with `--http URL` a coordinator's OpenAI-compatible API: the same prompts
 (token ids) to POST /v1/completions with `stream: true`, read as server-sent events up to
 `data: [DONE]`, as vLLM's benchmark_serving drives an OpenAI server. `--ignore-eos` asks for exactly
---max-new-tokens tokens per request (vLLM's `ignore_eos`) and the report shows the lengths received,
-counted from the `usage` the server sends last when asked with `stream_options.include_usage`.
+--max-new-tokens tokens per request (vLLM's `ignore_eos`, either API) and the report shows the lengths
+received, over HTTP counted from the `usage` the server sends last when asked with
+`stream_options.include_usage`.
 `--quick` runs tiny random models in well under a minute (CI).
 """
 
@@ -118,8 +119,8 @@ def summarise(results: list[RequestResult], duration: float) -> dict:
 class GrpcClient:
     """CoordinatorService.GenerateStream over one channel (its token and TLS from connect.Connection)."""
 
-    def __init__(self, conn: connect.Connection, timeout: float):
-        self.conn, self.timeout = conn, timeout
+    def __init__(self, conn: connect.Connection, timeout: float, ignore_eos: bool = False):
+        self.conn, self.timeout, self.ignore_eos = conn, timeout, ignore_eos
 
     async def __aenter__(self) -> GrpcClient:
         from protos import specdec_pb2_grpc as pb_grpc
@@ -138,7 +139,8 @@ class GrpcClient:
         from protos import specdec_pb2 as pb
 
         spec = pb.SpeculationParams() if speculation else pb.SpeculationParams(draft_length=0)
-        request = pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new, speculation=spec)
+        request = pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new, speculation=spec,
+                                           ignore_eos=self.ignore_eos)
         result = RequestResult(index, ok=False, exact_count=True)
         start = last = time.perf_counter()
         call = self.stub.GenerateStream(request, timeout=self.timeout, metadata=self.conn.metadata)
@@ -372,8 +374,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         help="Drive a running coordinator's OpenAI-compatible API instead, e.g. http://127.0.0.1:8000 "
                              "(streamed /v1/completions; --target-model names its tokenizer, for the prompts and --check).")
     parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
-                        help="With --http: ask for exactly --max-new-tokens tokens per request (vLLM's ignore_eos), for lengths "
-                             "that do not depend on where the model stops; --check then compares the text up to the target's end.")
+                        help="Ask for exactly --max-new-tokens tokens per request (vLLM's ignore_eos), for lengths that do not "
+                             "depend on where the model stops; --check then compares the output up to the target's end.")
     parser.add_argument("--target-model", default="", help="Target (and tokenizer) of the local stack / reference (default: SmolLM2-135M-Instruct).")
     parser.add_argument("--drafter", default="ngram", help="ngram, or a draft model for the local stack.")
     parser.add_argument("--concurrency", default="1,2,4,8", help="Comma-separated concurrency levels, one run each.")
@@ -424,8 +426,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
         parser.error("--address (gRPC) and --http (the OpenAI-compatible API) are two ways to one coordinator: give one")
     if args.http and not args.http.startswith(("http://", "https://")):
         parser.error(f"--http: a URL such as http://127.0.0.1:8000, got {args.http!r}")
-    if args.ignore_eos and not args.http:
-        parser.error("--ignore-eos needs --http (the gRPC API has no such field)")
     if args.http.startswith("http://") and (args.tls or args.tls_ca or args.tls_cert):
         parser.error("--tls and the --tls-* flags need an https:// URL with --http")
     if args.http and args.tls_server_name:
@@ -513,7 +513,7 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
         def client() -> GrpcClient | HttpClient:
             if args.http:
                 return HttpClient(args.http, conn.token, 600.0, args.ignore_eos, verify=_https_context(args))
-            return GrpcClient(conn, 600.0)
+            return GrpcClient(conn, 600.0, args.ignore_eos)
 
         def level(*level_args, **kwargs):
             results, duration = asyncio.run(run_level(client(), *level_args, **kwargs))

@@ -141,8 +141,8 @@ def http_coordinator(tmp_path_factory):
     stack = Stack()
     target_addr = stack.target(target_path)
     draft_addr = stack.draft(drafter="model", model=save(draft, folder / "draft"))
-    stack.coordinator(target_addr, draft_addr, byte_tokenizer(), http_port=0, api_token="http-token")
-    yield {"url": f"http://127.0.0.1:{stack.servers[-1].http.port}", "target": target_path}
+    address = stack.coordinator(target_addr, draft_addr, byte_tokenizer(), http_port=0, api_token="http-token")
+    yield {"url": f"http://127.0.0.1:{stack.servers[-1].http.port}", "target": target_path, "address": address}
     stack.stop()
 
 
@@ -179,16 +179,20 @@ def test_http_loadtest_without_the_token_says_so(http_coordinator, tmp_path, cap
     assert "HTTP 401" in err and "--api-token" in err
 
 
-def test_http_loadtest_with_ignore_eos_gets_exactly_the_lengths_asked(http_coordinator, tmp_path, monkeypatch):
+@pytest.mark.parametrize("api", ["--http", "--address"])
+def test_loadtest_with_ignore_eos_gets_exactly_the_lengths_asked(http_coordinator, tmp_path, monkeypatch, api):
     """Fixed-length benchmarks: with --ignore-eos every request returns exactly --max-new-tokens
-    tokens (the coordinator honours ignore_eos), counted from the usage chunk the server sends."""
+    tokens (the coordinator honours ignore_eos), over HTTP counted from the usage chunk the server
+    sends, over gRPC (GenerateStreamRequest.ignore_eos; it once refused, saying gRPC had no such
+    field) from the tokens; and the outputs are the target's own up to its end."""
     monkeypatch.setenv("SPECDEC_API_TOKEN", "http-token")
-    argv = ["--http", http_coordinator["url"], "--target-model", http_coordinator["target"], "--prompts", "chat", "--max-prompts", "2",
+    where = http_coordinator["url"] if api == "--http" else http_coordinator["address"]
+    argv = [api, where, "--target-model", http_coordinator["target"], "--prompts", "chat", "--max-prompts", "2",
             "--max-new-tokens", "40", "--concurrency", "2", "--num-requests", "4", "--warmup", "0", "--ignore-eos", "--out", str(tmp_path)]
     assert loadtest.main(argv) == 0
     report = json.loads((tmp_path / "loadtest.json").read_text())
     for run in report["runs"]:
-        assert run["failed"] == 0 and run["output_lengths"] == [40] * 4 and run["exact_lengths"] == 4
+        assert run["failed"] == 0 and run["output_lengths"] == [40] * 4 and run["exact_lengths"] == 4 and run["identical"] == 4
 
 
 @pytest.mark.slow

@@ -107,7 +107,7 @@ def ngram_stack(pair, tmp_path_factory):
     stack = Stack()
     target = stack.target(tiny.save(pair[0], tmp_path_factory.mktemp("prediction") / "target"))
     address = stack.coordinator(target, "ngram", tiny.byte_tokenizer(), http_port=0, max_prompt_chars=4096)
-    yield stack, stack.client(address), f"http://127.0.0.1:{stack.servers[-1].http.port}"
+    yield stack, stack.client(address), f"http://127.0.0.1:{stack.servers[-1].http.port}", address
     stack.stop()
 
 
@@ -116,7 +116,7 @@ def test_through_the_services_a_good_prediction_takes_fewer_steps_for_the_same_t
 
     from protos import specdec_pb2 as pb
 
-    stack, client, base = ngram_stack
+    stack, client, base, _ = ngram_stack
     plain = client.Generate(pb.GenerateRequest(text="hello there", max_new_tokens=24, ignore_eos=True), timeout=60)
     predicted = client.Generate(pb.GenerateRequest(text="hello there", max_new_tokens=24, ignore_eos=True,
                                                    prediction=plain.text), timeout=60)
@@ -131,7 +131,7 @@ def test_the_chat_api_takes_openai_s_prediction_field(ngram_stack):
     import json
     import urllib.request
 
-    stack, client, base = ngram_stack
+    stack, client, base, _ = ngram_stack
 
     def chat(**extra):
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 0, **extra}
@@ -149,3 +149,24 @@ def test_the_chat_api_takes_openai_s_prediction_field(ngram_stack):
         assert status == 200 and predicted["choices"][0]["message"]["content"] == text
     status, refused = chat(prediction={"type": "image", "content": "x"})
     assert status == 400 and refused["error"]["param"].startswith("prediction"), refused
+
+
+def test_specdec_generate_takes_a_prediction_from_a_file(ngram_stack, tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    address = ngram_stack[3]
+
+    def generate(*flags: str) -> tuple[str, int, str]:
+        done = subprocess.run([sys.executable, "-m", "specdec_tools.cli", "generate", "--raw", "--max-new-tokens", "24",
+                               "--address", address, "hello there", *flags], capture_output=True, text=True, timeout=120)
+        steps = re.search(r"steps (\d+)", done.stderr)  # the statistics line goes to stderr, the text to stdout
+        return done.stdout, int(steps.group(1)) if steps else -1, done.stderr
+
+    text, steps, _ = generate()
+    (tmp_path / "prediction.txt").write_text(text)
+    predicted, fewer, _ = generate("--prediction", f"@{tmp_path / 'prediction.txt'}")
+    assert predicted == text and 0 < fewer < steps, (text, predicted, steps, fewer)
+    _, _, error = generate("--prediction", f"@{tmp_path / 'missing.txt'}")
+    assert "--prediction @" in error and "No such file" in error
