@@ -84,21 +84,22 @@ class TextPart(Strict):
     text: str
 
 
-class ChatMessage(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+class TextContent(Strict):
+    """Content given as a string or as text parts (a message's, a prediction's)."""
+
     content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
+class ChatMessage(TextContent):
+    role: Literal["system", "developer", "user", "assistant"]
     name: str | None = None
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
-
-class Prediction(Strict):
+class Prediction(TextContent):
     type: Literal["content"]
-    content: str | list[TextPart]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class ResponseFormat(Strict):

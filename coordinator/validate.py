@@ -68,8 +68,7 @@ def prediction_tokens(request: Request, tokenizer, max_chars: int) -> tuple[int,
         return ()
     if max_chars and len(request.prediction) > max_chars:
         raise InvalidArgument("prediction", f"{len(request.prediction)} characters, more than --max-prompt-chars={max_chars}")
-    ids = tokenizer(request.prediction, add_special_tokens=False, return_attention_mask=False,
-                    return_token_type_ids=False)["input_ids"]
+    ids = _tokenize(tokenizer, request.prediction)
     if len(ids) > MAX_LOOKUP_SOURCE:
         raise InvalidArgument("prediction", f"{len(ids)} tokens, more than {MAX_LOOKUP_SOURCE}")
     return tuple(ids)
@@ -81,8 +80,12 @@ def prediction_tokens(request: Request, tokenizer, max_chars: int) -> tuple[int,
 def _text_ids(request: Request, tokenizer, vocab: int) -> Sequence[int]:
     if not request.text:
         raise InvalidArgument("text", "the prompt is empty")
-    # Only the ids: each other list (attention mask, type ids) costs a pass holding the GIL on a long prompt.
-    return tokenizer(request.text, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
+    return _tokenize(tokenizer, request.text)
+
+
+def _tokenize(tokenizer, text: str) -> list[int]:
+    # Only the ids: each other list (attention mask, type ids) costs a pass holding the GIL on a long text.
+    return tokenizer(text, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
 
 
 def _token_ids(request: Request, tokenizer, vocab: int) -> Sequence[int]:
