@@ -9,30 +9,21 @@ a bad one must be refused naming its field.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specdec.errors import InvalidArgument
 from specdec.limits import MAX_LOOKUP_SOURCE
-from specdec.model.lm import CausalLM
 from specdec.spec.lookup import NgramIndex
 from specdec.spec.request import VerifyCall
-from specdec.spec.sampling import SamplingConfig
-from target_service.engine import TargetEngine
 from tests import tiny
-from tests.test_lookup_ahead import RecordingVerifier, ngram_loop
+from tests.test_lookup_ahead import GREEDY, RecordingVerifier, engine, ngram_loop
 from tests.test_loop import run
 
-GREEDY = SamplingConfig()
 AHEAD = 24
 
 
 @pytest.fixture(scope="module")
 def pair():
     return tiny.tiny_pair(seed=5)
-
-
-def engine(pair) -> TargetEngine:
-    return TargetEngine(CausalLM(pair[0], torch.device("cpu")))
 
 
 def test_the_index_drafts_from_its_source_and_the_sequence_s_own_tokens_come_first():
@@ -100,8 +91,6 @@ def test_a_bad_source_is_invalid_argument_naming_it(pair, source):
 @pytest.fixture(scope="module")
 def ngram_stack(pair, tmp_path_factory):
     """A target and a coordinator drafting n-grams (the target by lookup), with the HTTP API."""
-    import grpc  # noqa: F401 - the stack's clients
-
     from tests.stack import Stack
 
     stack = Stack()
