@@ -101,7 +101,8 @@ class TargetEngine:
         self.trees = supports_trees(lm)
         # The chance that each token of a prompt-lookup draft is right, per match length, learned from
         # this engine's own verdicts: the target's lookup drafts are cut by it (VerifyCall.lookup_max_tokens).
-        self.calibration = MatchCalibration(LOOKUP_MAX_N)
+        # Matches in a predicted output (lookup_source) count as n + LOOKUP_MAX_N: learned apart.
+        self.calibration = MatchCalibration(2 * LOOKUP_MAX_N)
 
     def verify(self, call: VerifyCall) -> StepResult:
         """One sequence's chain: verify_batch's one-row path, with its error raised."""

@@ -30,13 +30,26 @@ def test_the_index_drafts_from_its_source_and_the_sequence_s_own_tokens_come_fir
     index = NgramIndex(4, 1, source=(1, 2, 3, 4, 5))
     index.extend([9, 1, 2])
     assert len(index) == 3 and index.tokens == [9, 1, 2]  # the source is not the sequence's
-    assert index.propose(8) == ([3, 4, 5], 2)  # the source's continuation, as far as it goes
+    assert index.propose(8) == ([3, 4, 5], 2 + 4)  # the source's continuation, as far as it goes (n + max_n)
     index.extend([7, 1, 2])
     assert index.propose(2) == ([7, 1], 2)  # the sequence's own later occurrence wins
     index.crop(-4)  # rolled back to [9, 1]: (1, 2) -> the source again
     index.extend([2])
-    assert index.propose(3) == ([3, 4, 5], 2)
+    assert index.propose(3) == ([3, 4, 5], 2 + 4)
     assert NgramIndex(4, 1).propose(3) == ([], 0)
+
+
+def test_a_prediction_s_matches_are_learned_apart_from_the_sequence_s_own(pair):
+    """A source match reports n + max_n, so the target learns its chances in their own rows: a
+    workload of bad predictions must not cut the drafts of requests that draft from their own text."""
+    index = NgramIndex(4, 1, source=(1, 2, 3))
+    index.extend([1, 2])
+    assert index.propose(1) == ([3], 6)  # the 2-gram (1, 2), in the source
+    target = engine(pair)
+    own = target.calibration.survival(2, 3)
+    for _ in range(100):
+        target.calibration.observe(6, [3, 4], [5])
+    assert target.calibration.survival(2, 3) == own and target.calibration.survival(6, 1)[0] < 0.1
 
 
 def test_a_prediction_of_the_target_s_own_output_saves_passes_and_changes_no_token(pair):

@@ -70,7 +70,8 @@ class NgramIndex:
                     self._next[key] = previous
 
     def propose(self, max_tokens: int) -> tuple[list[int], int]:
-        """(continuation, n of the matched suffix): longest suffix first, its most recent occurrence.
+        """(continuation, n of the matched suffix): longest suffix first, its most recent occurrence;
+        n + max_n where the match is in the source.
 
         When the continuation runs into the end of the sequence, the match is periodic (the suffix
         re-appears `period` tokens later), so the proposal keeps repeating that period: a loop in
@@ -81,8 +82,10 @@ class NgramIndex:
             return [], 0
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             start = self._next.get(tuple(self.tokens[length - n:]))
-            if start is not None and start < 0:  # in the source: its continuation, as far as it goes
-                return list(self.source[~start: ~start + max_tokens]), n
+            if start is not None and start < 0:  # in the source: its continuation, as far as it goes,
+                # and its match counted as n + max_n: a prediction's chances are learned apart
+                # (MatchCalibration) from the sequence's own repeats, which other requests draft by
+                return list(self.source[~start: ~start + max_tokens]), n + self.max_n
             if start is not None:
                 out = self.tokens[start: start + max_tokens]
                 period = length - start
