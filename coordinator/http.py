@@ -214,12 +214,20 @@ def speculation_json(s) -> dict:
         "total_seconds": round(s.total_seconds, 6),
         "runahead_steps": s.runahead_steps, "runahead_hits": s.runahead_hits, "runahead_tokens": s.runahead_tokens,
         "runahead_used_tokens": s.runahead_used_tokens,
+        "prediction_tokens": s.prediction_tokens, "accepted_prediction_tokens": s.accepted_prediction_tokens,
     }
 
 
 def usage_json(stats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+    """OpenAI's usage; with a prediction that drafted, its completion_tokens_details too: the
+    prediction's tokens the target accepted, and those it drafted and rejected."""
+    usage = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+             "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+    if stats.prediction_tokens:
+        usage["completion_tokens_details"] = {
+            "accepted_prediction_tokens": stats.accepted_prediction_tokens,
+            "rejected_prediction_tokens": stats.prediction_tokens - stats.accepted_prediction_tokens}
+    return usage
 
 
 # JSON has no -Infinity, the log-probability of an alternative that top-k or top-p removed: it is

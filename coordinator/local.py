@@ -51,7 +51,8 @@ class LocalVerifier:
                                       result.ahead_passes, result.ahead_drafted)
         return VerifyOutcome(result.accepted, result.next_token, compute, wall, path=result.path, features=result.features,
                              decoded=result.decoded, logprobs=result.logprobs, ahead_passes=result.ahead_passes,
-                             ahead_drafted=result.ahead_drafted, ahead_accepted=result.ahead_accepted)
+                             ahead_drafted=result.ahead_drafted, ahead_accepted=result.ahead_accepted,
+                             prediction_drafted=result.predicted_drafted, prediction_accepted=result.predicted_accepted)
 
     async def release(self, sequence_id: str) -> None:
         self.engine.release(sequence_id)

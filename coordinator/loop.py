@@ -402,6 +402,8 @@ class SpeculativeLoop:
         stats.draft_tokens += drafted + verdict.ahead_drafted
         stats.draft_steps += 1 if drafted else 0
         stats.accepted_tokens += accepted + verdict.ahead_accepted
+        stats.prediction_tokens += verdict.prediction_drafted
+        stats.accepted_prediction_tokens += verdict.prediction_accepted
         stats.draft_seconds += draft.compute_seconds
         stats.verify_seconds += verdict.compute_seconds
         draft_wire = max(0.0, draft.wall_seconds - draft.compute_seconds)

@@ -210,10 +210,17 @@ def to_generate_request(body: CompletionRequest | ChatCompletionRequest, request
 # --- responses (documented in /openapi.json; built as dicts for speed) ---
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="With a prediction that drafted: its tokens the target accepted, and those it rejected.")
 
 
 class CompletionLogprobs(BaseModel):

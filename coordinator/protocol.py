@@ -59,6 +59,8 @@ class VerifyOutcome:
     ahead_passes: int = 0  # the target's forwards for `decoded` (0 from a target that does not say: one per token)
     ahead_drafted: int = 0  # tokens it drafted by prompt lookup (VerifyCall.lookup_max_tokens)
     ahead_accepted: int = 0  # of which it accepted
+    prediction_drafted: int = 0  # of ahead_drafted, tokens from the request's predicted output (lookup_source)
+    prediction_accepted: int = 0  # of which it accepted
 
     @property
     def passes(self) -> int:
@@ -130,6 +132,8 @@ class Stats:
     draft_tokens: int = 0
     draft_steps: int = 0  # steps that verified at least one draft token
     load_capped_steps: int = 0  # steps that drafted nothing because the load cap (--verify-token-budget) left no room
+    prediction_tokens: int = 0  # draft tokens taken from the request's prediction (among draft_tokens)
+    accepted_prediction_tokens: int = 0  # of which the target accepted (among accepted_tokens)
     accepted_tokens: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0

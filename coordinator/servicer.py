@@ -77,6 +77,8 @@ def stats_proto(stats: Stats) -> pb.GenerationStats:
         runahead_used_tokens=stats.runahead_used_tokens,
         first_step_tokens=stats.first_step_tokens,
         load_capped_steps=stats.load_capped_steps,
+        prediction_tokens=stats.prediction_tokens,
+        accepted_prediction_tokens=stats.accepted_prediction_tokens,
     )
 
 

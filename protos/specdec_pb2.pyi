@@ -65,7 +65,7 @@ class SpeculationParams(_message.Message):
     def __init__(self, draft_length: _Optional[int] = ..., adaptive: _Optional[bool] = ..., tree_budget: _Optional[int] = ..., tree_top_k: _Optional[int] = ..., tree_shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "steps", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "draft_seconds", "verify_seconds", "wire_seconds", "total_seconds", "time_to_first_token_seconds", "accepted_per_position", "wire_bytes", "draft_steps", "runahead_steps", "runahead_hits", "runahead_tokens", "runahead_used_tokens", "first_step_tokens", "load_capped_steps")
+    __slots__ = ("prompt_tokens", "completion_tokens", "steps", "draft_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "draft_seconds", "verify_seconds", "wire_seconds", "total_seconds", "time_to_first_token_seconds", "accepted_per_position", "wire_bytes", "draft_steps", "runahead_steps", "runahead_hits", "runahead_tokens", "runahead_used_tokens", "first_step_tokens", "load_capped_steps", "prediction_tokens", "accepted_prediction_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,8 @@ class GenerationStats(_message.Message):
     RUNAHEAD_USED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_CAPPED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     steps: int
@@ -108,7 +110,9 @@ class GenerationStats(_message.Message):
     runahead_used_tokens: int
     first_step_tokens: int
     load_capped_steps: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., wire_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., draft_steps: _Optional[int] = ..., runahead_steps: _Optional[int] = ..., runahead_hits: _Optional[int] = ..., runahead_tokens: _Optional[int] = ..., runahead_used_tokens: _Optional[int] = ..., first_step_tokens: _Optional[int] = ..., load_capped_steps: _Optional[int] = ...) -> None: ...
+    prediction_tokens: int
+    accepted_prediction_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., wire_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., wire_bytes: _Optional[int] = ..., draft_steps: _Optional[int] = ..., runahead_steps: _Optional[int] = ..., runahead_hits: _Optional[int] = ..., runahead_tokens: _Optional[int] = ..., runahead_used_tokens: _Optional[int] = ..., first_step_tokens: _Optional[int] = ..., load_capped_steps: _Optional[int] = ..., prediction_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "sampling", "speculation", "stop", "request_id", "logprobs", "ignore_eos", "min_tokens", "prediction")
@@ -413,7 +417,7 @@ class ProposeTreeResponse(_message.Message):
     def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len", "accepted_path", "features", "decoded_tokens", "logprobs", "ahead_passes", "ahead_drafted", "ahead_accepted")
+    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len", "accepted_path", "features", "decoded_tokens", "logprobs", "ahead_passes", "ahead_drafted", "ahead_accepted", "prediction_drafted", "prediction_accepted")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +429,8 @@ class VerifyResponse(_message.Message):
     AHEAD_PASSES_FIELD_NUMBER: _ClassVar[int]
     AHEAD_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     AHEAD_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     compute_seconds: float
@@ -436,7 +442,9 @@ class VerifyResponse(_message.Message):
     ahead_passes: int
     ahead_drafted: int
     ahead_accepted: int
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., decoded_tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., ahead_passes: _Optional[int] = ..., ahead_drafted: _Optional[int] = ..., ahead_accepted: _Optional[int] = ...) -> None: ...
+    prediction_drafted: int
+    prediction_accepted: int
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., decoded_tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., ahead_passes: _Optional[int] = ..., ahead_drafted: _Optional[int] = ..., ahead_accepted: _Optional[int] = ..., prediction_drafted: _Optional[int] = ..., prediction_accepted: _Optional[int] = ...) -> None: ...
 
 class DraftServiceReleaseRequest(_message.Message):
     __slots__ = ("sequence_id",)

@@ -42,6 +42,11 @@ def _average(mean: float, sample: float) -> float:
 
 
 
+def _from_prediction(n: int) -> bool:
+    """Whether a lookup match of length `n` was in the predicted output (NgramIndex counts those as n + max_n)."""
+    return n > LOOKUP_MAX_N
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     accepted: int
@@ -56,6 +61,8 @@ class StepResult:
     ahead_passes: int = 0  # decode_ahead: the forwards it took (fewer than len(decoded) when lookup drafts were accepted)
     ahead_drafted: int = 0  # lookup_max_tokens: tokens the target drafted for itself (this pass's too, when it drafted it)
     ahead_accepted: int = 0  # and how many of them it accepted
+    predicted_drafted: int = 0  # of the lookup drafts, tokens from a predicted output (VerifyCall.lookup_source)
+    predicted_accepted: int = 0  # and how many of them it accepted
 
 
 @dataclasses.dataclass
@@ -77,6 +84,7 @@ class _RowAhead:
     passes: int = 0
     drafted: int = 0
     accepted: int = 0
+    predicted: tuple[int, int] = (0, 0)  # of drafted and accepted, those from a predicted output
     ended: bool = False  # an end-of-sequence token was accepted inside a draft: what follows is cut anyway
 
     def going(self, eos, context: int) -> bool:
@@ -187,13 +195,16 @@ class TargetEngine:
         row.pending = next_token
         row.logprobs += logprobs
         row.passes, row.drafted, row.accepted = row.passes + 1, row.drafted + len(draft), row.accepted + taken
+        if _from_prediction(n):
+            row.predicted = (row.predicted[0] + len(draft), row.predicted[1] + taken)
         row.ended = any(t in self.lm.eos_token_ids for t in draft[:taken])
 
     @staticmethod
     def _ahead_result(result: StepResult, row: _RowAhead, start: float, **extra) -> StepResult:
         return dataclasses.replace(result, cached_len=len(row.seq.tokens), compute_seconds=time.perf_counter() - start,
                                    decoded=tuple(row.decoded), logprobs=tuple(row.logprobs), ahead_passes=row.passes,
-                                   ahead_drafted=row.drafted, ahead_accepted=row.accepted, **extra)
+                                   ahead_drafted=row.drafted, ahead_accepted=row.accepted,
+                                   predicted_drafted=row.predicted[0], predicted_accepted=row.predicted[1], **extra)
 
     @staticmethod
     def _lookup_index(call: VerifyCall, seq: Sequence) -> NgramIndex:
@@ -406,9 +417,12 @@ class TargetEngine:
         n, proposal = call.lookup_match
         self.calibration.observe(n, list(proposal), [*call.draft_tokens[:result.accepted], result.next_token])
         tokens = [*call.draft_tokens[:result.accepted], result.next_token, *result.decoded]
+        predicted = (len(call.draft_tokens), result.accepted) if _from_prediction(n) else (0, 0)
         return dataclasses.replace(result, accepted=0, next_token=tokens[0], decoded=tuple(tokens[1:]),
                                    ahead_drafted=result.ahead_drafted + len(call.draft_tokens),
-                                   ahead_accepted=result.ahead_accepted + result.accepted)
+                                   ahead_accepted=result.ahead_accepted + result.accepted,
+                                   predicted_drafted=result.predicted_drafted + predicted[0],
+                                   predicted_accepted=result.predicted_accepted + predicted[1])
 
     def _row(self, call: VerifyCall, seq: Sequence, start: float, batch_size: int, decode_ahead: bool,
              interrupt: Callable[[], bool] | None = None) -> StepResult:

@@ -120,6 +120,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             response.decoded_tokens.extend(result.decoded)
         response.ahead_passes, response.ahead_drafted, response.ahead_accepted = (
             result.ahead_passes, result.ahead_drafted, result.ahead_accepted)
+        response.prediction_drafted, response.prediction_accepted = result.predicted_drafted, result.predicted_accepted
         if result.logprobs:
             response.logprobs.extend(logprobs_to_proto(result.logprobs))
         if result.features is not None:

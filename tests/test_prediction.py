@@ -64,6 +64,8 @@ def test_a_prediction_of_the_target_s_own_output_saves_passes_and_changes_no_tok
                                            lookup_source=source))
             got = [out.next_token, *out.decoded]
             assert got == reference[:len(got)] and len(got) == AHEAD + 1 or tiny.EOS in got
+            assert out.predicted_accepted <= out.predicted_drafted <= out.ahead_drafted and out.predicted_accepted <= out.ahead_accepted
+            assert (out.predicted_drafted > 0) == (name != "none") or name == "wrong"
             passes[name] += 1 + out.ahead_passes
     assert passes["own"] < passes["none"] / 2, passes
 
@@ -124,6 +126,9 @@ def test_through_the_services_a_good_prediction_takes_fewer_steps_for_the_same_t
                                                    prediction=plain.text), timeout=60)
     assert list(predicted.token_ids) == list(plain.token_ids) and predicted.text == plain.text
     assert predicted.stats.steps < plain.stats.steps, (predicted.stats, plain.stats)
+    s = predicted.stats  # the prediction's drafts counted apart, among all drafts
+    assert 0 < s.accepted_prediction_tokens <= s.prediction_tokens <= s.draft_tokens and s.accepted_prediction_tokens <= s.accepted_tokens
+    assert plain.stats.prediction_tokens == 0
     with pytest.raises(grpc.RpcError) as info:
         client.Generate(pb.GenerateRequest(text="hi", max_new_tokens=4, prediction="x" * 5000), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("prediction:")
@@ -146,9 +151,13 @@ def test_the_chat_api_takes_openai_s_prediction_field(ngram_stack):
 
     status, plain = chat()
     text = plain["choices"][0]["message"]["content"]
+    assert "completion_tokens_details" not in plain["usage"]
     for prediction in ({"type": "content", "content": text}, {"type": "content", "content": [{"type": "text", "text": text}]}):
         status, predicted = chat(prediction=prediction)
         assert status == 200 and predicted["choices"][0]["message"]["content"] == text
+        details, spec = predicted["usage"]["completion_tokens_details"], predicted["speculation"]
+        assert details["accepted_prediction_tokens"] == spec["accepted_prediction_tokens"] > 0
+        assert details["rejected_prediction_tokens"] == spec["prediction_tokens"] - spec["accepted_prediction_tokens"] >= 0
     status, refused = chat(prediction={"type": "image", "content": "x"})
     assert status == 400 and refused["error"]["param"].startswith("prediction"), refused
 
