@@ -44,6 +44,7 @@ from coordinator.policy.admission import client_key
 from coordinator.validate import bearer, check_request_id, token_matches
 from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
 from specdec.serving.logs import bind_request
+from specdec.spec.checks import check_token_ids
 from specdec.version import package_version as version
 
 log = structlog.get_logger(__name__)
@@ -404,10 +405,8 @@ def _token_routes(app: FastAPI, servicer, max_body_bytes: int) -> None:
             body = await bodies.parse(DetokenizeRequest, await read_body(raw, max_body_bytes), servicer.config.max_prompt_tokens)
             if servicer.tokenizer is None:
                 raise Unavailable("the coordinator is still loading its tokenizer")
-            vocab = servicer.target_info.vocab_size
-            outside = next((t for t in body.tokens if vocab and t >= vocab), None)
-            if outside is not None:  # the tokenizer would drop it silently: an empty string for a wrong id
-                raise InvalidArgument("tokens", f"token id {outside} outside the target's vocabulary [0, {vocab})")
+            if servicer.target_info.vocab_size:  # the tokenizer would drop a wrong id silently: "" for it
+                check_token_ids("tokens", body.tokens, servicer.target_info.vocab_size)
         except REFUSALS as exc:
             return refused(exc)
         return {"prompt": servicer.tokenizer.decode(body.tokens)}

@@ -26,7 +26,7 @@ from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch, pass_groups
 from specdec.limits import MAX_DRAFT_TOKENS
 from specdec.spec.checks import check_verify_call
-from specdec.spec.lookup import LOOKUP_MAX_N, MatchCalibration, NgramIndex, lookup_draft
+from specdec.spec.lookup import LOOKUP_MAX_N, MatchCalibration, NgramIndex, in_source, lookup_draft
 from specdec.spec.request import VerifyCall
 from specdec.spec.tree import EMPTY_DIST, SparseDist, tree_depth
 from specdec.spec.treeplan import TreePlan, plan_tree, tree_verdict
@@ -40,11 +40,6 @@ def _average(mean: float, sample: float) -> float:
     """A moving average that starts at its first sample (`mean` 0: none yet)."""
     return sample if not mean else 0.8 * mean + 0.2 * sample
 
-
-
-def _from_prediction(n: int) -> bool:
-    """Whether a lookup match of length `n` was in the predicted output (NgramIndex counts those as n + max_n)."""
-    return n > LOOKUP_MAX_N
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +190,7 @@ class TargetEngine:
         row.pending = next_token
         row.logprobs += logprobs
         row.passes, row.drafted, row.accepted = row.passes + 1, row.drafted + len(draft), row.accepted + taken
-        if _from_prediction(n):
+        if in_source(n):
             row.predicted = (row.predicted[0] + len(draft), row.predicted[1] + taken)
         row.ended = any(t in self.lm.eos_token_ids for t in draft[:taken])
 
@@ -417,7 +412,7 @@ class TargetEngine:
         n, proposal = call.lookup_match
         self.calibration.observe(n, list(proposal), [*call.draft_tokens[:result.accepted], result.next_token])
         tokens = [*call.draft_tokens[:result.accepted], result.next_token, *result.decoded]
-        predicted = (len(call.draft_tokens), result.accepted) if _from_prediction(n) else (0, 0)
+        predicted = (len(call.draft_tokens), result.accepted) if in_source(n) else (0, 0)
         return dataclasses.replace(result, accepted=0, next_token=tokens[0], decoded=tuple(tokens[1:]),
                                    ahead_drafted=result.ahead_drafted + len(call.draft_tokens),
                                    ahead_accepted=result.ahead_accepted + result.accepted,

@@ -14,6 +14,11 @@ from specdec.spec.costs import Costs
 LOOKUP_MAX_N = 4
 
 
+def in_source(n: int, max_n: int = LOOKUP_MAX_N) -> bool:
+    """Whether a match NgramIndex.propose reported as `n` was in its source (it counts those as n + max_n)."""
+    return n > max_n
+
+
 class NgramIndex:
     """Suffix n-grams of one token sequence -> where their most recent continuation starts.
 
