@@ -280,15 +280,15 @@ class TargetClient:
         the request names the prefix it builds on, and a restarted target answers NOT_FOUND, which
         the loop answers by re-sending the sequence."""
         give_up, pause = None, 0.1
+        positions = len(request.append_tokens) + request.decode_ahead  # the passes decoded ahead take time too
         while True:
             try:
                 if self.sessions.enabled:
                     response = await self.sessions.exchange(sequence_id, pb.VerifySessionRequest(verify=request),
-                                                            step_timeout(self.timeout_s, len(request.append_tokens)))
+                                                            step_timeout(self.timeout_s, positions))
                     if response is not None:
                         return response.verify
-                return await self.stub.Verify(request, timeout=step_timeout(self.timeout_s, len(request.append_tokens)),
-                                              metadata=_metadata(sequence_id))
+                return await self.stub.Verify(request, timeout=step_timeout(self.timeout_s, positions), metadata=_metadata(sequence_id))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
                     raise SequenceNotFound(sequence_id, exc.details() or "") from exc

@@ -43,7 +43,8 @@ class CoordinatorConfig:
         "When the coordinator will not draft for the next steps (speculation off, an n-gram draft resting "
         "after empty asks, drafting not paying), the target decodes up to this many of them in the same "
         "Verify exchange; tokens then stream in bursts of up to N+1 (with --lookup-ahead, of up to N+1 passes' "
-        "tokens). 0 turns it off.",
+        "tokens). A request answered whole (unary Generate, HTTP without stream, no stop strings) decodes "
+        "all its tokens after the first in one exchange. 0 turns it off.",
     )
     lookup_ahead: bool = option(
         True,

@@ -449,7 +449,7 @@ async def _complete(servicer, raw: Request, model: type[BaseModel], model_names:
         request = schema.to_generate_request(body, request_id)
         id_header = servicer.config.client_id_header
         client = client_key(raw.client.host if raw.client else "?", raw.headers.get(id_header, "") if id_header else "")
-        steps = servicer._generate(request, client)
+        steps = servicer._generate(request, client, whole=not body.stream)
         first = await unless_gone(raw, _first(steps))  # validation errors surface here, before any bytes are sent
     except REFUSALS as exc:
         return refused(exc, headers)

@@ -217,9 +217,9 @@ class SpeculativeLoop:
         if not (self.decode_ahead and turn.runahead is None and stats.completion_tokens and draft.parents is None):
             return
         if turn.lookup[0]:
-            turn.decode_ahead = self._ahead_budget(state, stats.steps, turn.remaining, spec.max_context, drafting=True)
+            turn.decode_ahead = self._ahead_budget(state, stats.steps, turn.remaining, spec, drafting=True)
         elif not draft.tokens:
-            turn.decode_ahead = self._ahead_budget(state, stats.steps, turn.remaining, spec.max_context)
+            turn.decode_ahead = self._ahead_budget(state, stats.steps, turn.remaining, spec)
 
     async def _verify_draft(self, spec: GenerationSpec, state: SequenceState, turn: Turn) -> VerifyOutcome:
         try:
@@ -285,26 +285,30 @@ class SpeculativeLoop:
         stats.total_seconds = time.perf_counter() - state.started
         return Step(new, finish, logprobs)
 
-    def _ahead_budget(self, state: SequenceState, steps: int, remaining: int, max_context: int, drafting: bool = False) -> int:
+    def _ahead_budget(self, state: SequenceState, steps: int, remaining: int, spec: GenerationSpec, drafting: bool = False) -> int:
         """Tokens the target may decode after this step: the steps after it that will not draft
         (every one without a draft, the rest of a failed draft's wait, else the policy's quiet
-        steps) within --decode-ahead, or with `drafting` (the target drafts them itself by lookup)
-        all of them (--decode-ahead then bounds the passes: decode_ahead_passes), within the
+        steps) within the burst (`_burst`), or with `drafting` (the target drafts them itself by
+        lookup) all of them (the burst then bounds the passes: decode_ahead_passes), within the
         request's tokens and context."""
-        if drafting:
-            quiet = MAX_DECODE_AHEAD
-        elif self.proposer is None:
-            quiet = self.decode_ahead
+        limit = MAX_DECODE_AHEAD if drafting else self._burst(spec)
+        if drafting or self.proposer is None:
+            quiet = limit
         elif steps < state.skip_draft_until:
             quiet = state.skip_draft_until - steps - 1
         else:
             quiet = state.lengths.quiet_steps()
-            quiet = self.decode_ahead if quiet is None else quiet
-        limit = MAX_DECODE_AHEAD if drafting else self.decode_ahead
+            quiet = limit if quiet is None else quiet
         budget = min(limit, quiet, remaining - 1)
-        if max_context:
-            budget = min(budget, max_context - len(state.tokens) - 2)
+        if spec.max_context:
+            budget = min(budget, spec.max_context - len(state.tokens) - 2)
         return max(0, budget)
+
+    def _burst(self, spec: GenerationSpec) -> int:
+        """The most passes one exchange decodes ahead: --decode-ahead, the time between a stream's
+        bursts of tokens; the contract's bound for a request answered whole, whose client sees no
+        burst (the target still stops once another call waits, so no other request waits on it)."""
+        return MAX_DECODE_AHEAD if spec.answered_whole else self.decode_ahead
 
     def _lookup(self, state: SequenceState) -> tuple[int, tuple[float, ...]]:
         """(most tokens, relative forward costs) for the target's lookup drafts: the request's draft
@@ -390,7 +394,7 @@ class SpeculativeLoop:
             sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [], spec.sampling,
             return_features=self.features, decode_ahead=decode_ahead, logprobs=spec.logprobs,
             eos_banned_until=len(spec.prompt_ids) + spec.min_tokens if spec.min_tokens else 0,
-            lookup_max_tokens=lookup[0], lookup_costs=lookup[1], decode_ahead_passes=self.decode_ahead if lookup[0] else 0,
+            lookup_max_tokens=lookup[0], lookup_costs=lookup[1], decode_ahead_passes=self._burst(spec) if lookup[0] else 0,
             # the call that creates the target's sequence (or re-fills it) seeds its lookup
             lookup_source=spec.prediction_ids if self.lookup and not known else ()))
 

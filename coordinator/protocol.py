@@ -122,6 +122,10 @@ class GenerationSpec:
     logprobs: int | None = None  # report the target's log-probabilities, with this many alternatives (chains only)
     min_tokens: int = 0  # no end-of-sequence token among the first min_tokens (the target bans them: chains only)
     prediction_ids: tuple[int, ...] = ()  # a predicted output: the target's prompt lookup drafts from it too
+    # The client gets the tokens only when the request ends (a unary Generate or a non-streamed HTTP
+    # completion, without stop strings): a burst of tokens then delays nobody, so the target decodes
+    # ahead as far as the request allows rather than --decode-ahead passes an exchange.
+    answered_whole: bool = False
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -176,17 +177,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             if not self.active[client]:
                 del self.active[client]
 
-    async def _generate(self, request, client: str = "http", deadline: float | None = None):
+    async def _generate(self, request, client: str = "http", deadline: float | None = None, whole: bool = False):
         """Yields a Chunk per step.
 
         Shared by the gRPC methods and the HTTP API; records the request's metrics.
-        `deadline` (time.monotonic()) bounds every internal call made for the request.
+        `deadline` (time.monotonic()) bounds every internal call made for the request. `whole`: the
+        caller answers only once the request ends (GenerationSpec.answered_whole, unless stop
+        strings must be looked for as the tokens come).
         """
         m = metrics.coordinator()
         try:
             # Off the event loop: tokenizing a long prompt takes a while, and the loop serves every
             # other request and /health meanwhile (the fast tokenizer's encode is thread-safe).
             spec, stop = await asyncio.to_thread(self._spec, request)
+            if whole and not stop:
+                spec = dataclasses.replace(spec, answered_whole=True)
             with self._admit(client):  # the per-client cap counts queued requests too
                 async with self.admission.slot():
                     REQUEST_DEADLINE.set(deadline)
@@ -249,7 +254,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         pieces: list[str] = []
         logprobs: list = []
         try:
-            async for chunk in self._generate(request, *client_of(context, self.config.client_id_header)):
+            async for chunk in self._generate(request, *client_of(context, self.config.client_id_header), whole=True):
                 token_ids.extend(chunk.tokens)
                 pieces.append(chunk.text)
                 logprobs.extend(chunk.logprobs)

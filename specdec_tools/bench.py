@@ -207,7 +207,7 @@ def local_runner(loop, max_new: int, eos: list[int], draft_length: int, adaptive
     def run(prompt: list[int]) -> Sample:
         spec = GenerationSpec(request_id=uuid.uuid4().hex[:12], prompt_ids=list(prompt), max_new_tokens=max_new,
                               sampling=SamplingConfig(), draft_length=draft_length, adaptive=adaptive,
-                              eos_token_ids=frozenset(eos), tree=tree)
+                              eos_token_ids=frozenset(eos), tree=tree, answered_whole=True)  # as the gRPC rows' unary Generate
         stats = Stats()
 
         async def collect() -> list[int]:

@@ -46,8 +46,13 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
                                      inline=self._inline, engine=lambda: self.engine)
 
     def _verify_batch(self, calls, decode_ahead: bool = True):
-        # read from the worker thread: a list's length, set on the loop's thread, is safe to read
-        return self.engine.verify_batch(calls, decode_ahead, interrupt=self.batcher.waiting)
+        # read from the worker thread: a list's and a set's lengths, set on the loop's thread, are safe to read
+        return self.engine.verify_batch(calls, decode_ahead, interrupt=self._interrupt)
+
+    def _interrupt(self) -> bool:
+        """Whether passes decoded ahead should stop: a Verify waits for the next pass, or other work
+        (a Release) waits for the worker."""
+        return self.batcher.waiting() or self.host.queued()
 
     def _inline(self, call: VerifyCall) -> bool:
         """Whether a lone call runs right on the event loop, without the hop to the worker thread

@@ -23,6 +23,7 @@ from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import InvalidArgument
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
+from specdec.limits import MAX_DECODE_AHEAD
 from target_service.batcher import VerifyBatcher
 from specdec.spec.tree import DraftTree
 from specdec.spec.request import VerifyCall
@@ -137,7 +138,7 @@ def test_a_pass_decodes_nothing_ahead_unless_every_row_asks_and_no_call_waits(pa
 
 @pytest.mark.parametrize("call, field", [
     (VerifyCall("x", 0, [1, 2], [], [], GREEDY, decode_ahead=-1), "decode_ahead"),
-    (VerifyCall("x", 0, [1, 2], [], [], GREEDY, decode_ahead=65), "decode_ahead"),
+    (VerifyCall("x", 0, [1, 2], [], [], GREEDY, decode_ahead=MAX_DECODE_AHEAD + 1), "decode_ahead"),
     (VerifyCall("x", 0, [1, 2], [], [], GREEDY, DraftTree([-1], [3]), decode_ahead=2), "decode_ahead"),
 ])
 def test_bad_decode_ahead_is_invalid_argument(pair, call, field):
@@ -283,5 +284,5 @@ def test_decoded_tokens_cross_the_wire_and_a_bad_value_names_its_field(pair, ser
     with grpc.insecure_channel(service) as channel:
         stub = pb_grpc.TargetServiceStub(channel)
         with pytest.raises(grpc.RpcError) as info:
-            stub.Verify(pb.VerifyRequest(sequence_id="bad", known_len=0, append_tokens=prompt, decode_ahead=99), timeout=30)
+            stub.Verify(pb.VerifyRequest(sequence_id="bad", known_len=0, append_tokens=prompt, decode_ahead=MAX_DECODE_AHEAD + 1), timeout=30)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "decode_ahead" in info.value.details()

@@ -109,7 +109,11 @@ def test_greedy_matches_with_the_target_stepping_on_its_event_loop(env, referenc
 
     monkeypatch.setattr(TargetEngine, "verify_batch", counted)
     for prompt, expected in zip(tiny.prompts(), references):
-        assert list(generate(env["clients"][client], prompt, draft_length=4).token_ids) == expected
+        # streamed: a unary request's steps after its first token are one exchange (answered whole)
+        request = pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=MAX_NEW,
+                                           speculation=pb.SpeculationParams(draft_length=4))
+        streamed = env["clients"][client].GenerateStream(request, timeout=60)
+        assert [t for message in streamed for t in message.token_ids] == expected
     assert threads["loop"] > threads["worker"] >= len(tiny.prompts())
 
 

@@ -24,6 +24,7 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import InvalidArgument
 from specdec.model.lm import CausalLM
+from specdec.limits import MAX_DECODE_AHEAD
 from specdec.spec.costs import NGRAM_DRAFT_PRIOR, CostModel
 from specdec.spec.lookup import MatchCalibration, NgramIndex, best_cut, lookup_draft, relative_costs
 from specdec.spec.request import VerifyCall
@@ -148,7 +149,7 @@ def test_a_sequence_rolled_back_and_regrown_drafts_from_its_new_tokens(pair):
     (dict(lookup_max_tokens=4, lookup_costs=(1.0, 0.0)), "lookup_costs"),
     (dict(lookup_max_tokens=4, lookup_costs=(1.0, float("nan"))), "lookup_costs"),
     (dict(lookup_max_tokens=4, lookup_costs=(1.0,) * 34), "lookup_costs"),
-    (dict(decode_ahead_passes=-1), "decode_ahead_passes"), (dict(decode_ahead_passes=65), "decode_ahead_passes"),
+    (dict(decode_ahead_passes=-1), "decode_ahead_passes"), (dict(decode_ahead_passes=MAX_DECODE_AHEAD + 1), "decode_ahead_passes"),
 ])
 def test_bad_lookup_fields_are_invalid_argument(pair, fields, name):
     with pytest.raises(InvalidArgument) as info:

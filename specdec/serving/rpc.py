@@ -464,6 +464,13 @@ class EngineHost:
             raise Unavailable(f"the {self.role} model is still loading")
         return self._engine
 
+    def queued(self) -> bool:
+        """Whether a call waits for the worker behind the one it runs: a pass doing extra work for
+        its own rows (the target decoding ahead) stops then, so a Release or another sequence's call
+        does not wait out a long run of passes decoded ahead for a request answered whole. Safe to
+        call from the worker (a set's length)."""
+        return len(self._in_flight) > 1
+
     def sweep_idle(self, store) -> asyncio.Task | None:
         """Expires `store`'s idle sequences on a timer until the returned task is cancelled (None:
         the store has no idle timeout). The store expires them on every sync too, but a coordinator
