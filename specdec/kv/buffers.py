@@ -148,7 +148,7 @@ class GrowingLayer(DynamicLayer):
             super().crop(tokens_to_remove)  # someone else's tensors: slice them as DynamicLayer would
             return
         self._length = max(0, self._length - abs(tokens_to_remove))
-        self._expose()
+        self._stale = True  # as advance(): the views are made when next read, often never (the one-call stack)
 
 
 def full_attention(layer) -> bool:
