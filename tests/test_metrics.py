@@ -122,3 +122,24 @@ def test_store_gauges_follow_evictions_releases_and_idle_expiry(monkeypatch):
     with pytest.raises(SequenceNotFound):  # the next call to reach the store expires "c" first
         store.sync("c", 2, [3])
     assert len(store) == 0 and read() == (0, 0)
+
+
+def test_observe_many_records_what_as_many_observes_would():
+    """A step's burst of tokens is recorded in one update (specdec.serving.metrics.observe_many):
+    the histogram must read as if each token had been observed."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from specdec.serving.metrics import LATENCY_BUCKETS, observe_many
+
+    registry = CollectorRegistry()
+    one, many = (Histogram(name, "test", buckets=LATENCY_BUCKETS, registry=registry) for name in ("one", "many"))
+    for value, count in ((0.0042, 127), (0.03, 3), (1e9, 2), (0.0, 1)):
+        for _ in range(count):
+            one.observe(value)
+        observe_many(many, value, count)
+
+    def samples(name: str) -> dict:
+        return {(s.name.removeprefix(name), tuple(sorted(s.labels.items()))): round(s.value, 9)
+                for metric in registry.collect() if metric.name == name for s in metric.samples if not s.name.endswith("_created")}
+
+    assert samples("one") == samples("many") and samples("one")[("_count", ())] == 133
