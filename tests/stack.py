@@ -64,6 +64,14 @@ class Stack:
         address = self.coordinator(target_addr, draft_addr, tiny.byte_tokenizer(), http_port=0, **coordinator_overrides)
         return address, f"http://127.0.0.1:{self.servers[-1].http.port}", target
 
+    def tiny_ngram(self, model_folder: str | pathlib.Path, target_overrides: dict | None = None, **coordinator_overrides):
+        """A saved tiny target (tests.tiny.save) served as a target and a coordinator drafting
+        n-grams (the target by lookup), with the HTTP API on a free port, on the byte tokenizer.
+        Returns (the coordinator's gRPC address, its HTTP base URL)."""
+        target_addr = self.target(str(model_folder), **(target_overrides or {}))
+        address = self.coordinator(target_addr, "ngram", tiny.byte_tokenizer(), http_port=0, **coordinator_overrides)
+        return address, f"http://127.0.0.1:{self.servers[-1].http.port}"
+
     def client(self, address: str) -> pb_grpc.CoordinatorServiceStub:
         channel = grpc.insecure_channel(address)
         self.channels.append(channel)

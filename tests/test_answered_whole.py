@@ -62,9 +62,8 @@ def ngram_stack(pair, tmp_path_factory):
     stack = Stack()
     # No idle sweep: a sweep queued for the worker (every 30 s) stops a run decoded ahead, as any
     # waiting work does, which would add an exchange to the counts compared below.
-    target = stack.target(tiny.save(pair[0], tmp_path_factory.mktemp("whole") / "target"), idle_timeout_s=0)
-    address = stack.coordinator(target, "ngram", tiny.byte_tokenizer(), http_port=0)
-    yield stack, stack.client(address), f"http://127.0.0.1:{stack.servers[-1].http.port}"
+    address, base = stack.tiny_ngram(tiny.save(pair[0], tmp_path_factory.mktemp("whole") / "target"), {"idle_timeout_s": 0})
+    yield stack, stack.client(address), base
     stack.stop()
 
 

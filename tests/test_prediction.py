@@ -109,9 +109,8 @@ def ngram_stack(pair, tmp_path_factory):
     from tests.stack import Stack
 
     stack = Stack()
-    target = stack.target(tiny.save(pair[0], tmp_path_factory.mktemp("prediction") / "target"))
-    address = stack.coordinator(target, "ngram", tiny.byte_tokenizer(), http_port=0, max_prompt_chars=4096)
-    yield stack, stack.client(address), f"http://127.0.0.1:{stack.servers[-1].http.port}", address
+    address, base = stack.tiny_ngram(tiny.save(pair[0], tmp_path_factory.mktemp("prediction") / "target"), max_prompt_chars=4096)
+    yield stack, stack.client(address), base, address
     stack.stop()
 
 
