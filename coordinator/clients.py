@@ -273,7 +273,8 @@ class TargetClient:
                              request.ByteSize() + response.ByteSize(), tuple(response.accepted_path), features,
                              tuple(response.decoded_tokens), logprobs_from_proto(response.logprobs),
                              response.ahead_passes, response.ahead_drafted, response.ahead_accepted,
-                             response.prediction_drafted, response.prediction_accepted)
+                             response.prediction_drafted, response.prediction_accepted, response.ahead_seconds,
+                             response.ahead_tokens)
 
     async def _verify_call(self, sequence_id: str, request: pb.VerifyRequest) -> pb.VerifyResponse:
         """One Verify, retried while the target is UNAVAILABLE (see TARGET_RETRY_S). Safe to repeat:

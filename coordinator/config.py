@@ -44,7 +44,7 @@ class CoordinatorConfig:
         "after empty asks, drafting not paying), the target decodes up to this many of them in the same "
         "Verify exchange; tokens then stream in bursts of up to N+1 (with --lookup-ahead, of up to N+1 passes' "
         "tokens). A request answered whole (unary Generate, HTTP without stream, no stop strings) decodes "
-        "all its tokens after the first in one exchange. 0 turns it off.",
+        "all its tokens in its prompt's exchange. 0 turns it off.",
     )
     lookup_ahead: bool = option(
         True,

@@ -49,10 +49,13 @@ class LocalVerifier:
         result = self.engine.verify_tree(call) if call.tree is not None else self.engine.verify(call)
         compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, call.new_positions,
                                       result.ahead_passes, result.ahead_drafted)
+        # the passes after the call's own, in the reported seconds (the measured ones, or their share of the fixed ones)
+        ahead = compute * result.ahead_seconds / result.compute_seconds if result.compute_seconds else 0.0
         return VerifyOutcome(result.accepted, result.next_token, compute, wall, path=result.path, features=result.features,
                              decoded=result.decoded, logprobs=result.logprobs, ahead_passes=result.ahead_passes,
                              ahead_drafted=result.ahead_drafted, ahead_accepted=result.ahead_accepted,
-                             prediction_drafted=result.predicted_drafted, prediction_accepted=result.predicted_accepted)
+                             prediction_drafted=result.predicted_drafted, prediction_accepted=result.predicted_accepted,
+                             ahead_seconds=ahead, ahead_tokens=result.ahead_tokens)
 
     async def release(self, sequence_id: str) -> None:
         self.engine.release(sequence_id)

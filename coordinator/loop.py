@@ -121,7 +121,7 @@ class SpeculativeLoop:
                 verdict = await self._verify_draft(spec, state, turn)
                 new, finish = self._commit(spec, state, stats, turn, verdict)
                 await self._settle(state, stats, turn, verdict, finish)
-                yield self._advance(state, stats, new, finish, verdict.logprobs[:len(new)])
+                yield self._advance(state, stats, new, finish, verdict)
                 if finish:
                     return
         finally:
@@ -213,8 +213,11 @@ class SpeculativeLoop:
             turn.runahead = self._run_ahead(state.sequence_id, state.tokens, draft, turn.planned, turn.min_prob, spec)
         if state.lookup:
             turn.lookup = self._lookup(state)
-        # Not before the first token: a client waiting on it would wait for the tokens after it too.
-        if not (self.decode_ahead and turn.runahead is None and stats.completion_tokens and draft.parents is None):
+        # Not before a stream's first token: its client waits on it, and would wait for the tokens
+        # after it too. A request answered whole has no such client: its prompt's exchange goes on
+        # decoding, so it costs one exchange, not two.
+        first_waited = not stats.completion_tokens and not spec.answered_whole
+        if not self.decode_ahead or turn.runahead is not None or first_waited or draft.parents is not None:
             return
         if turn.lookup[0]:
             turn.decode_ahead = self._ahead_budget(state, stats.steps, turn.remaining, spec, drafting=True)
@@ -273,17 +276,19 @@ class SpeculativeLoop:
         state.ahead.observe(len(draft.tokens), verdict.accepted, runahead is not None, state.ready is not None,
                             verdict.wall_seconds, turn.draft_wall, miss_wait)
 
-    def _advance(self, state: SequenceState, stats: Stats, new: list[int], finish: str | None,
-                 logprobs: tuple[TokenLogprob, ...] = ()) -> Step:
+    def _advance(self, state: SequenceState, stats: Stats, new: list[int], finish: str | None, verdict: VerifyOutcome) -> Step:
         state.tokens.extend(new)
         if state.ready is not None:
             state.draft_known = len(state.tokens)  # the draft holds the canonical tokens, then `ready`
+        now = time.perf_counter()
         if stats.completion_tokens == 0:
-            stats.time_to_first_token_seconds = time.perf_counter() - state.started
-            stats.first_step_tokens = len(new)
+            # A prompt's exchange that decoded ahead (a request answered whole) had its own pass's
+            # tokens before the passes after it: the first token came when they would have arrived.
+            stats.time_to_first_token_seconds = now - state.started - verdict.ahead_seconds
+            stats.first_step_tokens = min(len(new), 1 + verdict.accepted + len(verdict.decoded) - verdict.ahead_tokens)
         stats.completion_tokens += len(new)
-        stats.total_seconds = time.perf_counter() - state.started
-        return Step(new, finish, logprobs)
+        stats.total_seconds = now - state.started
+        return Step(new, finish, verdict.logprobs[:len(new)])
 
     def _ahead_budget(self, state: SequenceState, steps: int, remaining: int, spec: GenerationSpec, drafting: bool = False) -> int:
         """Tokens the target may decode after this step: the steps after it that will not draft

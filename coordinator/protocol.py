@@ -61,6 +61,8 @@ class VerifyOutcome:
     ahead_accepted: int = 0  # of which it accepted
     prediction_drafted: int = 0  # of ahead_drafted, tokens from the request's predicted output (lookup_source)
     prediction_accepted: int = 0  # of which it accepted
+    ahead_seconds: float = 0.0  # of compute_seconds, the passes decoded after the call's own
+    ahead_tokens: int = 0  # of decoded, the tokens those passes made
 
     @property
     def passes(self) -> int:
@@ -124,7 +126,8 @@ class GenerationSpec:
     prediction_ids: tuple[int, ...] = ()  # a predicted output: the target's prompt lookup drafts from it too
     # The client gets the tokens only when the request ends (a unary Generate or a non-streamed HTTP
     # completion, without stop strings): a burst of tokens then delays nobody, so the target decodes
-    # ahead as far as the request allows rather than --decode-ahead passes an exchange.
+    # ahead as far as the request allows, from the prompt's exchange on, rather than a first token
+    # alone and then --decode-ahead passes an exchange.
     answered_whole: bool = False
 
 

@@ -103,6 +103,19 @@ def record_request(m: metrics.CoordinatorMetrics, stats: Stats) -> None:
         m.decode_time.observe(stats.total_seconds - stats.time_to_first_token_seconds)
 
 
+def _observe_itl(m: metrics.CoordinatorMetrics, stats: Stats, first: bool, keep: int, since_last: float) -> None:
+    """Inter-token latency of a step's `keep` tokens, `since_last` seconds after the step before.
+    The first step's own tokens have a TTFT, not an ITL; the tokens its exchange decoded ahead after
+    them (a request answered whole) came over the time after the first token."""
+    if not first:
+        if keep:
+            metrics.observe_many(m.itl, since_last / keep, keep)
+        return
+    later = keep - stats.first_step_tokens
+    if later > 0:
+        metrics.observe_many(m.itl, (stats.total_seconds - stats.time_to_first_token_seconds) / later, later)
+
+
 def client_of(context, id_header: str = "") -> tuple[str, float | None]:
     """(who is calling, as coordinator/policy/admission.py's `client_key` names clients; their
     deadline as a time.monotonic() value or None). `id_header`: --client-id-header."""
@@ -212,14 +225,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         try:
             async with contextlib.aclosing(self.loop.run(spec, stats)) as steps:
                 async for step in steps:
+                    first = stats.completion_tokens == len(step.tokens)
                     piece, keep = text.add(step.tokens, final=step.finish_reason is not None)
                     finish = "stop" if text.stopped_at is not None else step.finish_reason
                     if keep < len(step.tokens):
                         stats.completion_tokens -= len(step.tokens) - keep
                         stats.first_step_tokens = min(stats.first_step_tokens, stats.completion_tokens)
                     now = time.perf_counter()
-                    if stats.steps > 1 and keep:
-                        metrics.observe_many(m.itl, (now - last_emit) / keep, keep)
+                    _observe_itl(m, stats, first, keep, now - last_emit)
                     last_emit = now
                     if finish:
                         # Counted before the last chunk goes out: a streaming client that has what it

@@ -417,7 +417,7 @@ class ProposeTreeResponse(_message.Message):
     def __init__(self, tree: _Optional[_Union[DraftTree, _Mapping]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len", "accepted_path", "features", "decoded_tokens", "logprobs", "ahead_passes", "ahead_drafted", "ahead_accepted", "prediction_drafted", "prediction_accepted")
+    __slots__ = ("accepted", "next_token", "compute_seconds", "cached_len", "accepted_path", "features", "decoded_tokens", "logprobs", "ahead_passes", "ahead_drafted", "ahead_accepted", "prediction_drafted", "prediction_accepted", "ahead_seconds", "ahead_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +431,8 @@ class VerifyResponse(_message.Message):
     AHEAD_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     compute_seconds: float
@@ -444,7 +446,9 @@ class VerifyResponse(_message.Message):
     ahead_accepted: int
     prediction_drafted: int
     prediction_accepted: int
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., decoded_tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., ahead_passes: _Optional[int] = ..., ahead_drafted: _Optional[int] = ..., ahead_accepted: _Optional[int] = ..., prediction_drafted: _Optional[int] = ..., prediction_accepted: _Optional[int] = ...) -> None: ...
+    ahead_seconds: float
+    ahead_tokens: int
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., cached_len: _Optional[int] = ..., accepted_path: _Optional[_Iterable[int]] = ..., features: _Optional[_Union[Features, _Mapping]] = ..., decoded_tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., ahead_passes: _Optional[int] = ..., ahead_drafted: _Optional[int] = ..., ahead_accepted: _Optional[int] = ..., prediction_drafted: _Optional[int] = ..., prediction_accepted: _Optional[int] = ..., ahead_seconds: _Optional[float] = ..., ahead_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftServiceReleaseRequest(_message.Message):
     __slots__ = ("sequence_id",)

@@ -58,6 +58,8 @@ class StepResult:
     ahead_accepted: int = 0  # and how many of them it accepted
     predicted_drafted: int = 0  # of the lookup drafts, tokens from a predicted output (VerifyCall.lookup_source)
     predicted_accepted: int = 0  # and how many of them it accepted
+    ahead_seconds: float = 0.0  # decode_ahead: of compute_seconds, the passes after the call's own
+    ahead_tokens: int = 0  # decode_ahead: of decoded, the tokens those passes made
 
 
 @dataclasses.dataclass
@@ -196,7 +198,9 @@ class TargetEngine:
 
     @staticmethod
     def _ahead_result(result: StepResult, row: _RowAhead, start: float, **extra) -> StepResult:
-        return dataclasses.replace(result, cached_len=len(row.seq.tokens), compute_seconds=time.perf_counter() - start,
+        compute = time.perf_counter() - start
+        return dataclasses.replace(result, cached_len=len(row.seq.tokens), compute_seconds=compute,
+                                   ahead_seconds=max(0.0, compute - result.compute_seconds), ahead_tokens=len(row.decoded),
                                    decoded=tuple(row.decoded), logprobs=tuple(row.logprobs), ahead_passes=row.passes,
                                    ahead_drafted=row.drafted, ahead_accepted=row.accepted,
                                    predicted_drafted=row.predicted[0], predicted_accepted=row.predicted[1], **extra)

@@ -126,6 +126,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         response.ahead_passes, response.ahead_drafted, response.ahead_accepted = (
             result.ahead_passes, result.ahead_drafted, result.ahead_accepted)
         response.prediction_drafted, response.prediction_accepted = result.predicted_drafted, result.predicted_accepted
+        response.ahead_seconds, response.ahead_tokens = result.ahead_seconds, result.ahead_tokens
         if result.logprobs:
             response.logprobs.extend(logprobs_to_proto(result.logprobs))
         if result.features is not None:

@@ -1,7 +1,7 @@
 """A request answered whole (GenerationSpec.answered_whole: a unary Generate, a non-streamed HTTP
-completion, without stop strings): its client sees no token before the last, so after the first
-token the target decodes ahead as far as the request allows, in one exchange, instead of
---decode-ahead passes an exchange.
+completion, without stop strings): its client sees no token before the last, so the prompt's
+exchange goes on decoding as far as the request allows: one exchange, instead of bursts of
+--decode-ahead passes after a first token of its own.
 
 The tokens must be the target's own either way; the exchanges must fall; a streamed request, or
 one with stop strings, must keep its bursts; and the long run of passes decoded ahead must stop
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -32,7 +33,7 @@ def pair():
 
 
 @pytest.mark.parametrize("lookup", [True, False], ids=["lookup", "speculation-off"])
-def test_a_request_answered_whole_takes_two_exchanges_for_the_same_tokens(pair, lookup):
+def test_a_request_answered_whole_takes_one_exchange_for_the_same_tokens(pair, lookup):
     target = engine(pair)
     full = 0
     for prompt in echoing_prompts(pair, 4):
@@ -44,14 +45,32 @@ def test_a_request_answered_whole_takes_two_exchanges_for_the_same_tokens(pair, 
             tokens, stats = run(loop, prompt, max_new=MAX_NEW, draft_length=8 if lookup else 0, answered_whole=whole)
             assert tokens == reference
             calls[whole] = verifier.calls
-        # The first token alone (its time is the request's TTFT), then the rest in one exchange.
-        assert len(calls[True]) <= 2 and calls[True][0].decode_ahead == 0
+        # The prompt's exchange decodes every token left after its own: the whole request.
+        assert len(calls[True]) == 1 and calls[True][0].decode_ahead == MAX_NEW - 1
+        assert calls[True][0].decode_ahead_passes == (MAX_DECODE_AHEAD if lookup else 0)
         if len(reference) == MAX_NEW:  # no end-of-sequence token came first
             full += 1
-            assert len(calls[True]) == 2 and calls[True][1].decode_ahead == MAX_NEW - 2  # every token left but the call's own
-            assert calls[True][1].decode_ahead_passes == (MAX_DECODE_AHEAD if lookup else 0)
             assert len(calls[False]) > 2 and all(c.decode_ahead_passes in (0, DEFAULT_DECODE_AHEAD) for c in calls[False])
+            # A stream's first exchange is its prompt's pass alone: its first token goes out at once.
+            assert calls[False][0].decode_ahead == 0
     assert full
+
+
+@pytest.mark.parametrize("lookup", [True, False], ids=["lookup", "speculation-off"])
+def test_the_first_token_of_a_request_answered_whole_is_timed_at_its_own_pass(pair, lookup):
+    """Its exchange goes on decoding after the prompt's pass, so the step that brings the first
+    token brings them all; the first token's time (TTFT) and the first step's tokens are still the
+    prompt pass's own, as the target reports them (ahead_seconds, ahead_tokens)."""
+    target = engine(pair)
+    prompt = echoing_prompts(pair, 1)[0]
+    verifier = RecordingVerifier(target)
+    loop = ngram_loop(verifier, lookup=True) if lookup else SpeculativeLoop(verifier, None, None, MODEL_DRAFT_PRIOR)
+    tokens, stats = run(loop, prompt, max_new=MAX_NEW, draft_length=8 if lookup else 0, answered_whole=True)
+    outcome = verifier.outcomes[0]
+    assert outcome.ahead_tokens > 0 and 0 < outcome.ahead_seconds < outcome.compute_seconds
+    own = 1 + len(outcome.decoded) - outcome.ahead_tokens  # next_token and the lookup tokens its own pass accepted
+    assert stats.first_step_tokens == min(own, len(tokens)) and stats.first_step_tokens < len(tokens)
+    assert 0 < stats.time_to_first_token_seconds < stats.total_seconds - 0.9 * outcome.ahead_seconds
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +86,7 @@ def ngram_stack(pair, tmp_path_factory):
     stack.stop()
 
 
-def test_through_the_services_unary_and_unstreamed_http_take_fewer_exchanges_than_a_stream(ngram_stack):
+def test_through_the_services_unary_and_unstreamed_http_take_one_exchange(ngram_stack):
     import json
     import urllib.request
 
@@ -86,7 +105,7 @@ def test_through_the_services_unary_and_unstreamed_http_take_fewer_exchanges_tha
     streamed, streamed_n = exchanges(lambda: [t for r in client.GenerateStream(pb.GenerateStreamRequest(**params), timeout=60)
                                               for t in r.token_ids])
     assert unary == streamed and len(unary) == MAX_NEW
-    assert unary_n == 2 < streamed_n
+    assert unary_n == 1 < streamed_n
     # Stop strings are looked for as the tokens come: a stop string nobody meets keeps the bursts.
     stopped, stopped_n = exchanges(lambda: list(client.Generate(pb.GenerateRequest(**params, stop=["\x00never"]), timeout=60).token_ids))
     assert stopped == unary and stopped_n == streamed_n
@@ -99,7 +118,38 @@ def test_through_the_services_unary_and_unstreamed_http_take_fewer_exchanges_tha
             response.read()
         return batcher.batches - before
 
-    assert http(stream=False) == 2 < http(stream=True)
+    assert http(stream=False) == 1 < http(stream=True)
+
+
+def _count(metric, suffix: str = "_count") -> float:
+    return sum(sample.value for family in metric.metric.collect() for sample in family.samples if sample.name.endswith(suffix))
+
+
+def _settled(m) -> None:
+    """Waits until no request runs: a streamed request before this test may still be recording
+    its metrics after its client read the last chunk."""
+    for _ in range(200):
+        if _count(m.running, "running") == 0:
+            return
+        time.sleep(0.05)
+
+
+def test_a_unary_request_s_metrics_keep_its_first_token_apart(ngram_stack):
+    """One exchange brings every token, yet the request's TTFT is its prompt pass's, and only the
+    tokens after that pass's count as inter-token gaps (a gap each, over the time after the first)."""
+    from protos import specdec_pb2 as pb
+    from specdec.serving import metrics
+
+    _, client, _ = ngram_stack
+    m = metrics.coordinator()
+    _settled(m)
+    itl, ttft = _count(m.itl), _count(m.ttft)
+    response = client.Generate(pb.GenerateRequest(text="hello there", max_new_tokens=MAX_NEW, ignore_eos=True), timeout=60)
+    stats = response.stats
+    assert len(response.token_ids) == MAX_NEW and 1 <= stats.first_step_tokens < MAX_NEW
+    assert _count(m.ttft) - ttft == 1
+    assert _count(m.itl) - itl == MAX_NEW - stats.first_step_tokens
+    assert 0 < stats.time_to_first_token_seconds < stats.total_seconds
 
 
 def test_work_waiting_for_the_worker_stops_the_passes_decoded_ahead(pair):

@@ -161,10 +161,12 @@ class RecordingVerifier(LocalVerifier):
     def __init__(self, engine):
         super().__init__(engine)
         self.calls: list[VerifyCall] = []
+        self.outcomes: list = []
 
     async def verify(self, call):
         self.calls.append(call)
-        return await super().verify(call)
+        self.outcomes.append(await super().verify(call))
+        return self.outcomes[-1]
 
 
 class CountingProposer(LocalProposer):
