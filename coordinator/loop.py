@@ -285,7 +285,7 @@ class SpeculativeLoop:
             # A prompt's exchange that decoded ahead (a request answered whole) had its own pass's
             # tokens before the passes after it: the first token came when they would have arrived.
             stats.time_to_first_token_seconds = now - state.started - verdict.ahead_seconds
-            stats.first_step_tokens = min(len(new), 1 + verdict.accepted + len(verdict.decoded) - verdict.ahead_tokens)
+            stats.first_step_tokens = min(len(new), max(1, 1 + verdict.accepted + len(verdict.decoded) - verdict.ahead_tokens))
         stats.completion_tokens += len(new)
         stats.total_seconds = now - state.started
         return Step(new, finish, verdict.logprobs[:len(new)])
