@@ -105,6 +105,11 @@ def summarise(results: list[RequestResult], duration: float) -> dict:
         "retry_after_ms": sorted({r.retry_after_ms for r in refused if r.retry_after_ms is not None}),
         "output_lengths": [r.output_tokens for r in sorted(done, key=lambda r: r.request_index)],  # in sending order
         "exact_lengths": sum(r.exact_count for r in done),  # the rest: content chunks counted (no usage came)
+        # Each finished request, in sending order: percentiles hide which requests waited (the prompt
+        # a request sent is prompts[index % len(prompts)]).
+        "requests": [{"index": r.request_index, "ttft_ms": r.ttft * 1e3, "e2el_ms": r.e2el * 1e3, "output_tokens": r.output_tokens,
+                      "steps": r.steps, "draft_tokens": r.draft_tokens, "accepted_tokens": r.accepted_tokens}
+                     for r in sorted(done, key=lambda r: r.request_index)],
     }
     for name, values in series.items():
         summary[f"mean_{name}_ms"] = statistics.fmean(values) if values else 0.0

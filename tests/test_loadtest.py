@@ -163,6 +163,10 @@ def test_http_loadtest_reports_the_same_fields_and_the_lengths(http_coordinator,
         assert run["requested_output_tokens"] == 12 and len(run["output_lengths"]) == 3
         assert all(1 <= n <= 12 for n in run["output_lengths"]) and sum(run["output_lengths"]) == run["total_output_tokens"]
         assert run["exact_lengths"] == 3  # counted from the usage the server sent, not from chunks
+        requests = run["requests"]
+        assert [r["output_tokens"] for r in requests] == run["output_lengths"]
+        assert max(r["ttft_ms"] for r in requests) <= max(r["e2el_ms"] for r in requests)
+        assert loadtest.percentile([r["ttft_ms"] for r in requests], 50) == run["median_ttft_ms"]
         assert run["output_throughput"] > 0 and run["p99_ttft_ms"] >= run["median_ttft_ms"] > 0
     assert any(r["acceptance_rate"] > 0 for r in report["runs"] if r["speculation"])
     assert not (tmp_path / loadtest.PARTIAL).exists()
