@@ -89,6 +89,7 @@ def summarise(results: list[RequestResult], duration: float) -> dict:
         "itl": [gap * 1e3 for r in done for gap in r.itl],
         "e2el": [r.e2el * 1e3 for r in done],
     }
+    in_order = sorted(done, key=lambda r: r.request_index)  # sending order
     drafted = sum(r.draft_tokens for r in done)
     refused = [r for r in results if r.code == "RESOURCE_EXHAUSTED"]
     summary = {
@@ -103,13 +104,13 @@ def summarise(results: list[RequestResult], duration: float) -> dict:
         "mean_tokens_per_step": out_tokens / max(1, sum(r.steps for r in done)),
         "max_refusal_latency_ms": max((r.e2el * 1e3 for r in refused), default=0.0),
         "retry_after_ms": sorted({r.retry_after_ms for r in refused if r.retry_after_ms is not None}),
-        "output_lengths": [r.output_tokens for r in sorted(done, key=lambda r: r.request_index)],  # in sending order
+        "output_lengths": [r.output_tokens for r in in_order],
         "exact_lengths": sum(r.exact_count for r in done),  # the rest: content chunks counted (no usage came)
         # Each finished request, in sending order: percentiles hide which requests waited (the prompt
         # a request sent is prompts[index % len(prompts)]).
         "requests": [{"index": r.request_index, "ttft_ms": r.ttft * 1e3, "e2el_ms": r.e2el * 1e3, "output_tokens": r.output_tokens,
                       "steps": r.steps, "draft_tokens": r.draft_tokens, "accepted_tokens": r.accepted_tokens}
-                     for r in sorted(done, key=lambda r: r.request_index)],
+                     for r in in_order],
     }
     for name, values in series.items():
         summary[f"mean_{name}_ms"] = statistics.fmean(values) if values else 0.0
