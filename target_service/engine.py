@@ -468,6 +468,27 @@ class TargetEngine:
             results.append(result)
         return results
 
+    def _prompts_per_decoder(self) -> float:
+        """Prompts still being fed per sequence that decodes (both counted as `_others_decode`
+        counts), at least 1: how many CHUNK_STEPS a chunk beside decoding rows may take.
+
+        Why: a chunk sized to the decoding rows' step alone made one decoding sequence hold six
+        waiting prompts to a few tokens a pass (its own step is short, and on a CPU most of it is the
+        pass's fixed cost). At 8 grounded streams the 700-800-token prompts waited 7-8 s for their
+        first token while the 200-token ones, fed whole in the passes where nobody decoded, waited
+        under 3 s (docs/benchmarks.md, "Chunks sized by the prompts waiting"). Weighing the requests
+        that wait for their first token against those waiting for their next one keeps the plain
+        bound where prompts are few beside many streams (the victims' shape)."""
+        horizon = time.monotonic() - max(RECENT_FLOOR_S, RECENT_PASSES * self._step_s)
+        decoding = prompts = 0
+        for seq in self.store:
+            if seq.last_used >= horizon:
+                if seq.uncached <= self.MIN_CHUNK:
+                    decoding += 1
+                else:
+                    prompts += 1
+        return max(1.0, prompts / max(1, decoding))
+
     def _others_decode(self, seq: Sequence) -> bool:
         """Whether another sequence held here decodes: its prompt fed, and called lately (as the
         batcher counts its active ones). A long chunk would hold its steps up; long prompts that
@@ -482,8 +503,9 @@ class TargetEngine:
         horizon = time.monotonic() - max(RECENT_FLOOR_S, RECENT_PASSES * self._step_s)
         return any(other is not seq and other.uncached <= self.MIN_CHUNK and other.last_used >= horizon for other in self.store)
 
-    # A chunk may take this share of a step of the other sequences: their time per token grows by
-    # that much (plus the long sequence's own steps once it decodes) while a long prompt is fed.
+    # A chunk may take this share of a step of the other sequences, per prompt being fed per sequence
+    # decoding (_prompts_per_decoder, at least one): their time per token grows by that much (plus
+    # the long sequence's own steps once it decodes) while a long prompt is fed.
     # Sizes follow the measured time per chunk token (fixed costs included), so a chunk converges to
     # the size that takes this share. Less keeps the others' steps shorter; but where a chunk's
     # fixed costs dominate (small models), shorter chunks mostly add passes, and a burst of long
@@ -497,7 +519,8 @@ class TargetEngine:
     def _chunk_budget(self, alone: bool) -> int:
         """Canonical tokens one row may feed in this pass: --max-prefill-tokens-per-pass, less where
         the measured costs say a chunk that long would hold the other sequences' steps up for more
-        than CHUNK_STEPS of their steps (on a CPU a few dozen prompt tokens cost as much as a step);
+        than CHUNK_STEPS of their steps, times the prompts being fed per decoding sequence (on a CPU
+        a few dozen prompt tokens cost as much as a step);
         a row that delays nobody's decoding (`alone`: _others_decode) feeds 8 times as much, within
         ALONE_CHUNK_S: a request that arrives meanwhile waits for that chunk before its first step."""
         limit = self.max_prefill_tokens
@@ -507,10 +530,11 @@ class TargetEngine:
             if self._prefill_token_s:
                 return max(limit, min(limit * 8, int(self.ALONE_CHUNK_S / self._prefill_token_s)))
             return limit * 8
+        share = self.CHUNK_STEPS * self._prompts_per_decoder()
         if self.ragged and self._forward_s and self._chunk_token_s:  # riding in the rows' forward (_fuses)
-            return max(self.MIN_CHUNK, min(limit, int(self.CHUNK_STEPS * self._forward_s / self._chunk_token_s)))
+            return max(self.MIN_CHUNK, min(limit, int(share * self._forward_s / self._chunk_token_s)))
         if self._step_s and self._prefill_token_s:
-            return max(self.MIN_CHUNK, min(limit, int(self.CHUNK_STEPS * self._step_s / self._prefill_token_s)))
+            return max(self.MIN_CHUNK, min(limit, int(share * self._step_s / self._prefill_token_s)))
         return limit
 
     def _learn(self, step_s: float = 0.0, prefill_token_s: float = 0.0, forward_s: float = 0.0, chunk_token_s: float = 0.0) -> None:

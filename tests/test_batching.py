@@ -385,6 +385,29 @@ def test_only_sequences_that_decode_lately_keep_a_lone_prompts_chunks_short(targ
     assert eng.store._sequences["c"].cached == fed + 128
 
 
+def test_chunks_beside_decoding_rows_grow_with_the_prompts_waiting_per_decoding_sequence(target):
+    """A chunk beside decoding rows takes CHUNK_STEPS of their step per prompt being fed per decoding
+    sequence (at least one): six prompts waiting behind one decoding sequence no longer crawl in
+    chunks sized to that one row's step, while one prompt beside six decoding rows keeps the plain
+    bound (the victims' shape). Costs are set by hand so the sizes do not depend on this machine."""
+    long_prompt = (prompts(1, seed=21)[0] * 60)[:300]
+
+    def fed_beside(decoding: int, waiting: int) -> int:
+        eng = TargetEngine(CausalLM(target, torch.device("cpu")), max_sequences=16, max_prefill_tokens=64)
+        for i in range(decoding):
+            decode(eng, f"d{i}", prompts(1, seed=30 + i)[0][:6], 1)
+        for i in range(waiting - 1):  # prompts already being fed, their first chunk in
+            assert isinstance(eng.verify_batch([VerifyCall(f"w{i}", 0, long_prompt, [], [], GREEDY)], decode_ahead=False)[0], Requeue)
+        eng._step_s, eng._prefill_token_s = 0.008, 0.001  # a step costs 8 prompt tokens: a plain chunk is 6
+        assert isinstance(eng.verify_batch([VerifyCall("c", 0, long_prompt, [], [], GREEDY)], decode_ahead=False)[0], Requeue)
+        return eng.store._sequences["c"].cached
+
+    assert fed_beside(decoding=6, waiting=1) == 6
+    assert fed_beside(decoding=1, waiting=1) == 6
+    assert 30 <= fed_beside(decoding=1, waiting=6) <= 36  # 6 prompts a decoding sequence: 6 x 6
+    assert fed_beside(decoding=1, waiting=12) == 64  # within --max-prefill-tokens-per-pass all the same
+
+
 # -- passes split by cache length (batching.pad_groups) --------------------------------------------------
 
 def test_pad_groups_keeps_like_lengths_together_and_a_long_cache_apart():
