@@ -39,7 +39,7 @@ for side in ("base", "new"):
     for run in runs:
         print(f"  speculation {'on ' if run['speculation'] else 'off'} {run['output_throughput']:6.1f} tok/s  "
               f"TTFT p50/p99 {run['median_ttft_ms'] / 1e3:.1f}/{run['p99_ttft_ms'] / 1e3:.1f} s  "
-              f"E2EL p50/p99 {run['median_e2el_ms'] / 1e3:.1f}/{run['p99_e2el_ms'] / 1e3:.1f} s  identical {run['identical']}")
+              f"E2EL p50/p99 {run['median_e2el_ms'] / 1e3:.1f}/{run['p99_e2el_ms'] / 1e3:.1f} s  identical {run.get('identical', 'unchecked')}")
     prompts = reports[0]["config"]["num_prompts"]  # request i sends prompt i % num_prompts
     by = {}
     for run in runs:
