@@ -59,8 +59,8 @@ class TargetConfig:
         "Chunked prefill: a prompt longer than this is fed at most this many tokens a pass, with the other "
         "sequences' steps run between two chunks, so one long prompt delays them by one chunk's pass, not by "
         "its whole prefill. Chunks are cut shorter where the measured costs say one would take longer than three "
-        "quarters of the others' step per prompt waiting per decoding sequence (CPUs), and 8 times longer for the only sequence the target holds; 0: a prompt is "
-        "fed in one pass.",
+        "quarters of the others' step per prompt waiting per decoding sequence (CPUs), and 8 times longer for "
+        "the only sequence the target holds; 0: a prompt is fed in one pass.",
     )
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
     tls_key: str = option("", "PEM private key of --tls-cert.")

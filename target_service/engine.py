@@ -337,8 +337,12 @@ class TargetEngine:
         forward (`ragged`), a prompt longer than a chunk beside other rows feeds one chunk
         (`_chunk_budget`), not all of it. (Elsewhere a chunk takes a forward of its own, and a
         batch of prompts, each priced at a chunk, would be one chunk and many rows that wait.)"""
-        budget = self._chunk_budget(alone=False) if self.ragged else 0
-        return min(call.new_positions, max(budget, self.MIN_CHUNK)) if budget else call.new_positions
+        canonical = call.prefill + len(call.append)
+        if canonical <= self.MIN_CHUNK or not self.ragged:  # a step (its draft too): nothing to chunk
+            return call.new_positions
+        budget = self._chunk_budget(alone=False)
+        # a prompt cut into chunks feeds one chunk and nothing of its draft, one fed whole all of it
+        return max(budget, self.MIN_CHUNK) if budget and canonical > max(budget, self.MIN_CHUNK) else call.new_positions
 
     def _fuses(self, calls: list[VerifyCall], groups: list[list[tuple[int, Sequence]]]) -> bool:
         """Whether a prompt chunk rides in the rows' forward instead of one of its own: where the

@@ -11,6 +11,7 @@ import dataclasses
 import concurrent.futures
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -399,6 +400,8 @@ def test_chunks_beside_decoding_rows_grow_with_the_prompts_waiting_per_decoding_
         for i in range(waiting - 1):  # prompts already being fed, their first chunk in
             assert isinstance(eng.verify_batch([VerifyCall(f"w{i}", 0, long_prompt, [], [], GREEDY)], decode_ahead=False)[0], Requeue)
         eng._step_s, eng._prefill_token_s = 0.008, 0.001  # a step costs 8 prompt tokens: a plain chunk is 6
+        for seq in eng.store:  # all of them called lately, however slowly this machine fed them
+            seq.last_used = time.monotonic()
         assert isinstance(eng.verify_batch([VerifyCall("c", 0, long_prompt, [], [], GREEDY)], decode_ahead=False)[0], Requeue)
         return eng.store._sequences["c"].cached
 

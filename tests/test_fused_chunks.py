@@ -149,6 +149,8 @@ def test_the_verify_batcher_prices_a_long_prompt_at_one_chunk(compact):
     call = VerifyCall("long", 0, list(range(3, 200)), [], [], GREEDY)
     assert batcher._cost(call) == CHUNK and batcher._ragged()
     assert batcher._cost(VerifyCall("s", 0, [5, 6, 7], [1, 2], [], GREEDY)) == 5
+    # a step's draft is verified whole, however short the chunks: priced at all its positions
+    assert batcher._cost(VerifyCall("d", 3, [8], list(range(20, 40)), [], GREEDY)) == 21
 
 
 def test_a_row_decoding_in_the_same_pass_keeps_the_chunk_short(compact):
