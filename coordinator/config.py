@@ -129,7 +129,8 @@ class CoordinatorConfig:
         " - 1 tokens, none once the batch is full (the response statistics count those steps: "
         "load_capped_steps). 8 measured best on 2 CPU cores; a GPU's knee is far higher. -1: read off the "
         "measured costs, the most positions a pass verifies before it costs 1.5 times one (noisy on a busy "
-        "machine, hence not the default); 0: no load cap.",
+        "machine, hence not the default); 0: no load cap. The target's own lookup drafts (--lookup-ahead) are "
+        "cut by what their positions add to its batched pass instead.",
     )
     rpc_timeout_s: float = option(
         30.0, "Deadline of each call to the draft and target services; a call that feeds a long prompt gets this "

@@ -317,16 +317,17 @@ class SpeculativeLoop:
 
     def _lookup(self, state: SequenceState) -> tuple[int, tuple[float, ...]]:
         """(most tokens, relative forward costs) for the target's lookup drafts: the request's draft
-        length within the load cap, and this loop's measured V(n) / V(1), by which the target cuts
-        each draft as this loop cuts a calibrated proposal (best_prefix); none for a fixed draft
-        length, drafted whole as the request asked. The costs are worked out again only when the
-        cost model's fit changes."""
+        length, and this loop's measured V(n) / V(1), by which the target cuts each draft as this
+        loop cuts a calibrated proposal (best_prefix); none for a fixed draft length, drafted whole
+        as the request asked. The costs are worked out again only when the cost model's fit changes.
+
+        Not within the load cap that a draft service's proposals keep (plan()): where rows share a
+        pass, the target cuts a lookup draft by what each position adds to that pass against the
+        row's share of it (target_service/engine.py, PassCosts), which this loop cannot time. The
+        cap left a full batch no draft at all, where a long match in a grounded answer still pays."""
         most = state.lengths.max_length
         if not state.lengths.adaptive:
             return most, ()
-        cap = self.cost_model.draft_cap() if self.cost_model is not None and self.cost_model.draft_cap is not None else None
-        if cap is not None:  # speculation shrinks as the batch fills, as plan() does
-            most = min(most, cap)
         costs = self.cost_model.costs() if self.cost_model is not None else self.prior
         seen, length, relative = self._lookup_memo
         if seen is not costs or length != most:

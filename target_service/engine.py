@@ -42,6 +42,55 @@ def _average(mean: float, sample: float) -> float:
 
 
 
+class PassCosts:
+    """Seconds of one forward against the positions it feeds, a + b * positions, fitted by least
+    squares over recent forwards (each reading weighs `decay` times less per later one).
+
+    Why: where a pass holds several rows, a drafted position costs what it adds to the pass
+    (`b`), which the rows' share of the pass must pay back; a coordinator's V(n) / V(1), timed on
+    its own requests' steps, cannot tell that cost apart, since the other rows set a batched pass's
+    time. On 2 CPU cores 8 rows took ~21 ms and each drafted position ~1 ms more (a row's share
+    ~2.6 ms: a first draft token must be right ~40% of the time to pay); on a GPU `b` is near 0
+    until compute binds. `lookup_costs(rows, most)` is V(1 + g) / V(1) as seen from one row's
+    share, in the form VerifyCall.lookup_costs carries."""
+
+    MIN_READINGS = 8.0  # no estimate before this many (decayed) readings, nor without spread
+
+    def __init__(self, decay: float = 0.98):
+        self.decay = decay
+        self._sums = [0.0] * 5  # weight, x, y, xx, xy
+
+    def observe(self, positions: int, seconds: float) -> None:
+        d, x, y = self.decay, float(positions), seconds
+        w, sx, sy, sxx, sxy = self._sums
+        self._sums = [w * d + 1, sx * d + x, sy * d + y, sxx * d + x * x, sxy * d + x * y]
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) in seconds and seconds a position, or None while the readings cannot say."""
+        w, sx, sy, sxx, sxy = self._sums
+        if w < self.MIN_READINGS:
+            return None
+        var = sxx / w - (sx / w) ** 2
+        if var < 1.0:  # all forwards fed (nearly) as many positions: no slope to read
+            return None
+        b = max(0.0, (sxy / w - sx / w * sy / w) / var)
+        a = sy / w - b * sx / w
+        return (a, b) if a > 0 else None
+
+    def lookup_costs(self, rows: int, most: int) -> tuple[float, ...]:
+        """Relative costs of 1..most+1 positions for one of `rows` rows (() for one row: its
+        caller's costs hold). Before the readings say, a position costs a whole share (nothing
+        drafted pays): a full batch on a CPU comes near that, and the first passes measure it."""
+        if rows < 2:
+            return ()
+        line = self.line()
+        if line is None:
+            return tuple(1.0 + g for g in range(most + 1))
+        a, b = line
+        share = (a + b * rows) / rows
+        return tuple(1.0 + g * b / share for g in range(most + 1))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     accepted: int
@@ -100,6 +149,7 @@ class TargetEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self._step_s = self._prefill_token_s = 0.0  # measured costs that size the chunks (_chunk_budget)
         self._forward_s = self._chunk_token_s = 0.0  # the same, for a chunk riding in the rows' forward (_fuses)
+        self.pass_costs = PassCosts()  # what a position adds to a forward: cuts lookup drafts in batched passes
         # a static GPU cache (specdec/model/static.py) holds a fixed number of sequences: evict past it
         self.store = SequenceStore(min(max_sequences, getattr(lm, "max_sequences", max_sequences)), idle_timeout_s)
         self.batchable = batchable(lm)
@@ -168,7 +218,7 @@ class TargetEngine:
         return _RowAhead(index, seq, plain, self._lookup_index(call, seq) if call.lookup_max_tokens else None, budget,
                          call.decode_ahead_passes or budget, result.next_token, logprobs=list(result.logprobs))
 
-    def _ahead_pass(self, row: _RowAhead) -> VerifyCall:
+    def _ahead_pass(self, row: _RowAhead, rows: int = 1) -> VerifyCall:
         """Makes the row's pending token canonical (its pass's first new position) and returns the call
         its pass verifies: a plain step, with the row's lookup draft when it drafts by lookup."""
         row.seq.tokens.append(row.pending)
@@ -178,7 +228,8 @@ class TargetEngine:
             room = row.budget - len(row.decoded) - 1  # the pass's own token comes on top
             if self.lm.max_context:
                 room = min(room, self.lm.max_context - len(row.seq.tokens) - 1)
-            row.proposal = lookup_draft(row.lookup, self.calibration, row.call.lookup_max_tokens, row.call.lookup_costs, room)
+            row.proposal = lookup_draft(row.lookup, self.calibration, row.call.lookup_max_tokens,
+                                        self._lookup_costs(row.call, rows), room)
         draft = row.proposal[0]
         return dataclasses.replace(row.call, draft_tokens=draft) if draft else row.call
 
@@ -291,6 +342,11 @@ class TargetEngine:
             ahead = sum(r.ahead_passes for r in results if isinstance(r, StepResult))
             elapsed = time.perf_counter() - start
             self._learn(step_s=elapsed, forward_s=elapsed / (1 + ahead) if steps else 0.0)
+        if steps and rows and len(groups) == 1 and not any(isinstance(r, StepResult) and r.ahead_passes for r in results):
+            # one forward of steps: what its positions cost (a chunk riding in it counts with them;
+            # a prompt fed whole, whose positions attend to hundreds of keys each, does not)
+            positions = sum(calls[index].new_positions for index, _ in rows) + (chunk[2] if fused else 0)
+            self.pass_costs.observe(positions, time.perf_counter() - start)
         if decode_ahead and len(groups) == 1:  # the rows' passes are one forward each
             self._decode_ahead_rows(calls, rows, results, start, interrupt)
         for index, _ in rows:
@@ -307,6 +363,7 @@ class TargetEngine:
         the pass's. A row drafting by lookup gets its draft here (into `calls`)."""
         rows: list[tuple[int, Sequence]] = []
         prompts: list[tuple[int, Sequence, int]] = []
+        steps = sum(1 for _, seq in prepared if seq.uncached <= self.MIN_CHUNK)  # rows sharing the pass's decode
         for index, seq in prepared:
             call, pending = calls[index], seq.uncached
             if self.max_prefill_tokens and pending > self.MIN_CHUNK and not call.return_features:
@@ -315,7 +372,7 @@ class TargetEngine:
                     prompts.append((index, seq, full))
                     continue
             if call.lookup_max_tokens and not call.draft_tokens and call.tree is None:
-                calls[index] = self._with_lookup(call, seq)
+                calls[index] = self._with_lookup(call, seq, steps)
             rows.append((index, seq))
         # The oldest prompt: the first in the pass was, but prompts arriving during a pass queue
         # ahead of those requeued after it, and each newcomer's chunks then went first while
@@ -397,20 +454,30 @@ class TargetEngine:
             live = [r for r in rows_ahead if r.going(eos, context)]
             if not live or (interrupt is not None and interrupt()):
                 break
-            steps = {r.index: self._ahead_pass(r) for r in live}
+            steps = {r.index: self._ahead_pass(r, len(live)) for r in live}
             for r, outcome in zip(live, self._rows(steps, [(r.index, r.seq) for r in live], start, len(live))):
                 self._ahead_taken(r, outcome.accepted, outcome.next_token, outcome.logprobs)
         for r in rows_ahead:
             results[r.index] = self._ahead_result(results[r.index], r, start)
 
-    def _with_lookup(self, call: VerifyCall, seq: Sequence) -> VerifyCall:
-        """`call` with the draft prompt lookup makes for its pass (maybe none)."""
+    def _lookup_costs(self, call: VerifyCall, rows: int) -> tuple[float, ...]:
+        """The relative costs that cut a row's lookup draft: the caller's V(n) / V(1) (its own
+        requests' steps), or where `rows` rows share the pass and it costs more, what each drafted
+        position adds to the pass against the row's share of it (PassCosts). None asked (a fixed
+        draft length): none given."""
+        mine = call.lookup_costs
+        if not mine or rows < 2:
+            return mine
+        return tuple(max(c, s) for c, s in zip(mine, self.pass_costs.lookup_costs(rows, len(mine) - 1)))
+
+    def _with_lookup(self, call: VerifyCall, seq: Sequence, rows: int = 1) -> VerifyCall:
+        """`call` with the draft prompt lookup makes for its pass (maybe none), among `rows` rows."""
         index = self._lookup_index(call, seq)
         index.extend(seq.tokens[len(index):])
         room = MAX_DRAFT_TOKENS
         if self.lm.max_context:
             room = min(room, self.lm.max_context - len(seq.tokens))
-        draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_max_tokens, call.lookup_costs, room)
+        draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_max_tokens, self._lookup_costs(call, rows), room)
         return dataclasses.replace(call, draft_tokens=draft, draft_dists=[], lookup_match=(n, tuple(proposal))) if n else call
 
     def _as_decoded(self, call: VerifyCall, result: StepResult) -> StepResult:

@@ -29,7 +29,7 @@ from specdec.spec.costs import NGRAM_DRAFT_PRIOR, CostModel
 from specdec.spec.lookup import MatchCalibration, NgramIndex, best_cut, lookup_draft, relative_costs
 from specdec.spec.request import VerifyCall
 from specdec.spec.sampling import SamplingConfig
-from target_service.engine import TargetEngine
+from target_service.engine import PassCosts, TargetEngine
 from tests import tiny
 from tests.stack import Stack
 from tests.test_loop import MAX_NEW, run
@@ -70,6 +70,43 @@ def test_lookup_draft_is_cut_where_expected_tokens_per_cost_peak():
     for _ in range(50):
         calibration.observe(2, [9, 5, 7], [1])
     assert before > 0 and lookup_draft(index, calibration, 8, curve, room=10)[0] == []
+
+
+def test_pass_costs_read_what_a_position_adds_to_a_forward():
+    costs = PassCosts()
+    assert costs.lookup_costs(1, 3) == ()  # one row: its caller's costs hold
+    assert costs.lookup_costs(8, 2) == (1.0, 2.0, 3.0)  # nothing measured: a position costs a share
+    for _ in range(3):  # a 2-core CPU's forwards: 1 row 10 ms, 8 rows 21 ms, 16 positions 28, 32 positions 49
+        for positions, seconds in ((1, 0.0100), (8, 0.0209), (16, 0.0283), (32, 0.0494)):
+            costs.observe(positions, seconds)
+    a, b = costs.line()
+    assert 0.007 < a < 0.011 and 0.0011 < b < 0.0014
+    share = (a + 8 * b) / 8  # one of 8 rows
+    assert costs.lookup_costs(8, 2) == pytest.approx((1.0, 1 + b / share, 1 + 2 * b / share))
+    flat = PassCosts()
+    for _ in range(20):
+        flat.observe(8, 0.02)
+    assert flat.line() is None  # every forward as long: no slope to read
+
+
+def test_a_lookup_draft_beside_other_rows_pays_for_what_its_positions_add_to_the_pass(pair):
+    """Alone, a row's lookup draft is cut by its caller's costs; among 8 rows, where a drafted
+    position costs about a row's share of the pass, the same draft is not worth verifying."""
+    target = engine(pair)
+    prompt = echoing_prompts(pair, 1)[0]
+    call = VerifyCall("x", 0, prompt, [], [], GREEDY, lookup_max_tokens=4, lookup_costs=(1.0,) * 5)
+    seq = target._prepare(call)  # the prompt ends as it began: its start's continuation is proposed
+    alone = target._with_lookup(call, seq, rows=1).draft_tokens
+    for _ in range(3):  # a fixed cost of 1 ms, 5 ms a position: a full pass is all positions
+        for positions in (1, 4, 8, 16):
+            target.pass_costs.observe(positions, 0.001 + 0.005 * positions)
+    assert len(alone) == 4 and target._with_lookup(call, seq, rows=8).draft_tokens == []
+    cheap = PassCosts()  # positions next to free (a GPU until compute binds): the caller's costs hold
+    for _ in range(3):
+        for positions in (1, 4, 8, 16):
+            cheap.observe(positions, 0.001 + 1e-7 * positions)
+    target.pass_costs = cheap
+    assert target._with_lookup(call, seq, rows=8).draft_tokens == alone
 
 
 def test_greedy_tokens_are_the_targets_own_and_accepted_drafts_save_passes(pair):
