@@ -363,7 +363,7 @@ class TargetEngine:
         the pass's. A row drafting by lookup gets its draft here (into `calls`)."""
         rows: list[tuple[int, Sequence]] = []
         prompts: list[tuple[int, Sequence, int]] = []
-        steps = sum(1 for _, seq in prepared if seq.uncached <= self.MIN_CHUNK)  # rows sharing the pass's decode
+        decoding = sum(1 for _, seq in prepared if seq.uncached <= self.MIN_CHUNK)  # rows whose steps share the pass
         for index, seq in prepared:
             call, pending = calls[index], seq.uncached
             if self.max_prefill_tokens and pending > self.MIN_CHUNK and not call.return_features:
@@ -372,7 +372,7 @@ class TargetEngine:
                     prompts.append((index, seq, full))
                     continue
             if call.lookup_max_tokens and not call.draft_tokens and call.tree is None:
-                calls[index] = self._with_lookup(call, seq, steps)
+                calls[index] = self._with_lookup(call, seq, decoding)
             rows.append((index, seq))
         # The oldest prompt: the first in the pass was, but prompts arriving during a pass queue
         # ahead of those requeued after it, and each newcomer's chunks then went first while
