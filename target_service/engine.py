@@ -332,17 +332,17 @@ class TargetEngine:
                 continue
             for (index, _), result in zip(group, self._rows(calls, group, start, len(rows), chunk if fused else None)):
                 results[index] = result
+        # a lone row's passes decoded ahead (_row) are not one forward: one of them is
+        ahead = sum(r.ahead_passes for r in results if isinstance(r, StepResult))
         if fused:
             index, seq, budget = chunk
             results[index] = self._rest(calls[index], seq)
             if self._forward_s and steps:  # what the chunk added to the rows' forward, a token
                 self._learn(chunk_token_s=max(time.perf_counter() - start - self._forward_s, 0.0) / budget)
         elif rows:
-            # a lone row's passes decoded ahead (_row) are not one forward: one of them is
-            ahead = sum(r.ahead_passes for r in results if isinstance(r, StepResult))
             elapsed = time.perf_counter() - start
             self._learn(step_s=elapsed, forward_s=elapsed / (1 + ahead) if steps else 0.0)
-        if steps and rows and len(groups) == 1 and not any(isinstance(r, StepResult) and r.ahead_passes for r in results):
+        if steps and rows and len(groups) == 1 and not ahead:
             # one forward of steps: what its positions cost (a chunk riding in it counts with them;
             # a prompt fed whole, whose positions attend to hundreds of keys each, does not)
             positions = sum(calls[index].new_positions for index, _ in rows) + (chunk[2] if fused else 0)
@@ -550,7 +550,7 @@ class TargetEngine:
         under 3 s (docs/benchmarks.md, "Chunks sized by the prompts waiting"). Weighing the requests
         that wait for their first token against those waiting for their next one keeps the plain
         bound where prompts are few beside many streams (the victims' shape)."""
-        horizon = time.monotonic() - max(RECENT_FLOOR_S, RECENT_PASSES * self._step_s)
+        horizon = self._recent()
         decoding = prompts = 0
         for seq in self.store:
             if seq.last_used >= horizon:
@@ -559,6 +559,11 @@ class TargetEngine:
                 else:
                     prompts += 1
         return max(1.0, prompts / max(1, decoding))
+
+    def _recent(self) -> float:
+        """The monotonic time after which a sequence's last call counts as lately: the batcher's
+        horizon for its active sequences (RECENT_PASSES passes, at least RECENT_FLOOR_S)."""
+        return time.monotonic() - max(RECENT_FLOOR_S, RECENT_PASSES * self._step_s)
 
     def _others_decode(self, seq: Sequence) -> bool:
         """Whether another sequence held here decodes: its prompt fed, and called lately (as the
@@ -571,7 +576,7 @@ class TargetEngine:
         chunks and took 2 to over 8 s to drain (tests/test_shutdown.py). "Fed" allows the token or
         two a step's call brings: the rows of this very pass hold them, and a chunk riding in their
         forward (_fuses) must not take them for prompts."""
-        horizon = time.monotonic() - max(RECENT_FLOOR_S, RECENT_PASSES * self._step_s)
+        horizon = self._recent()
         return any(other is not seq and other.uncached <= self.MIN_CHUNK and other.last_used >= horizon for other in self.store)
 
     # A chunk may take this share of a step of the other sequences, per prompt being fed per sequence
