@@ -9,11 +9,13 @@ Per request, from the Stats the coordinator returns (the coordinator's own clock
   the target's hop to its compute thread, its batcher and protobuf);
 - coordination = the loop's time less draft, verify and wire: the coordinator's Python between
   the calls (policy, cost model, building the calls);
-both divided by the request's target passes. Three coordinators share the target: one with an
-n-gram draft service (two exchanges a step that drafts), one with `--draft ngram` (prompt lookup in
-the coordinator, one exchange a step) and one with speculation off. The tiny model's text rarely
-repeats, so most steps verify no draft: the figures are the path's cost, not speculation's. Decoding ahead is off (--decode-ahead 0)
-so every pass is one exchange. Prints medians over the requests, and a digest of the tokens
+both divided by the request's target passes. Coordinators share the target: with an n-gram draft
+service (the target drafts by lookup), with `--draft ngram` (prompt lookup in the coordinator) and
+with speculation off, each twice: as runs in the target (`--decode-runs`, the default: one Decode
+stream, no exchange between passes; wire + coordination is then the request's wall time less the
+target's compute) and as Verify exchanges (`--no-decode-runs` with --decode-ahead 0, so every pass
+is one exchange). The tiny model's text rarely repeats, so most steps verify no draft: the figures
+are the path's cost, not speculation's. Prints medians over the requests, and a digest of the tokens
 generated, which must not change between two versions that claim the same greedy output.
 """
 
@@ -68,9 +70,12 @@ def main() -> None:
         stack = Stack(model, pathlib.Path(folder) / "logs")
         try:
             stack.start_target()
-            coordinators = {"ngram draft service": stack.start_coordinator(stack.start_draft("ngram"), "--decode-ahead", "0"),
-                            "ngram in coordinator": stack.start_coordinator("ngram", "--decode-ahead", "0"),
-                            "speculation off": stack.start_coordinator("", "--decode-ahead", "0")}
+            draft = stack.start_draft("ngram")
+            coordinators = {}
+            for path, flags in (("run in the target", ("--decode-runs",)), ("exchange a pass", ("--no-decode-runs", "--decode-ahead", "0"))):
+                coordinators[f"ngram draft service, {path}"] = stack.start_coordinator(draft, *flags)
+                coordinators[f"ngram in coordinator, {path}"] = stack.start_coordinator("ngram", *flags)
+                coordinators[f"speculation off, {path}"] = stack.start_coordinator("", *flags)
             stack.wait()
             for name, address in coordinators.items():
                 wires, coords, per_step, digest = _run(address, args.requests, args.max_new_tokens)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
+from coordinator.decode_stream import DecodeStream
 from coordinator.protocol import DraftOutcome, Progress, TreeSpec, VerifyOutcome
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
@@ -255,6 +256,9 @@ class TargetClient:
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.sessions = Sessions(self.stub.VerifySession, "Verify")
+        # Runs the target decodes alone share one stream; a fleet's replicas cannot be told apart on
+        # one stream, so a fleet keeps the per-sequence exchanges.
+        self.decoder = None if channel_target(address)[1] else DecodeStream(self.stub.Decode, retry_s)
 
     async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
         response = await self.stub.GetInfo(pb.TargetServiceGetInfoRequest(), timeout=timeout_s or self.timeout_s, wait_for_ready=True)
@@ -309,6 +313,8 @@ class TargetClient:
 
     async def close(self) -> None:
         self.sessions.close_all()
+        if self.decoder is not None:
+            await self.decoder.close()
         await self.channel.close()
 
 

@@ -53,6 +53,13 @@ class CoordinatorConfig:
         "the same exchange: an n-gram step then costs no exchange with the draft service. Greedy output is "
         "unchanged; seeded sampling still asks the draft service each step.",
     )
+    decode_runs: bool = option(
+        True,
+        "A request whose passes need no draft service (speculation off, no draft asked, or prompt lookup in the "
+        "target with --lookup-ahead) is one run in the target, which decodes it to its end and streams its tokens "
+        "after every pass, on one Decode stream shared by all requests: no exchange between passes. Off: one "
+        "Verify exchange per --decode-ahead passes. Not for a fleet of target replicas.",
+    )
     overlap: str = option(
         "off",
         "Overlapped speculation: while the target verifies a step, the draft drafts the next one ahead, "

@@ -11,6 +11,7 @@ in-process engines in benchmarks, so the same loop runs with or without the netw
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -21,7 +22,8 @@ import structlog
 from specdec.spec.costs import CostModel, Costs
 from coordinator.policy.draft_length import DraftLengthPolicy
 from coordinator.policy.overlap import RunAheadPolicy
-from coordinator.protocol import DraftOutcome, GenerationSpec, Progress, Proposer, Stats, TreeSpec, Verifier, VerifyOutcome
+from coordinator.protocol import (DecodeRun, Decoder, DraftOutcome, GenerationSpec, Progress, Proposer, Stats, TreeSpec, Verifier,
+                                  VerifyOutcome)
 from coordinator.state import SequenceState
 from specdec.errors import SequenceNotFound
 from specdec.limits import MAX_DECODE_AHEAD
@@ -77,7 +79,7 @@ DEFAULT_DECODE_AHEAD = 8
 class SpeculativeLoop:
     def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs,
                  overlap: str = "off", features: bool = False, calibrated: bool = False, decode_ahead: int = DEFAULT_DECODE_AHEAD,
-                 lookup: bool = False):
+                 lookup: bool = False, decoder: Decoder | None = None):
         """`overlap`: off, auto or on: whether the draft drafts the next step while the target
         verifies this one (coordinator/policy/overlap.py). `features`: the draft drafts from the target's
         hidden states (specdec/model/feature_draft.py), so every Verify asks for them and the next Propose
@@ -88,7 +90,8 @@ class SpeculativeLoop:
         `lookup`: the draft is prompt lookup (n-gram), which the target runs itself on every pass:
         an unseeded chain request then asks no draft, and each exchange carries up to
         `decode_ahead` passes, so an n-gram step costs no exchange (the exchange, not the forward,
-        is most of a step once the forward is fast)."""
+        is most of a step once the forward is fast). `decoder`: the target runs a request whose
+        drafts need no draft service (prompt lookup, or none) itself, to its end (`_decode`)."""
         RunAheadPolicy(overlap)  # validates the mode
         self.verifier = verifier
         self.proposer = proposer
@@ -99,6 +102,7 @@ class SpeculativeLoop:
         self.calibrated = calibrated
         self.decode_ahead = decode_ahead
         self.lookup = lookup and proposer is not None and not self.features
+        self.decoder = decoder
         self._lookup_memo: tuple[object, int, tuple[float, ...]] = (None, 0, ())
 
     async def run(self, spec: GenerationSpec, stats: Stats) -> AsyncIterator[Step]:
@@ -112,6 +116,11 @@ class SpeculativeLoop:
             # Verify returns features and log-probabilities, and bans tokens, for chains only
             spec = dataclasses.replace(spec, tree=None)
         state = self._begin(spec, stats)
+        if self._decodes_alone(spec, state):
+            async with contextlib.aclosing(self._decode(spec, state, stats)) as steps:
+                async for step in steps:
+                    yield step
+            return
         try:
             while True:
                 turn = self._plan(spec, state)
@@ -127,6 +136,67 @@ class SpeculativeLoop:
         finally:
             stats.total_seconds = time.perf_counter() - state.started
             await self._release(state.sequence_id)
+
+    def _decodes_alone(self, spec: GenerationSpec, state: SequenceState) -> bool:
+        """Whether the target runs this request to its end itself: a chain whose every pass either
+        drafts by the target's own prompt lookup or drafts nothing (no draft, or none asked)."""
+        return (self.decoder is not None and spec.tree is None and not self.features
+                and (state.lookup or self.proposer is None or spec.draft_length == 0))
+
+    async def _decode(self, spec: GenerationSpec, state: SequenceState, stats: Stats) -> AsyncIterator[Step]:
+        """The request as one run in the target (target_service/runs.py): no exchange between its
+        passes, the tokens as each pass makes them. The tokens are the ones the step loop's Verify
+        calls would make (the same calls, run by the target); a target that lost the run (a
+        restart, a broken stream) gets it again from the canonical tokens, under a new sequence id
+        (the old one may still be being released), while `decoder.retry_s` allows."""
+        lookup = self._lookup(state) if state.lookup else (0, ())
+        base, restarts, give_up, pause = state.sequence_id, 0, None, 0.0
+        while True:
+            run = DecodeRun(state.sequence_id, list(state.tokens), spec.sampling, spec.max_new_tokens - state.generated,
+                            spec.eos_token_ids,
+                            eos_banned_until=len(spec.prompt_ids) + spec.min_tokens if spec.min_tokens else 0,
+                            logprobs=spec.logprobs, lookup_max_tokens=lookup[0], lookup_costs=lookup[1],
+                            lookup_source=spec.prediction_ids if state.lookup else ())
+            try:
+                ending: list[int] = []  # the last tokens, held until the run's end brings its costs
+                async with contextlib.aclosing(self.decoder.decode(run)) as progress:
+                    async for made in progress:
+                        stats.steps += made.passes
+                        stats.draft_tokens += made.drafted
+                        stats.accepted_tokens += made.accepted
+                        stats.prediction_tokens += made.prediction_drafted
+                        stats.accepted_prediction_tokens += made.prediction_accepted
+                        stats.verify_seconds += made.compute_seconds
+                        if not made.tokens and not made.done:
+                            continue
+                        new, finish = _finish([*ending, *made.tokens], spec.eos_token_ids, spec.max_new_tokens - state.generated)
+                        if made.done and finish is None:  # ended by the target's context
+                            finish = "length"
+                        if finish and not made.done:  # the target's run ends with these too: its end follows at once
+                            ending = new
+                            continue
+                        state.tokens.extend(new)
+                        now = time.perf_counter()
+                        if not stats.completion_tokens and new:
+                            stats.time_to_first_token_seconds, stats.first_step_tokens = now - state.started, len(new)
+                        stats.completion_tokens += len(new)
+                        stats.total_seconds = now - state.started
+                        yield Step(new, finish, made.logprobs[:len(new)])
+                        if finish:
+                            return
+                return
+            except SequenceNotFound as exc:
+                now = time.monotonic()
+                give_up = give_up or now + self.decoder.retry_s
+                if now + pause > give_up:
+                    raise
+                _refilled("target", state.sequence_id)
+                log.info("the target lost a run; starting it again", reason=str(exc), pause_s=pause)
+                await asyncio.sleep(pause)
+                restarts, pause = restarts + 1, min(2 * pause or 0.05, 1.0)
+                state.sequence_id = f"{base}:r{restarts}"
+            finally:
+                stats.total_seconds = time.perf_counter() - state.started
 
     def _begin(self, spec: GenerationSpec, stats: Stats) -> SequenceState:
         started = time.perf_counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import AsyncIterator
 from typing import Protocol
 
 from specdec.model.features import FeatureRows
@@ -105,6 +106,49 @@ class Verifier(Protocol):
         ...
 
     async def release(self, sequence_id: str) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRun:
+    """A sequence the target decodes alone until it ends (target_service/runs.py): its prompt lookup
+    drafts, or none, need no draft service, so no exchange separates its passes."""
+
+    sequence_id: str
+    append: list[int]  # the canonical tokens (a run starts a fresh sequence: known_len 0)
+    sampling: SamplingConfig
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    eos_banned_until: int = 0
+    logprobs: int | None = None
+    lookup_max_tokens: int = 0
+    lookup_costs: tuple[float, ...] = ()
+    lookup_source: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeProgress:
+    """What a run made since its last progress, and what it cost; `done` on its last."""
+
+    tokens: list[int]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    prediction_drafted: int = 0
+    prediction_accepted: int = 0
+    compute_seconds: float = 0.0
+    done: bool = False
+
+
+class Decoder(Protocol):
+    retry_s: float  # how long a run is started again while the target is away (a restart)
+
+    def decode(self, run: DecodeRun) -> AsyncIterator[DecodeProgress]:
+        """The run's progress as the target makes it, through its `done` one. Raises
+        SequenceNotFound where the target lost the sequence (it restarted, the stream broke): the
+        caller starts the run again from its canonical tokens, under another sequence id. Closing
+        the iterator early stops the run."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)

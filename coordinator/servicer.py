@@ -137,7 +137,8 @@ def make_loop(config: CoordinatorConfig, target, draft, draft_info: pb.ModelInfo
     cost_model.draft_cap = draft_cap  # draft less as more requests share the target's batch
     features = bool(draft_info is not None and draft_info.needs_features)  # a feature draft (specdec/model/feature_draft.py)
     return SpeculativeLoop(target, draft, cost_model, prior, config.overlap, features=features,
-                           calibrated=ngram, decode_ahead=config.decode_ahead, lookup=ngram and config.lookup_ahead)
+                           calibrated=ngram, decode_ahead=config.decode_ahead, lookup=ngram and config.lookup_ahead,
+                           decoder=getattr(target, "decoder", None) if config.decode_runs else None)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):

@@ -336,6 +336,74 @@ class VerifySessionResponse(_message.Message):
     verify: VerifyResponse
     def __init__(self, verify: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
 
+class DecodeRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedCompositeFieldContainer[DecodeRun]
+    cancel: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, start: _Optional[_Iterable[_Union[DecodeRun, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DecodeRun(_message.Message):
+    __slots__ = ("sequence_id", "known_len", "append_tokens", "sampling", "max_new_tokens", "stop_token_ids", "eos_banned_until", "logprobs", "lookup_max_tokens", "lookup_costs", "lookup_source")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_LEN_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EOS_BANNED_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_COSTS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    known_len: int
+    append_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    eos_banned_until: int
+    logprobs: int
+    lookup_max_tokens: int
+    lookup_costs: _containers.RepeatedScalarFieldContainer[float]
+    lookup_source: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_banned_until: _Optional[int] = ..., logprobs: _Optional[int] = ..., lookup_max_tokens: _Optional[int] = ..., lookup_costs: _Optional[_Iterable[float]] = ..., lookup_source: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[DecodeProgress]
+    def __init__(self, runs: _Optional[_Iterable[_Union[DecodeProgress, _Mapping]]] = ...) -> None: ...
+
+class DecodeProgress(_message.Message):
+    __slots__ = ("sequence_id", "tokens", "logprobs", "passes", "drafted", "accepted", "prediction_drafted", "prediction_accepted", "compute_seconds", "done", "error_code", "error_message")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    passes: int
+    drafted: int
+    accepted: int
+    prediction_drafted: int
+    prediction_accepted: int
+    compute_seconds: float
+    done: bool
+    error_code: int
+    error_message: str
+    def __init__(self, sequence_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., passes: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., prediction_drafted: _Optional[int] = ..., prediction_accepted: _Optional[int] = ..., compute_seconds: _Optional[float] = ..., done: _Optional[bool] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
 class VerifyRequest(_message.Message):
     __slots__ = ("sequence_id", "known_len", "append_tokens", "draft_tokens", "draft_dists", "sampling", "draft_tree", "return_features", "decode_ahead", "logprobs", "eos_banned_until", "lookup_max_tokens", "lookup_costs", "decode_ahead_passes", "lookup_source")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]

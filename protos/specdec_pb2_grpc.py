@@ -435,6 +435,11 @@ class TargetServiceStub:
                 request_serializer=protos_dot_specdec__pb2.VerifySessionRequest.SerializeToString,
                 response_deserializer=protos_dot_specdec__pb2.VerifySessionResponse.FromString,
                 _registered_method=True)
+        self.Decode = channel.stream_stream(
+                '/specdec.v1.TargetService/Decode',
+                request_serializer=protos_dot_specdec__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=protos_dot_specdec__pb2.DecodeResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.TargetService/Release',
                 request_serializer=protos_dot_specdec__pb2.TargetServiceReleaseRequest.SerializeToString,
@@ -474,6 +479,19 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Decode(self, request_iterator, context):
+        """Decoding runs: the target's own loop for sequences whose drafts need no draft service (prompt
+        lookup over the sequence and a predicted output, or no draft at all). A coordinator keeps ONE
+        stream per target for all its runs: it starts and cancels runs with DecodeRequests, and the
+        target answers with DecodeResponses, each carrying every run's tokens made canonical since the
+        last one (one message a pass, whatever the number of runs). A run's passes follow one another
+        with no exchange between them; its tokens go out after every pass. When the stream ends (the
+        coordinator went away), its runs stop and their sequences are released at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees the sequence's cache and retires its id: a later call naming it with known_len = 0 (one
         that was in flight when the sequence was released) fails with FAILED_PRECONDITION instead of
@@ -500,6 +518,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.VerifySession,
                     request_deserializer=protos_dot_specdec__pb2.VerifySessionRequest.FromString,
                     response_serializer=protos_dot_specdec__pb2.VerifySessionResponse.SerializeToString,
+            ),
+            'Decode': grpc.stream_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=protos_dot_specdec__pb2.DecodeRequest.FromString,
+                    response_serializer=protos_dot_specdec__pb2.DecodeResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -589,6 +612,33 @@ class TargetService:
             '/specdec.v1.TargetService/VerifySession',
             protos_dot_specdec__pb2.VerifySessionRequest.SerializeToString,
             protos_dot_specdec__pb2.VerifySessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.TargetService/Decode',
+            protos_dot_specdec__pb2.DecodeRequest.SerializeToString,
+            protos_dot_specdec__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -132,6 +132,15 @@ class _RowAhead:
     accepted: int = 0
     predicted: tuple[int, int] = (0, 0)  # of drafted and accepted, those from a predicted output
     ended: bool = False  # an end-of-sequence token was accepted inside a draft: what follows is cut anyway
+    first: tuple[int, ...] = ()  # the tokens its call's own pass made canonical (draft tokens accepted, next token)
+    sent: int = 0  # of first + decoded, how many went to TargetEngine.on_tokens
+
+    def unsent(self) -> tuple[str, int, list[int], list[TokenLogprob]]:
+        """(sequence, index, tokens, their log-probabilities) made since the last report: `index`
+        counts the call's tokens reported before these."""
+        made = [*self.first, *self.decoded]
+        start, self.sent = self.sent, len(made)
+        return self.call.sequence_id, start, made[start:], self.logprobs[start:]
 
     def going(self, eos, context: int) -> bool:
         """Whether the row takes another pass: budget and passes left, no end of sequence, room in the context."""
@@ -158,6 +167,9 @@ class TargetEngine:
         # this engine's own verdicts: the target's lookup drafts are cut by it (VerifyCall.lookup_max_tokens).
         # Matches in a predicted output (lookup_source) count as n + LOOKUP_MAX_N: learned apart.
         self.calibration = MatchCalibration(2 * LOOKUP_MAX_N)
+        # Called on the worker after each pass decoded ahead with [(sequence, index, tokens, logprobs)]
+        # (_RowAhead.unsent): whoever streams tokens as they come (target_service/runs.py) sets it.
+        self.on_tokens: Callable[[list[tuple[str, int, list[int], list[TokenLogprob]]]], None] | None = None
 
     def verify(self, call: VerifyCall) -> StepResult:
         """One sequence's chain: verify_batch's one-row path, with its error raised."""
@@ -192,6 +204,7 @@ class TargetEngine:
             return result
         eos, context = self.lm.eos_token_ids, self.lm.max_context
         rows = []
+        self._report([row])
         while row.going(eos, context) and not (interrupt is not None and interrupt()):
             step = self._ahead_pass(row)
             with self._capturing(call.return_features) as hidden:
@@ -202,6 +215,7 @@ class TargetEngine:
             seq.tokens.extend(step.draft_tokens[:taken])
             seq.crop_cache(len(seq.tokens))
             self._ahead_taken(row, taken, pending, chosen)
+            self._report([row])
         features = result.features
         if rows and features is not None:
             features = FeatureRows(features.start, torch.cat([features.values, *rows]))
@@ -216,7 +230,14 @@ class TargetEngine:
             return None
         plain = dataclasses.replace(call, append=[], draft_tokens=[], draft_dists=[], lookup_match=None)
         return _RowAhead(index, seq, plain, self._lookup_index(call, seq) if call.lookup_max_tokens else None, budget,
-                         call.decode_ahead_passes or budget, result.next_token, logprobs=list(result.logprobs))
+                         call.decode_ahead_passes or budget, result.next_token, logprobs=list(result.logprobs),
+                         first=(*call.draft_tokens[:result.accepted], result.next_token))
+
+    def _report(self, rows: list[_RowAhead]) -> None:
+        """Hands each row's tokens made since its last report to `on_tokens`, if set: a decoding run
+        (target_service/runs.py) sends them out after every pass instead of after the call."""
+        if self.on_tokens is not None:
+            self.on_tokens([row.unsent() for row in rows])
 
     def _ahead_pass(self, row: _RowAhead, rows: int = 1) -> VerifyCall:
         """Makes the row's pending token canonical (its pass's first new position) and returns the call
@@ -450,6 +471,7 @@ class TargetEngine:
                 return
             rows_ahead.append(row)
         eos, context = self.lm.eos_token_ids, self.lm.max_context
+        self._report(rows_ahead)
         for _ in range(min(min(r.budget, r.most) for r in rows_ahead)):
             live = [r for r in rows_ahead if r.going(eos, context)]
             if not live or (interrupt is not None and interrupt()):
@@ -457,6 +479,7 @@ class TargetEngine:
             steps = {r.index: self._ahead_pass(r, len(live)) for r in live}
             for r, outcome in zip(live, self._rows(steps, [(r.index, r.seq) for r in live], start, len(live))):
                 self._ahead_taken(r, outcome.accepted, outcome.next_token, outcome.logprobs)
+            self._report(live)
         for r in rows_ahead:
             results[r.index] = self._ahead_result(results[r.index], r, start)
 

@@ -20,6 +20,7 @@ from target_service.batcher import VerifyBatcher
 from specdec.spec.tree import DraftTree
 from specdec.spec.request import VerifyCall
 from target_service.engine import TargetEngine
+from target_service.runs import DecodeStreams
 
 log = structlog.get_logger(__name__)
 
@@ -44,6 +45,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.host = EngineHost("target")
         self.batcher = VerifyBatcher(self.host.run, self._verify_batch, batch_window_ms / 1000, max_batch_size, max_batch_tokens,
                                      inline=self._inline, engine=lambda: self.engine)
+        self.runs = DecodeStreams(self.batcher.submit, self._release)
 
     def _verify_batch(self, calls, decode_ahead: bool = True):
         # read from the worker thread: a list's and a set's lengths, set on the loop's thread, are safe to read
@@ -52,14 +54,17 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     def _interrupt(self) -> bool:
         """Whether passes decoded ahead should stop: a Verify waits for the next pass, or other work
         (a Release) waits for the worker."""
-        return self.batcher.waiting() or self.host.queued()
+        return self.batcher.waiting() or self.host.queued() or self.runs.interrupt()
 
     def _inline(self, call: VerifyCall) -> bool:
         """Whether a lone call runs right on the event loop, without the hop to the worker thread
         and back, a sizeable share of a short step's exchange: a step's call (its catch-up is the
         last step's token, not a prompt or a lost sequence re-sent whole, which would hold the loop
         for long), with the worker idle, where this thread computes as fast as the worker."""
-        return len(call.append) <= INLINE_APPEND and not call.prefill and self.host.idle and self._loop_computes_alike
+        # A run's call decodes ahead for the rest of its run, handing out tokens after each pass,
+        # which the event loop must be free to send.
+        return (len(call.append) <= INLINE_APPEND and not call.prefill and self.host.idle and self._loop_computes_alike
+                and call.sequence_id not in self.runs.runs)
 
     @functools.cached_property
     def _loop_computes_alike(self) -> bool:
@@ -134,10 +139,19 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             response.features.CopyFrom(pb.Features(start=f.start, rows=f.rows, dim=int(f.values.shape[1]), data=f.to_bytes()))
 
     @rpc_method
+    async def Decode(self, requests, context):
+        self.engine  # noqa: B018 - raises UNAVAILABLE while loading
+        async for response in self.runs.serve(requests, context):
+            yield response
+
+    @rpc_method
     async def Release(self, request, context):
-        released = await self.host.run(self.engine.release, request.sequence_id)
-        self.batcher.released(request.sequence_id)
-        return pb.TargetServiceReleaseResponse(released=released)
+        return pb.TargetServiceReleaseResponse(released=await self._release(request.sequence_id))
+
+    async def _release(self, sequence_id: str) -> bool:
+        released = await self.host.run(self.engine.release, sequence_id)
+        self.batcher.released(sequence_id)
+        return released
 
 
 async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signals: bool = True) -> None:
@@ -173,6 +187,9 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
         weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(loaded.model),
     )
     engine.store.on_start = metrics.target().sequences_started.inc
+    engine.on_tokens = servicer.runs.on_tokens
+    servicer.runs.draining = lambda: server.drain.draining
+    server.drain.listeners.append(servicer.runs.drain)
     metrics.follow_store(engine.store, metrics.target().sequences, metrics.target().kv_usage)
     servicer.host.attach(engine, info)
     await server.mark_serving()

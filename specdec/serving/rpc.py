@@ -163,6 +163,10 @@ CLEANUP_S = 5.0  # after the grace period, how long cancelled calls get to relea
 
 # Always answered, also while draining: probes must see NOT_SERVING, not a refused connection.
 OPEN_METHODS = ("/grpc.health.", "/grpc.reflection.")
+# Streams that carry many sequences for a client's whole life (the target's Decode): refusing their
+# next message would cut every sequence on them, so they see the drain themselves (Drain.listeners)
+# and end once their work is done.
+LASTING_METHODS = ("/specdec.v1.TargetService/Decode",)
 
 
 class Drain(grpc.aio.ServerInterceptor):
@@ -172,6 +176,7 @@ class Drain(grpc.aio.ServerInterceptor):
 
     def __init__(self):
         self.draining = False
+        self.listeners: list = []  # called once draining starts (LASTING_METHODS' servicers)
         self.in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -189,8 +194,10 @@ class Drain(grpc.aio.ServerInterceptor):
                 self._stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer
             )
         if handler.stream_stream is not None:
+            lasting = details.method.startswith(LASTING_METHODS)
             return grpc.stream_stream_rpc_method_handler(
-                self._session(handler.stream_stream), handler.request_deserializer, handler.response_serializer
+                (self._stream if lasting else self._session)(handler.stream_stream), handler.request_deserializer,
+                handler.response_serializer
             )
         return handler  # client-streaming methods: none in specdec.v1
 
@@ -350,6 +357,8 @@ class Server:
             return
         self._stopping = True
         self.drain.draining = True
+        for listener in self.drain.listeners:
+            listener()
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         started = asyncio.get_running_loop().time()
         drained = await self.drain.wait_idle(grace)

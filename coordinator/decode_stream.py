@@ -1,0 +1,150 @@
+"""The coordinator's end of the target's Decode stream (target_service/runs.py): every run of this
+coordinator multiplexed on ONE stream, started and cancelled in batched messages, their progress
+read from batched answers and handed to each run's own queue.
+
+Why one stream: a stream per sequence costs every request a call's set-up and the target a message
+per sequence per pass; on one stream, whatever the number of runs, a pass costs one message each
+way at most (`messages_in`, `messages_out` count them). A run needs nothing from the coordinator
+between passes, so nothing is on its critical path but the target.
+
+A fleet of target replicas keeps the per-sequence exchanges (coordinator/clients.py): gRPC's
+ring_hash routes a call, not a message within a stream, to the replica holding its sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from coordinator.protocol import DecodeProgress, DecodeRun
+from protos import specdec_pb2 as pb
+from specdec.errors import SequenceNotFound
+from specdec.serving.wire import logprobs_from_proto
+
+log = structlog.get_logger(__name__)
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _went_away(exc: BaseException) -> bool:
+    """The stream broke the way a target that restarts or drains breaks it (as target_went_away)."""
+    if not isinstance(exc, grpc.aio.AioRpcError):
+        return False
+    code = exc.code()
+    return code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) or (
+        code == grpc.StatusCode.UNKNOWN and (exc.details() or "").startswith("Stream removed"))
+
+
+def run_proto(run: DecodeRun) -> pb.DecodeRun:
+    s = run.sampling
+    return pb.DecodeRun(sequence_id=run.sequence_id, known_len=0, append_tokens=run.append,
+                        sampling=pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed),
+                        max_new_tokens=run.max_new_tokens, stop_token_ids=sorted(run.stop_token_ids),
+                        eos_banned_until=run.eos_banned_until, logprobs=run.logprobs,
+                        lookup_max_tokens=run.lookup_max_tokens, lookup_costs=run.lookup_costs, lookup_source=run.lookup_source)
+
+
+class DecodeStream:
+    """Implements coordinator.protocol.Decoder over a target's Decode method."""
+
+    def __init__(self, open_stream, retry_s: float):
+        """`open_stream()`: a new Decode call (the stub's method; no deadline, it lives as long as the
+        coordinator). `retry_s`: how long the loop starts a run again while the target is away."""
+        self._open, self.retry_s = open_stream, retry_s
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._runs: dict[str, asyncio.Queue] = {}
+        self._outbox = pb.DecodeRequest()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self.messages_out = self.messages_in = 0  # DecodeRequests written, DecodeResponses read
+        self.opened = 0  # streams opened (one, unless the target went away)
+
+    def _ensure(self) -> None:
+        if self._call is not None:
+            return
+        call = self._call = self._open()
+        self.opened += 1
+        loop = asyncio.get_running_loop()
+        for task in (loop.create_task(self._read(call)), loop.create_task(self._write(call))):
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def decode(self, run: DecodeRun) -> AsyncIterator[DecodeProgress]:
+        if run.sequence_id in self._runs:
+            raise ValueError(f"sequence {run.sequence_id!r} already has a run")
+        self._ensure()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._runs[run.sequence_id] = queue
+        self._outbox.start.append(run_proto(run))
+        self._wake.set()
+        done = False
+        try:
+            while not done:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    done = True  # the stream broke: the target stopped the run (or has gone)
+                    raise item
+                done = item.done
+                if item.error_code:
+                    raise self._error(run.sequence_id, item)
+                yield DecodeProgress(list(item.tokens), logprobs_from_proto(item.logprobs), item.passes, item.drafted, item.accepted,
+                                     item.prediction_drafted, item.prediction_accepted, item.compute_seconds, item.done)
+        finally:
+            self._runs.pop(run.sequence_id, None)
+            if not done and self._call is not None:  # closed early (a stop string, the client left): stop it
+                self._outbox.cancel.append(run.sequence_id)
+                self._wake.set()
+
+    @staticmethod
+    def _error(sequence_id: str, item: pb.DecodeProgress) -> Exception:
+        code = _CODES.get(item.error_code, grpc.StatusCode.UNKNOWN)
+        if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+            return SequenceNotFound(sequence_id, item.error_message)
+        return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), item.error_message)
+
+    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+        """Sends what the runs asked since the last message, in one message (grpc.aio takes one
+        write at a time)."""
+        try:
+            while self._call is call:
+                await self._wake.wait()
+                self._wake.clear()
+                message, self._outbox = self._outbox, pb.DecodeRequest()
+                if message.start or message.cancel:
+                    await call.write(message)
+                    self.messages_out += 1
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            log.info("decode stream closed for writing", error=str(exc))
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        error: BaseException | None = None
+        try:
+            async for response in call:
+                self.messages_in += 1
+                for progress in response.runs:
+                    queue = self._runs.get(progress.sequence_id)
+                    if queue is not None:
+                        queue.put_nowait(progress)
+            error = SequenceNotFound("*", "the target ended its Decode stream (it is shutting down)")
+        except asyncio.CancelledError:
+            error = SequenceNotFound("*", "the Decode stream was closed")
+            raise
+        except grpc.aio.AioRpcError as exc:
+            error = SequenceNotFound("*", f"the Decode stream broke: {exc.details()}") if _went_away(exc) else exc
+        finally:
+            if self._call is call:
+                self._call = None
+                self._wake.set()  # the writer sees its stream gone
+            for queue in list(self._runs.values()):
+                queue.put_nowait(error)
+
+    async def close(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

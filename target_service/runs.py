@@ -1,0 +1,274 @@
+"""Decoding runs: the target's own loop for sequences whose drafts need no draft service.
+
+A request decoded with prompt lookup (the n-gram drafter, a predicted output) or with no draft at all
+needs nothing between two passes but the target itself: the lookup draft is cut from the
+sequence's own tokens, which the target holds. Driven from the coordinator, each pass still cost a
+Verify exchange (or one per `--decode-ahead` passes, and the stream's tokens then came in bursts).
+A run is that loop inside the target: the coordinator starts it once on its Decode stream (one stream
+per coordinator, every run multiplexed on it) and reads its tokens as the passes make them.
+
+Each run is a task that submits its sequence's calls to the same VerifyBatcher as every Verify, so
+runs share passes with each other and with the coordinators' step calls, and a run's tokens are
+exactly the ones those Verify calls would make (the same `_verdict`, keyed by position). A call asks
+to decode ahead for the whole rest of the run: where the batcher lets it (no other call waiting),
+passes follow one another on the worker with no hop in between; the engine hands each pass's tokens
+to `on_tokens` and they go out at once, so nothing waits for a burst to fill. A call that waits
+interrupts the decoding ahead; the run then re-submits, and joins the next pass like any call.
+
+What a stream sends is batched: every run's tokens since the last message go in one DecodeResponse,
+written once per turn of the event loop. When the stream ends (the coordinator went away or closed
+it), its runs stop and their sequences are released at once, not after the idle timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import grpc
+import structlog
+
+from protos import specdec_pb2 as pb
+from specdec.errors import SpecdecError
+from specdec.limits import MAX_DECODE_AHEAD
+from specdec.serving.wire import logprobs_to_proto
+from specdec.spec.request import VerifyCall
+from specdec.spec.sampling import SamplingConfig, TokenLogprob
+
+log = structlog.get_logger(__name__)
+
+
+@dataclasses.dataclass
+class Run:
+    """One sequence decoded by the target until it ends; what it made waits in `out` for the next message."""
+
+    sequence_id: str
+    template: VerifyCall  # sampling, logprobs, banned end-of-sequence positions, lookup settings
+    max_new: int
+    stops: frozenset[int]
+    length: int  # canonical tokens (the prompt and what the run made)
+    append: list[int]  # what the next call brings: the prompt, then the last token made
+    lookup_source: tuple[int, ...] = ()  # sent with the first call only: it seeds the sequence's lookup index
+    made: int = 0
+    in_call: int = 0  # tokens of the call in flight taken so far (from on_tokens); -1: no call in flight
+    done: bool = False
+    cancelled: bool = False
+    ending: bool = False  # in its task's `finally`: releasing, nothing to cancel
+    out: pb.DecodeProgress | None = None
+    task: asyncio.Task | None = None
+    stream: _Stream | None = None
+
+    def next_call(self) -> VerifyCall:
+        """A step at the run's end: it decodes ahead for every token the run may still make."""
+        ahead = min(self.max_new - self.made - 1, MAX_DECODE_AHEAD)
+        call = dataclasses.replace(self.template, known_len=self.length - len(self.append), append=self.append,
+                                   decode_ahead=ahead, decode_ahead_passes=ahead if ahead > 0 else 0,
+                                   lookup_source=self.lookup_source)
+        self.lookup_source = ()
+        return call
+
+    def progress(self) -> pb.DecodeProgress:
+        if self.out is None:
+            self.out = pb.DecodeProgress(sequence_id=self.sequence_id)
+        return self.out
+
+    def take(self, tokens: list[int], logprobs: list[TokenLogprob]) -> None:
+        """Makes `tokens` canonical, up to the run's end (a stop token, max_new)."""
+        out = self.progress()
+        for i, token in enumerate(tokens):
+            if self.done:
+                break
+            out.tokens.append(token)
+            if i < len(logprobs):
+                out.logprobs.extend(logprobs_to_proto([logprobs[i]]))
+            self.made += 1
+            self.length += 1
+            self.append = [token]
+            self.done = token in self.stops or self.made >= self.max_new
+
+
+class DecodeStreams:
+    """Every Decode stream of one target and their runs. `submit(call)` is the VerifyBatcher's;
+    `release(sequence_id)` frees a sequence on the worker; `draining()` says the server stops."""
+
+    def __init__(self, submit, release, draining=lambda: False):
+        self._submit, self._release, self.draining = submit, release, draining
+        self.runs: dict[str, Run] = {}  # every stream's runs, by sequence (the engine's reports name sequences)
+        # Runs that ended (cancelled, or a stop token) while a call of theirs may be on the worker:
+        # the passes it decodes ahead for them are waste, so they stop (`interrupt`).
+        self.stopping: set[str] = set()
+        self._streams: set[_Stream] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def interrupt(self) -> bool:
+        """Whether passes decoded ahead should stop for a run's sake. Safe on the worker (a set's length)."""
+        return bool(self.stopping)
+
+    def drain(self) -> None:
+        """The server is shutting down: runs in flight finish, streams end once they have none."""
+        for stream in self._streams:
+            stream.changed()
+
+    def _stop(self, run: Run) -> None:
+        if run.cancelled or run.ending:  # once: a second cancel would cut the release in its `finally`
+            return
+        run.cancelled = True
+        self.stopping.add(run.sequence_id)
+        if run.task is not None:
+            run.task.cancel()
+
+    def on_tokens(self, reports) -> None:
+        """The engine's per-pass report, on the worker thread: handed to the event loop."""
+        if self._loop is not None and any(sequence_id in self.runs for sequence_id, *_ in reports):
+            self._loop.call_soon_threadsafe(self._arrived, reports)
+
+    def _arrived(self, reports) -> None:
+        for sequence_id, index, tokens, logprobs in reports:
+            run = self.runs.get(sequence_id)
+            if run is None or run.in_call < 0 or index + len(tokens) <= run.in_call:
+                continue
+            skip = run.in_call - index  # reported already (a report repeats nothing, but be sure)
+            run.take(tokens[skip:], logprobs[skip:])
+            run.in_call = index + len(tokens)
+            if run.done:
+                self.stopping.add(sequence_id)
+            run.stream.changed()
+
+    async def serve(self, requests, context):
+        """The Decode method: reads starts and cancels, yields one DecodeResponse per batch of news."""
+        self._loop = asyncio.get_running_loop()
+        stream = _Stream()
+        self._streams.add(stream)
+        reader = self._loop.create_task(self._read(requests, stream))
+        try:
+            while True:
+                await stream.wake.wait()
+                stream.wake.clear()
+                message = stream.collect()
+                if message.runs:
+                    yield message
+                if reader.done() and reader.exception() is not None:
+                    raise reader.exception()
+                if (reader.done() or self.draining()) and not stream.runs:
+                    return  # the coordinator closed its side, or the server drains, and every run has ended
+        finally:
+            self._streams.discard(stream)
+            reader.cancel()
+            runs = list(stream.runs.values())
+            for run in runs:  # the coordinator went away: stop its runs, free their caches
+                self._stop(run)
+            await asyncio.gather(*(run.task for run in runs if run.task is not None), return_exceptions=True)
+
+    async def _read(self, requests, stream: _Stream) -> None:
+        try:
+            async for request in requests:
+                for sequence_id in request.cancel:
+                    run = stream.runs.get(sequence_id)
+                    if run is not None:
+                        self._stop(run)
+                for started in request.start:
+                    self._start(started, stream)
+        finally:
+            stream.changed()  # the loop above sees the end
+
+    def _start(self, message: pb.DecodeRun, stream: _Stream) -> None:
+        sequence_id = message.sequence_id
+        if sequence_id in self.runs:
+            stream.fail(sequence_id, grpc.StatusCode.ALREADY_EXISTS, f"sequence {sequence_id!r} already has a run")
+            return
+        if self.draining():
+            stream.fail(sequence_id, grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
+            return
+        if message.max_new_tokens < 1:
+            stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens must be >= 1, got {message.max_new_tokens}")
+            return
+        s = message.sampling
+        sampling = SamplingConfig(temperature=s.temperature if s.HasField("temperature") else 0.0,
+                                  top_k=s.top_k if s.HasField("top_k") else 0, top_p=s.top_p if s.HasField("top_p") else 1.0,
+                                  seed=s.seed if s.HasField("seed") else 0)
+        template = VerifyCall(sequence_id, 0, [], [], [], sampling, logprobs=message.logprobs if message.HasField("logprobs") else None,
+                              eos_banned_until=message.eos_banned_until, lookup_max_tokens=message.lookup_max_tokens,
+                              lookup_costs=tuple(message.lookup_costs))
+        run = Run(sequence_id, template, message.max_new_tokens, frozenset(message.stop_token_ids),
+                  length=message.known_len + len(message.append_tokens), append=list(message.append_tokens),
+                  lookup_source=tuple(message.lookup_source), in_call=-1)
+        run.stream = stream
+        self.runs[sequence_id] = stream.runs[sequence_id] = run
+        run.task = asyncio.get_running_loop().create_task(self._drive(run, stream), name=f"run-{sequence_id}")
+
+    async def _drive(self, run: Run, stream: _Stream) -> None:
+        """The run's loop: a call at its end, the tokens the call made beyond those reported already."""
+        code, message = grpc.StatusCode.OK, ""
+        try:
+            while not run.done:
+                call = run.next_call()
+                run.in_call = 0
+                try:
+                    result = await self._submit(call)
+                finally:
+                    taken, run.in_call = run.in_call, -1
+                self.stopping.discard(run.sequence_id)  # its call is back: nothing of it is on the worker
+                made = [result.next_token, *result.decoded] if not result.accepted else \
+                    [*call.draft_tokens[:result.accepted], result.next_token, *result.decoded]
+                run.take(made[taken:], list(result.logprobs[taken:]))
+                out = run.progress()
+                out.passes += 1 + result.ahead_passes
+                out.drafted += result.ahead_drafted
+                out.accepted += result.ahead_accepted
+                out.prediction_drafted += result.predicted_drafted
+                out.prediction_accepted += result.predicted_accepted
+                out.compute_seconds += result.compute_seconds
+                stream.changed()
+        except SpecdecError as exc:
+            code, message = exc.code, str(exc)
+        except asyncio.CancelledError:
+            code, message = grpc.StatusCode.CANCELLED, "the run was cancelled"
+        except Exception as exc:  # noqa: BLE001 - a bug fails its run, not the stream
+            log.exception("decoding run failed", sequence_id=run.sequence_id)
+            code, message = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+        finally:
+            # The end goes out before the release: the coordinator waits for it (it carries the
+            # last call's costs), and the release waits for the worker.
+            run.ending = True
+            self.runs.pop(run.sequence_id, None)
+            out = run.progress()
+            out.done = True
+            if code != grpc.StatusCode.OK:
+                out.error_code, out.error_message = code.value[0], message
+            stream.runs.pop(run.sequence_id, None)
+            stream.finished.append(run)
+            stream.changed()
+            try:  # on the worker, behind any pass of a call cancelled mid-way
+                await asyncio.shield(self._release(run.sequence_id))
+            except Exception:  # noqa: BLE001 - the idle timeout frees it eventually
+                log.warning("releasing a finished run failed", sequence_id=run.sequence_id)
+            self.stopping.discard(run.sequence_id)
+
+
+class _Stream:
+    """One Decode stream: its runs, and the news waiting for its next message."""
+
+    def __init__(self):
+        self.runs: dict[str, Run] = {}
+        self.finished: list[Run] = []  # ended since the last message
+        self.failed: list[pb.DecodeProgress] = []  # starts refused
+        self.wake = asyncio.Event()
+
+    def changed(self) -> None:
+        self.wake.set()
+
+    def fail(self, sequence_id: str, code: grpc.StatusCode, message: str) -> None:
+        self.failed.append(pb.DecodeProgress(sequence_id=sequence_id, done=True, error_code=code.value[0], error_message=message))
+        self.changed()
+
+    def collect(self) -> pb.DecodeResponse:
+        """Every run's news since the last message, in one message."""
+        response = pb.DecodeResponse()
+        response.runs.extend(self.failed)
+        self.failed.clear()
+        for run in [*self.runs.values(), *self.finished]:
+            if run.out is not None:
+                response.runs.append(run.out)
+                run.out = None
+        self.finished.clear()
+        return response
