@@ -100,6 +100,8 @@ def test_greedy_matches_with_the_target_stepping_on_its_event_loop(env, referenc
 
     target = env["stack"].servers[0].servicer
     monkeypatch.setattr(target, "_loop_computes_alike", True)
+    for coordinator in env["stack"].servers[3:]:  # steps, not runs in the target: a run's calls never run on its loop
+        monkeypatch.setattr(coordinator.servicer.loop, "decoder", None)
     threads = collections.Counter()
     verify_batch = TargetEngine.verify_batch
 

@@ -1,0 +1,210 @@
+"""Decoding runs (target_service/runs.py, coordinator/decode_stream.py): a request whose passes need
+no draft service is one run in the target, on one Decode stream per coordinator.
+
+What must hold: the tokens are exactly the target's (greedy) and exactly the step loop's (seeded
+sampling, keyed by position); many runs share one stream and one message a pass, not one per run;
+a run a client leaves, or whose coordinator goes away, frees its sequence at once; a target that
+restarts mid-run costs a restart of the run, not different tokens; bad input names its field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+
+import grpc
+import pytest
+
+from coordinator.clients import TargetClient
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from tests import tiny
+from tests.services import Service
+from tests.stack import Stack
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny.tiny_pair(seed=5)
+
+
+@pytest.fixture(scope="module")
+def stack(pair, tmp_path_factory):
+    """One target; coordinators with runs (n-gram, and speculation off) and one without."""
+    folder = tmp_path_factory.mktemp("runs")
+    stack = Stack()
+    target = stack.target(str(tiny.save(pair[0], folder / "target")))
+    addresses = {"lookup": stack.coordinator(target, "ngram", tiny.byte_tokenizer()),
+                 "off": stack.coordinator(target, "", tiny.byte_tokenizer()),
+                 "steps": stack.coordinator(target, "ngram", tiny.byte_tokenizer(), decode_runs=False)}
+    yield stack, {name: stack.client(address) for name, address in addresses.items()}
+    stack.stop()
+
+
+def echoing(pair, n: int) -> list[list[int]]:
+    """Prompts whose continuation prompt lookup often finds (tests/test_lookup_ahead.py)."""
+    return [x + tiny.reference_greedy(pair[0], x, 12) + x for x in tiny.prompts(n, seed=21)]
+
+
+def generate(stub, prompt, **kwargs) -> pb.GenerateResponse:
+    return stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=MAX_NEW, **kwargs), timeout=60)
+
+
+def decoders(stack) -> list:
+    """The coordinators' Decode streams (None where a coordinator runs no runs)."""
+    return [server.servicer.loop.decoder for server in stack.servers[1:]]
+
+
+def target_engine(stack):
+    return stack.servers[0].servicer.engine
+
+
+def wait_free(engine, seconds: float = 5.0) -> int:
+    deadline = time.monotonic() + seconds
+    while len(engine.store) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return len(engine.store)
+
+
+def test_greedy_runs_are_the_target_alone_and_stream_every_pass(stack, pair):
+    stack, stubs = stack
+    for prompt in echoing(pair, 4):
+        expected = tiny.reference_greedy(pair[0], prompt, MAX_NEW)
+        for name in ("lookup", "off"):
+            response = generate(stubs[name], prompt, speculation=pb.SpeculationParams(draft_length=8))
+            assert list(response.token_ids) == expected, name
+            chunks = list(stubs[name].GenerateStream(pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt),
+                                                                              max_new_tokens=MAX_NEW), timeout=60))
+            assert [t for c in chunks for t in c.token_ids] == expected, name
+            # tokens come as the passes make them, not in bursts of --decode-ahead passes
+            assert sum(1 for c in chunks if c.token_ids) > MAX_NEW // 2, name
+    lookup = generate(stubs["lookup"], echoing(pair, 1)[0], speculation=pb.SpeculationParams(draft_length=8)).stats
+    assert lookup.steps < MAX_NEW and lookup.accepted_tokens > 0, "the run's lookup drafts saved no pass"
+    assert decoders(stack)[0].opened == 1, "one stream serves every run of a coordinator"
+    assert decoders(stack)[2] is None
+    assert wait_free(target_engine(stack)) == 0
+
+
+def test_seeded_sampling_in_a_run_is_the_step_loops(stack, pair):
+    """Speculation off, seeded: a run makes the draws the Verify exchanges make (keyed by position)."""
+    stack, stubs = stack
+    sampling = pb.SamplingParams(temperature=0.9, top_k=20, seed=1234)
+    for prompt in tiny.prompts(3, seed=8):
+        speculation = pb.SpeculationParams(draft_length=0)
+        runs = generate(stubs["lookup"], prompt, sampling=sampling, speculation=speculation)
+        steps = generate(stubs["steps"], prompt, sampling=sampling, speculation=speculation)
+        assert list(runs.token_ids) == list(steps.token_ids)
+        assert list(generate(stubs["off"], prompt, sampling=sampling).token_ids) == list(runs.token_ids)
+
+
+def test_concurrent_runs_share_one_message_a_pass(stack, pair):
+    stack, stubs = stack
+    decoder = decoders(stack)[1]
+    before_in, before_out = decoder.messages_in, decoder.messages_out
+    prompts = tiny.prompts(8, seed=2)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(lambda p: generate(stubs["off"], p), prompts))
+    for prompt, response in zip(prompts, responses):
+        assert list(response.token_ids) == tiny.reference_greedy(pair[0], prompt, MAX_NEW)
+    received, sent = decoder.messages_in - before_in, decoder.messages_out - before_out
+    tokens = sum(len(r.token_ids) for r in responses)
+    print(f"\n{len(prompts)} concurrent runs, {tokens} tokens: {received} DecodeResponses, {sent} DecodeRequests")
+    assert sent <= len(prompts)
+    # a message per run per pass would be ~`tokens` messages; batched, about one per pass
+    assert received < tokens / 2
+
+
+def test_a_run_left_by_its_client_or_stopped_by_a_stop_string_frees_its_sequence(stack, pair):
+    stack, stubs = stack
+    engine = target_engine(stack)
+    prompt = tiny.prompts(1, seed=4)[0]
+    for _ in range(20):
+        call = stubs["off"].GenerateStream(pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=400), timeout=30)
+        next(call)
+        call.cancel()
+    assert wait_free(engine) == 0
+    full = stubs["off"].Generate(pb.GenerateRequest(text="abc", max_new_tokens=MAX_NEW), timeout=30)
+    stop = full.text[3:5]
+    cut = stubs["off"].Generate(pb.GenerateRequest(text="abc", max_new_tokens=MAX_NEW, stop=[stop]), timeout=30)
+    assert cut.finish_reason == pb.FINISH_REASON_STOP_STRING
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert wait_free(engine) == 0
+
+
+def test_runs_of_a_coordinator_that_went_away_are_freed_at_once(pair, tmp_path):
+    stack = Stack()
+    try:
+        target = stack.target(str(tiny.save(pair[0], tmp_path / "target")))
+        engine = target_engine(stack)
+
+        async def start_and_vanish():
+            client = TargetClient(target, 5.0)
+            from coordinator.protocol import DecodeRun
+            from specdec.spec.sampling import SamplingConfig
+            runs = [client.decoder.decode(DecodeRun(f"s{i}", p, SamplingConfig(), 400, frozenset()))
+                    for i, p in enumerate(tiny.prompts(3, seed=6))]
+            for run in runs:
+                await anext(run)  # every run is decoding
+            held = len(engine.store)
+            await client.channel.close()  # the coordinator is gone, no cancel sent
+            return held
+
+        held = asyncio.run_coroutine_threadsafe(start_and_vanish(), stack.loop).result(60)
+        assert held == 3
+        assert wait_free(engine, 5.0) == 0, "a vanished coordinator's runs kept their caches"
+    finally:
+        stack.stop()
+
+
+def test_bad_runs_are_refused_with_the_field_named_and_the_stream_goes_on(stack, pair):
+    stack, _ = stack
+    channel = grpc.insecure_channel(f"127.0.0.1:{stack.servers[0].port}")
+    try:
+        stub = pb_grpc.TargetServiceStub(channel)
+        prompt = tiny.prompts(1, seed=1)[0]
+        requests = [pb.DecodeRequest(start=[pb.DecodeRun(sequence_id="bad-max", append_tokens=prompt, max_new_tokens=0),
+                                            pb.DecodeRun(sequence_id="bad-token", append_tokens=[10**6], max_new_tokens=4),
+                                            pb.DecodeRun(sequence_id="good", append_tokens=prompt, max_new_tokens=4)])]
+        ends = {}
+        tokens = []
+        for response in stub.Decode(iter(requests), timeout=30):
+            for run in response.runs:
+                if run.sequence_id == "good":
+                    tokens += run.tokens
+                if run.done:
+                    ends[run.sequence_id] = (grpc.StatusCode.OK if not run.error_code else
+                                             {c.value[0]: c for c in grpc.StatusCode}[run.error_code], run.error_message)
+        assert ends["bad-max"][0] == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in ends["bad-max"][1]
+        assert ends["bad-token"][0] == grpc.StatusCode.INVALID_ARGUMENT and "append_tokens" in ends["bad-token"][1]
+        assert ends["good"][0] == grpc.StatusCode.OK
+        assert tokens == tiny.reference_greedy(pair[0], prompt, 4)
+    finally:
+        channel.close()
+
+
+def test_a_fleet_keeps_the_exchanges():
+    assert TargetClient("127.0.0.1:1,127.0.0.1:2", 1.0).decoder is None
+    assert TargetClient("127.0.0.1:1", 1.0).decoder is not None
+
+
+def test_target_restarted_mid_run_gives_the_same_tokens(pair, tmp_path):
+    path = str(tiny.save(pair[0], tmp_path / "target"))
+    target = Service("target", "--model", path, "--device", "cpu", "--metrics-port", "-1").start()
+    stack = Stack()
+    try:
+        stub = stack.client(stack.coordinator(target.address, "", tiny.byte_tokenizer(), target_retry_s=60))
+        prompt = tiny.prompts(1, seed=9)[0]
+        expected = tiny.reference_greedy(pair[0], prompt, 300)
+        call = stub.GenerateStream(pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=300), timeout=120)
+        tokens = list(next(call).token_ids)
+        target.kill()
+        target.start(wait=0)
+        for chunk in call:
+            tokens += chunk.token_ids
+        assert tokens == expected
+    finally:
+        target.stop()
+        stack.stop()
