@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import structlog
 
 from specdec.spec.costs import CostModel, Costs
-from coordinator.policy.draft_length import DraftLengthPolicy
+from specdec.spec.draft_length import DraftLengthPolicy
 from coordinator.policy.overlap import RunAheadPolicy
 from coordinator.protocol import (DecodeRun, Decoder, DraftOutcome, GenerationSpec, Progress, Proposer, Stats, TreeSpec, Verifier,
                                   VerifyOutcome)
@@ -79,7 +79,7 @@ DEFAULT_DECODE_AHEAD = 8
 class SpeculativeLoop:
     def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs,
                  overlap: str = "off", features: bool = False, calibrated: bool = False, decode_ahead: int = DEFAULT_DECODE_AHEAD,
-                 lookup: bool = False, decoder: Decoder | None = None):
+                 lookup: bool = False, decoder: Decoder | None = None, target_drafts: bool = False):
         """`overlap`: off, auto or on: whether the draft drafts the next step while the target
         verifies this one (coordinator/policy/overlap.py). `features`: the draft drafts from the target's
         hidden states (specdec/model/feature_draft.py), so every Verify asks for them and the next Propose
@@ -91,7 +91,9 @@ class SpeculativeLoop:
         an unseeded chain request then asks no draft, and each exchange carries up to
         `decode_ahead` passes, so an n-gram step costs no exchange (the exchange, not the forward,
         is most of a step once the forward is fast). `decoder`: the target runs a request whose
-        drafts need no draft service (prompt lookup, or none) itself, to its end (`_decode`)."""
+        drafts need no draft service (prompt lookup, or none) itself, to its end (`_decode`).
+        `target_drafts`: the target has a draft service of its own (ModelInfo.draft), so a request
+        drafting with a model is one run too, the target asking the draft each step."""
         RunAheadPolicy(overlap)  # validates the mode
         self.verifier = verifier
         self.proposer = proposer
@@ -103,6 +105,7 @@ class SpeculativeLoop:
         self.decode_ahead = decode_ahead
         self.lookup = lookup and proposer is not None and not self.features
         self.decoder = decoder
+        self.target_drafts = target_drafts and decoder is not None
         self._lookup_memo: tuple[object, int, tuple[float, ...]] = (None, 0, ())
 
     async def run(self, spec: GenerationSpec, stats: Stats) -> AsyncIterator[Step]:
@@ -140,8 +143,15 @@ class SpeculativeLoop:
     def _decodes_alone(self, spec: GenerationSpec, state: SequenceState) -> bool:
         """Whether the target runs this request to its end itself: a chain whose every pass either
         drafts by the target's own prompt lookup or drafts nothing (no draft, or none asked)."""
-        return (self.decoder is not None and spec.tree is None and not self.features
-                and (state.lookup or self.proposer is None or spec.draft_length == 0))
+        if self.decoder is None or spec.tree is not None:
+            return False
+        if state.lookup or self.proposer is None or spec.draft_length == 0:
+            return True
+        # a model draft: the target asks its own draft service (no run-ahead there yet)
+        return self.target_drafts and state.ahead.mode == "off"
+
+    def _drafted_by_target(self, spec: GenerationSpec, state: SequenceState) -> bool:
+        return not state.lookup and self.proposer is not None and spec.draft_length > 0
 
     async def _decode(self, spec: GenerationSpec, state: SequenceState, stats: Stats) -> AsyncIterator[Step]:
         """The request as one run in the target (target_service/runs.py): no exchange between its
@@ -156,7 +166,9 @@ class SpeculativeLoop:
                             spec.eos_token_ids,
                             eos_banned_until=len(spec.prompt_ids) + spec.min_tokens if spec.min_tokens else 0,
                             logprobs=spec.logprobs, lookup_max_tokens=lookup[0], lookup_costs=lookup[1],
-                            lookup_source=spec.prediction_ids if state.lookup else ())
+                            lookup_source=spec.prediction_ids if state.lookup else (),
+                            draft_length=spec.draft_length if self._drafted_by_target(spec, state) else 0,
+                            adaptive=spec.adaptive, seeded=spec.seeded, features=self.features)
             try:
                 ending: list[int] = []  # the last tokens, held until the run's end brings its costs
                 async with contextlib.aclosing(self.decoder.decode(run)) as progress:

@@ -123,6 +123,10 @@ class DecodeRun:
     lookup_max_tokens: int = 0
     lookup_costs: tuple[float, ...] = ()
     lookup_source: tuple[int, ...] = ()
+    draft_length: int = 0  # draft with the target's own draft service, up to this many tokens a step
+    adaptive: bool = True  # ... adapting the length as this loop would
+    seeded: bool = False  # ... with static lengths (the client chose the seed)
+    features: bool = False  # ... a feature draft: the target sends it its hidden states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +166,7 @@ class GenerationSpec:
     draft_length: int
     adaptive: bool
     eos_token_ids: frozenset[int]
-    seeded: bool = False  # the client chose the seed: keep the run reproducible (coordinator/policy/draft_length.py)
+    seeded: bool = False  # the client chose the seed: keep the run reproducible (specdec/spec/draft_length.py)
     max_context: int = 0  # 0: unbounded
     tree: TreeSpec | None = None  # draft trees instead of chains (the draft length caps their depth)
     logprobs: int | None = None  # report the target's log-probabilities, with this many alternatives (chains only)

@@ -128,7 +128,7 @@ def client_of(context, id_header: str = "") -> tuple[str, float | None]:
 
 
 def make_loop(config: CoordinatorConfig, target, draft, draft_info: pb.ModelInfo | None,
-              draft_cap: Callable[[], int] | None = None) -> SpeculativeLoop:
+              draft_cap: Callable[[], int] | None = None, target_info: pb.ModelInfo | None = None) -> SpeculativeLoop:
     """The loop a coordinator with `config` runs over these backends: the one place its defaults
     are applied, so that tests of the guarantee run exactly what users get."""
     ngram = draft_info is not None and draft_info.drafter == "ngram"  # its confidences are calibrated (draft_service/drafters/ngram.py)
@@ -138,7 +138,9 @@ def make_loop(config: CoordinatorConfig, target, draft, draft_info: pb.ModelInfo
     features = bool(draft_info is not None and draft_info.needs_features)  # a feature draft (specdec/model/feature_draft.py)
     return SpeculativeLoop(target, draft, cost_model, prior, config.overlap, features=features,
                            calibrated=ngram, decode_ahead=config.decode_ahead, lookup=ngram and config.lookup_ahead,
-                           decoder=getattr(target, "decoder", None) if config.decode_runs else None)
+                           decoder=getattr(target, "decoder", None) if config.decode_runs else None,
+                           # only where the target's draft service is this coordinator's own
+                           target_drafts=bool(target_info is not None and target_info.draft and target_info.draft == config.draft))
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
@@ -160,7 +162,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                draft_info: pb.ModelInfo | None) -> None:
         self.tokenizer = tokenizer
         self.target_info = target_info
-        self.loop = make_loop(self.config, target, draft, draft_info, self.admission.draft_cap)
+        self.loop = make_loop(self.config, target, draft, draft_info, self.admission.draft_cap, target_info)
         cost_model = self.loop.cost_model
         self.admission.measured_budget = lambda: knee(cost_model.costs())  # --verify-token-budget -1
 

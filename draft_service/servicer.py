@@ -8,6 +8,7 @@ import dataclasses
 import threading
 import time
 
+import grpc
 import structlog
 
 from draft_service.batcher import DraftBatcher
@@ -22,6 +23,7 @@ from specdec.serving import metrics
 from specdec.serving import tls
 from specdec.model.features import FeatureRows
 from specdec.spec.sampling import check_temperature
+from specdec.errors import SpecdecError
 from specdec.serving.rpc import EngineHost, Server, rpc_method
 
 log = structlog.get_logger(__name__)
@@ -198,6 +200,72 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         for ids, probs in tree.child_dists:
             response.tree.child_dists.add(token_ids=ids, probs=probs)
         return response
+
+    @rpc_method
+    async def Drafts(self, requests, context):
+        """A target's one stream for the proposals of all its drafted runs (target_service/drafts.py):
+        each ProposeRequest is answered as ProposeSession would answer it, concurrently with the
+        others (so the batcher drafts them in shared forwards), and the answers finished by the time
+        the event loop comes round go out in one message. When the stream ends (the target went
+        away), the sequences it drafted are released."""
+        self.engine  # noqa: B018 - raises UNAVAILABLE while loading
+        ready = pb.DraftsResponse()
+        wake = asyncio.Event()
+        tasks: set[asyncio.Task] = set()
+        seen: set[str] = set()
+
+        async def answer(request: pb.ProposeRequest) -> None:
+            nonlocal ready
+            entry = pb.DraftProposal(sequence_id=request.sequence_id)
+            try:
+                spent: list[float] = []
+                tokens = [message async for message in self._propose(request, spent)]
+                entry.proposal.CopyFrom(pb.ProposeSessionResponse(tokens=tokens, compute_seconds=spent[0]))
+            except SpecdecError as exc:
+                entry.error_code, entry.error_message = exc.code.value[0], str(exc)
+            except Exception as exc:  # noqa: BLE001 - a bug fails its proposal, not the stream
+                log.exception("proposal failed", sequence_id=request.sequence_id)
+                entry.error_code, entry.error_message = grpc.StatusCode.INTERNAL.value[0], f"internal error: {exc}"
+            ready.proposals.append(entry)
+            wake.set()
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    for sequence_id in request.release:
+                        seen.discard(sequence_id)
+                        await self.host.run(self.engine.release, sequence_id)
+                    for propose in request.propose:
+                        seen.add(propose.sequence_id)
+                        task = asyncio.get_running_loop().create_task(answer(propose))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+            finally:
+                wake.set()
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while True:
+                if ready.proposals:
+                    message, ready = ready, pb.DraftsResponse()
+                    yield message  # proposals may finish meanwhile: look again before deciding the stream is done
+                    continue
+                if reader.done() and not tasks:
+                    if reader.exception() is not None:
+                        raise reader.exception()
+                    return
+                await wake.wait()
+                wake.clear()
+        finally:
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
+            await asyncio.gather(reader, *tasks, return_exceptions=True)
+            for sequence_id in seen:  # the target went away: its runs' drafts are of no use
+                try:
+                    await self.host.run(self.engine.release, sequence_id)
+                except Exception:  # noqa: BLE001 - the idle timeout frees it eventually
+                    log.warning("release failed", sequence_id=sequence_id)
 
     @rpc_method
     async def Release(self, request, context):

@@ -235,7 +235,7 @@ class TargetServiceGetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "device", "dtype", "drafter", "needs_features", "weights", "weight_bytes")
+    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "device", "dtype", "drafter", "needs_features", "weights", "weight_bytes", "draft")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +246,7 @@ class ModelInfo(_message.Message):
     NEEDS_FEATURES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -256,7 +257,8 @@ class ModelInfo(_message.Message):
     needs_features: bool
     weights: str
     weight_bytes: int
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., drafter: _Optional[str] = ..., needs_features: _Optional[bool] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ...) -> None: ...
+    draft: str
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., drafter: _Optional[str] = ..., needs_features: _Optional[bool] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., draft: _Optional[str] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("start", "rows", "dim", "data")
@@ -324,6 +326,32 @@ class ProposeResponse(_message.Message):
     compute_seconds: float
     def __init__(self, token_id: _Optional[int] = ..., dist: _Optional[_Union[SparseDistribution, _Mapping]] = ..., cumulative_prob: _Optional[float] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
+class DraftsRequest(_message.Message):
+    __slots__ = ("propose", "release")
+    PROPOSE_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    propose: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
+    release: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, propose: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DraftsResponse(_message.Message):
+    __slots__ = ("proposals",)
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    proposals: _containers.RepeatedCompositeFieldContainer[DraftProposal]
+    def __init__(self, proposals: _Optional[_Iterable[_Union[DraftProposal, _Mapping]]] = ...) -> None: ...
+
+class DraftProposal(_message.Message):
+    __slots__ = ("sequence_id", "proposal", "error_code", "error_message")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    proposal: ProposeSessionResponse
+    error_code: int
+    error_message: str
+    def __init__(self, sequence_id: _Optional[str] = ..., proposal: _Optional[_Union[ProposeSessionResponse, _Mapping]] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+
 class VerifySessionRequest(_message.Message):
     __slots__ = ("verify",)
     VERIFY_FIELD_NUMBER: _ClassVar[int]
@@ -345,7 +373,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, start: _Optional[_Iterable[_Union[DecodeRun, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DecodeRun(_message.Message):
-    __slots__ = ("sequence_id", "known_len", "append_tokens", "sampling", "max_new_tokens", "stop_token_ids", "eos_banned_until", "logprobs", "lookup_max_tokens", "lookup_costs", "lookup_source")
+    __slots__ = ("sequence_id", "known_len", "append_tokens", "sampling", "max_new_tokens", "stop_token_ids", "eos_banned_until", "logprobs", "lookup_max_tokens", "lookup_costs", "lookup_source", "draft_length", "adaptive", "seeded", "features")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +385,10 @@ class DecodeRun(_message.Message):
     LOOKUP_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_COSTS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    SEEDED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     known_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -368,7 +400,11 @@ class DecodeRun(_message.Message):
     lookup_max_tokens: int
     lookup_costs: _containers.RepeatedScalarFieldContainer[float]
     lookup_source: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_banned_until: _Optional[int] = ..., logprobs: _Optional[int] = ..., lookup_max_tokens: _Optional[int] = ..., lookup_costs: _Optional[_Iterable[float]] = ..., lookup_source: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_length: int
+    adaptive: bool
+    seeded: bool
+    features: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_banned_until: _Optional[int] = ..., logprobs: _Optional[int] = ..., lookup_max_tokens: _Optional[int] = ..., lookup_costs: _Optional[_Iterable[float]] = ..., lookup_source: _Optional[_Iterable[int]] = ..., draft_length: _Optional[int] = ..., adaptive: _Optional[bool] = ..., seeded: _Optional[bool] = ..., features: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("runs",)

@@ -176,6 +176,11 @@ class DraftServiceStub:
                 request_serializer=protos_dot_specdec__pb2.ProposeTreeRequest.SerializeToString,
                 response_deserializer=protos_dot_specdec__pb2.ProposeTreeResponse.FromString,
                 _registered_method=True)
+        self.Drafts = channel.stream_stream(
+                '/specdec.v1.DraftService/Drafts',
+                request_serializer=protos_dot_specdec__pb2.DraftsRequest.SerializeToString,
+                response_deserializer=protos_dot_specdec__pb2.DraftsResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.DraftService/Release',
                 request_serializer=protos_dot_specdec__pb2.DraftServiceReleaseRequest.SerializeToString,
@@ -225,6 +230,18 @@ class DraftServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Drafts(self, request_iterator, context):
+        """Proposals for a target's drafted runs (TargetService.Decode with draft_length): the target keeps
+        ONE stream to its draft service and asks for every sequence's proposals on it. Each request
+        carries the Propose requests of every sequence that needs a draft now, each response the
+        proposals finished since the last one (in any order); a proposal is what ProposeSession would
+        answer to the same request. Nothing passes the coordinator: a step is the draft's compute, one
+        hop to the target, the target's pass, one hop back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees the sequence's cache and retires its id: a later call naming it with known_len = 0 (one
         that was in flight when the sequence was released) fails with FAILED_PRECONDITION instead of
@@ -256,6 +273,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
                     servicer.ProposeTree,
                     request_deserializer=protos_dot_specdec__pb2.ProposeTreeRequest.FromString,
                     response_serializer=protos_dot_specdec__pb2.ProposeTreeResponse.SerializeToString,
+            ),
+            'Drafts': grpc.stream_stream_rpc_method_handler(
+                    servicer.Drafts,
+                    request_deserializer=protos_dot_specdec__pb2.DraftsRequest.FromString,
+                    response_serializer=protos_dot_specdec__pb2.DraftsResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -372,6 +394,33 @@ class DraftService:
             '/specdec.v1.DraftService/ProposeTree',
             protos_dot_specdec__pb2.ProposeTreeRequest.SerializeToString,
             protos_dot_specdec__pb2.ProposeTreeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drafts(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.DraftService/Drafts',
+            protos_dot_specdec__pb2.DraftsRequest.SerializeToString,
+            protos_dot_specdec__pb2.DraftsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -265,12 +265,14 @@ class GrpcStack(Stack):
         from specdec.model.loading import feature_draft_folder
 
         super().__init__(target, logs, device)
-        self.start_target("--weights", weights)
+        addresses = {drafter: self.start_draft(drafter) for drafter in drafters}
+        # the first model draft is the target's own (--draft): its coordinator's requests are drafted runs
+        own = next((self.drafts_for_target(d, a) for d, a in addresses.items() if self.drafts_for_target(d, a)), [])
+        self.start_target("--weights", weights, *own)
         self.coordinators: dict[str, str] = {}
         self.tree_coordinators: dict[str, str] = {}
         self.ngram_in_coordinator: str | None = None
-        for drafter in drafters:
-            draft_address = self.start_draft(drafter)
+        for drafter, draft_address in addresses.items():
             self.coordinators[drafter] = self.start_coordinator(draft_address)
             if drafter == "ngram":  # and prompt lookup inside the coordinator: no draft service, one hop a step
                 self.ngram_in_coordinator = self.start_coordinator("ngram")

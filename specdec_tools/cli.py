@@ -123,9 +123,11 @@ def cmd_up(argv: list[str]) -> int:
     stack = Stack(args.target_model or "", None, args.device, grace=15.0)  # on this terminal, with metrics and the HTTP API
     signal.signal(signal.SIGTERM, lambda *_: (stack.stop(), sys.exit(0)))
     try:
-        stack.start_target(*(["--weights", args.weights] if args.weights else []), port=args.port + 1, replicas=args.target_replicas)
-        draft = stack.start_draft("ngram" if args.drafter == "ngram" else args.draft_model, port=args.port + 2,
-                                  replicas=args.draft_replicas)
+        drafter = "ngram" if args.drafter == "ngram" else args.draft_model
+        draft = stack.start_draft(drafter, port=args.port + 2, replicas=args.draft_replicas)
+        stack.start_target(*(["--weights", args.weights] if args.weights else []),
+                           *(stack.drafts_for_target(drafter, draft, args.draft_replicas) if args.target_replicas == 1 else []),
+                           port=args.port + 1, replicas=args.target_replicas)
         coordinator = stack.start_coordinator(draft, port=args.port)
         stack.wait(args.timeout, announce=lambda role, address: print(f"specdec up: {role} healthy on {address}", file=sys.stderr, flush=True))
         print(f"specdec up: {_target_summary(stack.target_address.split(',')[0])}", file=sys.stderr, flush=True)

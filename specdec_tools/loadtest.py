@@ -334,8 +334,8 @@ class LocalStack(Stack):
     def __init__(self, target: str, drafter: str, logs: pathlib.Path, coordinator_flags: list[str], target_flags: list[str],
                  api_token: str = "", device: str = "cpu"):
         super().__init__(target, logs, device, log_level="warning")
-        self.start_target(*target_flags)
         draft = self.start_draft(drafter)
+        self.start_target(*target_flags, *self.drafts_for_target(drafter, draft))
         with _environment(SPECDEC_COORDINATOR_API_TOKEN=api_token):  # in its environment, not on a command line `ps` shows
             self.address = self.start_coordinator(draft, *coordinator_flags)
 

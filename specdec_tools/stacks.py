@@ -75,6 +75,16 @@ class Stack(ServiceProcesses):
         return ",".join(self.spawn(role, *flags, *metrics, core=core, log_level=self.log_level, port=port if i == 0 else 0)
                         for i in range(replicas))
 
+    def drafts_for_target(self, drafter: str, draft_address: str, replicas: int = 1) -> list[str]:
+        """The target's --draft for `drafter` served at `draft_address`: a model draft that is not
+        a feature draft, one replica of it (the target keeps one Drafts stream), and its own
+        coordinators then start model-draft requests as drafted runs (target_service/runs.py)."""
+        from specdec.model.loading import feature_draft_folder
+
+        if drafter == "ngram" or replicas != 1 or "," in draft_address or feature_draft_folder(drafter) is not None:
+            return []
+        return ["--draft", draft_address]
+
     def start_draft(self, drafter: str, core: int | None = None, port: int = 0, replicas: int = 1) -> str:
         """`replicas` draft services for `drafter` ('ngram' or a draft model), as start_target."""
         from specdec.model.loading import DEFAULT_TARGET

@@ -48,6 +48,12 @@ class TargetConfig:
         "How long a Verify waits for the other sequences' calls to share its forward pass (continuous "
         "batching); 0: no wait.",
     )
+    draft: str = option(
+        "",
+        "Address of a draft service this target asks for proposals itself (one Drafts stream): a coordinator "
+        "then starts its model-draft requests as drafted runs, and a step crosses the wire twice (target -> "
+        "draft -> target) instead of four times through the coordinator. Empty: none.",
+    )
     max_batch_size: int = option(16, "Most sequences verified in one forward pass; 1 turns batching off.")
     max_batch_tokens: int = option(
         256,

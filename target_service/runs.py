@@ -24,16 +24,28 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import grpc
 import structlog
 
 from protos import specdec_pb2 as pb
-from specdec.errors import SpecdecError
+from specdec.errors import SequenceNotFound, SpecdecError, Unavailable
 from specdec.limits import MAX_DECODE_AHEAD
+from specdec.model.features import FeatureLog
 from specdec.serving.wire import logprobs_to_proto
+from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
+from specdec.spec.draft_length import DraftLengthPolicy
 from specdec.spec.request import VerifyCall
-from specdec.spec.sampling import SamplingConfig, TokenLogprob
+from specdec.spec.sampling import SamplingConfig, TokenLogprob, derive_seed
+from specdec.spec.tree import EMPTY_DIST
+from target_service.drafts import DraftLink
+
+# After the draft fails, a drafted run decodes this many passes alone before asking it again (as
+# the coordinator's loop does: coordinator/loop.py DRAFT_RETRY_STEPS).
+DRAFT_RETRY_STEPS = 16
+# A proposal's timeout: the coordinator's default --rpc-timeout-s.
+PROPOSE_TIMEOUT_S = 30.0
 
 log = structlog.get_logger(__name__)
 
@@ -57,10 +69,12 @@ class Run:
     out: pb.DecodeProgress | None = None
     task: asyncio.Task | None = None
     stream: _Stream | None = None
+    drafted: Drafted | None = None  # drafting with the target's draft service
+    ask: tuple[float, float] = (0.0, 0.0)  # the last proposal's (draft compute, wire) seconds
 
-    def next_call(self) -> VerifyCall:
-        """A step at the run's end: it decodes ahead for every token the run may still make."""
-        ahead = min(self.max_new - self.made - 1, MAX_DECODE_AHEAD)
+    def next_call(self, ahead: int | None = None) -> VerifyCall:
+        """A step at the run's end: it decodes ahead for every token the run may still make (or `ahead`)."""
+        ahead = min(self.max_new - self.made - 1, MAX_DECODE_AHEAD, MAX_DECODE_AHEAD if ahead is None else ahead)
         call = dataclasses.replace(self.template, known_len=self.length - len(self.append), append=self.append,
                                    decode_ahead=ahead, decode_ahead_passes=ahead if ahead > 0 else 0,
                                    lookup_source=self.lookup_source)
@@ -84,15 +98,35 @@ class Run:
             self.made += 1
             self.length += 1
             self.append = [token]
+            if self.drafted is not None:
+                self.drafted.tokens.append(token)
             self.done = token in self.stops or self.made >= self.max_new
+
+
+@dataclasses.dataclass
+class Drafted:
+    """A run's drafting with the target's draft service: the canonical tokens (what the draft is
+    sent), how many the draft holds, and the draft-length policy the coordinator's loop would run."""
+
+    tokens: list[int]
+    policy: DraftLengthPolicy
+    seeded: bool
+    known: int = 0  # leading canonical tokens the draft holds
+    log: FeatureLog | None = None  # a feature draft's: the target's hidden states of the canonical positions
+    features_known: int = 0  # leading features the draft holds
+    steps: int = 0  # target passes so far
+    skip_until: int = 0  # after a draft failure, the pass at which the draft is asked again
 
 
 class DecodeStreams:
     """Every Decode stream of one target and their runs. `submit(call)` is the VerifyBatcher's;
     `release(sequence_id)` frees a sequence on the worker; `draining()` says the server stops."""
 
-    def __init__(self, submit, release, draining=lambda: False):
-        self._submit, self._release, self.draining = submit, release, draining
+    def __init__(self, submit, release, draining=lambda: False, link: DraftLink | None = None):
+        """`link`: the target's stream to its draft service (`--draft`), for runs with draft_length."""
+        self._submit, self._release, self.draining, self.link = submit, release, draining, link
+        # Step costs seen by every drafted run (the machines', not a request's), as the coordinator's CostModel
+        self.cost_model = CostModel(MODEL_DRAFT_PRIOR)
         self.runs: dict[str, Run] = {}  # every stream's runs, by sequence (the engine's reports name sequences)
         # Runs that ended (cancelled, or a stop token) while a call of theirs may be on the worker:
         # the passes it decodes ahead for them are waste, so they stop (`interrupt`).
@@ -142,15 +176,16 @@ class DecodeStreams:
         reader = self._loop.create_task(self._read(requests, stream))
         try:
             while True:
-                await stream.wake.wait()
-                stream.wake.clear()
                 message = stream.collect()
                 if message.runs:
-                    yield message
+                    yield message  # runs may end meanwhile: collect again before deciding the stream is done
+                    continue
                 if reader.done() and reader.exception() is not None:
                     raise reader.exception()
                 if (reader.done() or self.draining()) and not stream.runs:
-                    return  # the coordinator closed its side, or the server drains, and every run has ended
+                    return  # the coordinator closed its side, or the server drains, and every run has ended and been sent
+                await stream.wake.wait()
+                stream.wake.clear()
         finally:
             self._streams.discard(stream)
             reader.cancel()
@@ -182,6 +217,10 @@ class DecodeStreams:
         if message.max_new_tokens < 1:
             stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens must be >= 1, got {message.max_new_tokens}")
             return
+        if message.draft_length and (self.link is None or not 0 < message.draft_length <= MAX_DECODE_AHEAD):
+            why = "this target has no draft service (--draft)" if self.link is None else "out of range"
+            stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT, f"draft_length: {why}")
+            return
         s = message.sampling
         sampling = SamplingConfig(temperature=s.temperature if s.HasField("temperature") else 0.0,
                                   top_k=s.top_k if s.HasField("top_k") else 0, top_p=s.top_p if s.HasField("top_p") else 1.0,
@@ -193,15 +232,37 @@ class DecodeStreams:
                   length=message.known_len + len(message.append_tokens), append=list(message.append_tokens),
                   lookup_source=tuple(message.lookup_source), in_call=-1)
         run.stream = stream
+        if message.draft_length:
+            policy = DraftLengthPolicy(max_length=message.draft_length, cost_model=None if message.seeded else self.cost_model,
+                                       prior=MODEL_DRAFT_PRIOR, adaptive=message.adaptive)
+            run.drafted = Drafted([*[0] * message.known_len, *message.append_tokens], policy, message.seeded,
+                                  log=FeatureLog() if message.features else None)
+            if message.features:
+                run.template = dataclasses.replace(template, return_features=True)
         self.runs[sequence_id] = stream.runs[sequence_id] = run
         run.task = asyncio.get_running_loop().create_task(self._drive(run, stream), name=f"run-{sequence_id}")
+        run.task.add_done_callback(lambda _: self._never_started(run, stream))
+
+    def _never_started(self, run: Run, stream: _Stream) -> None:
+        """A run cancelled before its task began never reaches `_drive`'s `finally`: end it here."""
+        if run.ending:
+            return
+        run.ending = True
+        self.runs.pop(run.sequence_id, None)
+        stream.runs.pop(run.sequence_id, None)
+        out = run.progress()
+        out.done, out.error_code, out.error_message = True, grpc.StatusCode.CANCELLED.value[0], "the run was cancelled"
+        stream.finished.append(run)
+        stream.changed()
+        self.stopping.discard(run.sequence_id)
 
     async def _drive(self, run: Run, stream: _Stream) -> None:
         """The run's loop: a call at its end, the tokens the call made beyond those reported already."""
         code, message = grpc.StatusCode.OK, ""
         try:
             while not run.done:
-                call = run.next_call()
+                draft = await self._draft(run) if run.drafted is not None else None
+                call = draft if draft is not None else run.next_call(self._quiet(run) if run.drafted is not None else None)
                 run.in_call = 0
                 try:
                     result = await self._submit(call)
@@ -213,11 +274,13 @@ class DecodeStreams:
                 run.take(made[taken:], list(result.logprobs[taken:]))
                 out = run.progress()
                 out.passes += 1 + result.ahead_passes
-                out.drafted += result.ahead_drafted
-                out.accepted += result.ahead_accepted
+                out.drafted += len(call.draft_tokens) + result.ahead_drafted
+                out.accepted += result.accepted + result.ahead_accepted
                 out.prediction_drafted += result.predicted_drafted
                 out.prediction_accepted += result.predicted_accepted
                 out.compute_seconds += result.compute_seconds
+                if run.drafted is not None:
+                    self._drafted(run, call, result)
                 stream.changed()
         except SpecdecError as exc:
             code, message = exc.code, str(exc)
@@ -238,11 +301,93 @@ class DecodeStreams:
             stream.runs.pop(run.sequence_id, None)
             stream.finished.append(run)
             stream.changed()
+            if run.drafted is not None and self.link is not None:
+                self.link.release(run.sequence_id)
             try:  # on the worker, behind any pass of a call cancelled mid-way
                 await asyncio.shield(self._release(run.sequence_id))
             except Exception:  # noqa: BLE001 - the idle timeout frees it eventually
                 log.warning("releasing a finished run failed", sequence_id=run.sequence_id)
             self.stopping.discard(run.sequence_id)
+
+
+    async def _draft(self, run: Run) -> VerifyCall | None:
+        """The next call of a drafted run: the draft service's proposal for the run's end, as the
+        coordinator's loop would ask for it (planned by the same policy, the same seeds); None
+        where this step drafts nothing (then the call decodes ahead through the quiet steps)."""
+        d, remaining = run.drafted, run.max_new - run.made
+        planned, min_prob = d.policy.plan()
+        gamma = min(planned, remaining - 1)
+        if gamma <= 0 or d.steps < d.skip_until:
+            return None
+        sampling = run.template.sampling
+        request = pb.ProposeRequest(sequence_id=run.sequence_id, known_len=d.known, append_tokens=d.tokens[d.known:], max_tokens=gamma,
+                                    min_cumulative_prob=min_prob, temperature=sampling.temperature,
+                                    seed=derive_seed(sampling.seed, run.length, "draft"))
+        started = time.perf_counter()
+        self._features(request, d, d.features_known)
+        try:
+            try:
+                answer = await self.link.propose(request, PROPOSE_TIMEOUT_S)
+            except SequenceNotFound:  # the draft restarted or evicted it: re-send it whole
+                request.known_len, request.append_tokens[:] = 0, d.tokens
+                self._features(request, d, 0)
+                answer = await self.link.propose(request, PROPOSE_TIMEOUT_S)
+        except (Unavailable, SequenceNotFound) as exc:  # a failing draft only costs speed
+            d.skip_until, d.known, d.features_known = d.steps + DRAFT_RETRY_STEPS, 0, 0
+            log.warning("draft failed; decoding with the target alone for a while", sequence_id=run.sequence_id, error=str(exc))
+            return None
+        d.known = len(d.tokens)
+        if d.log is not None:
+            d.features_known = len(d.log)
+        tokens = [m.token_id for m in answer.tokens]
+        d.policy.asked(len(tokens))
+        if not tokens:
+            if min_prob > 0:
+                d.policy.nothing_drafted()
+            return None
+        run.ask = (answer.compute_seconds, max(0.0, time.perf_counter() - started - answer.compute_seconds))
+        dists = [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else EMPTY_DIST for m in answer.tokens]
+        call = run.next_call(ahead=0)
+        return dataclasses.replace(call, draft_tokens=tokens, draft_dists=dists)
+
+    @staticmethod
+    def _quiet(run: Run) -> int | None:
+        """Passes a drafted run's call may decode ahead after a step that drafts nothing: the steps
+        the policy will not draft either (None: all), as the coordinator's loop asks (`_ahead_budget`),
+        so the policy sees the same steps and a seeded run asks the draft at the same positions."""
+        d = run.drafted
+        if d.steps < d.skip_until:
+            return d.skip_until - d.steps - 1
+        return d.policy.quiet_steps()
+
+    @staticmethod
+    def _features(request: pb.ProposeRequest, d: Drafted, start: int) -> None:
+        """Puts the features from `start` on that a feature draft lacks into its request."""
+        rows = d.log.since(start) if d.log is not None else None
+        if rows is not None:
+            request.features.CopyFrom(pb.Features(start=rows.start, rows=rows.rows, dim=int(rows.values.shape[1]),
+                                                  data=rows.to_bytes()))
+
+    def _drafted(self, run: Run, call: VerifyCall, result) -> None:
+        """What a drafted run's pass leaves the policy, the costs and the draft's copy knowing."""
+        d, drafted = run.drafted, len(call.draft_tokens)
+        if d.log is not None and result.features is not None:
+            # as the coordinator's SequenceState.put_features: they replace any held from their start on
+            if result.features.start <= len(d.log):
+                d.log.put(result.features)
+                d.features_known = min(d.features_known, result.features.start)
+        passes = 1 + result.ahead_passes
+        d.steps += passes
+        if drafted:
+            d.known = call.known_len + len(call.append) + result.accepted  # the draft holds its accepted tokens
+            d.policy.observe(drafted, result.accepted)
+            draft_compute, ask = run.ask
+            if not d.seeded and len(call.append) <= 1:
+                self.cost_model.observe(drafted, draft_compute, drafted + 1, result.compute_seconds, 0.0, ask)
+        else:
+            d.policy.skip(passes - 1)
+            if not d.seeded and len(call.append) <= 1:
+                self.cost_model.observe(0, 0.0, 1, result.compute_seconds / passes, 0.0)
 
 
 class _Stream:

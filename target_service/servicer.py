@@ -184,10 +184,15 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
         model=config.model, vocab_size=engine.lm.vocab_size, max_context=engine.lm.max_context,
         eos_token_ids=engine.lm.eos_token_ids, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
         weights=packed.weights if packed else str(loaded.dtype).removeprefix("torch."),
-        weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(loaded.model),
+        weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(loaded.model), draft=config.draft,
     )
     engine.store.on_start = metrics.target().sequences_started.inc
     engine.on_tokens = servicer.runs.on_tokens
+    if config.draft:
+        from target_service.drafts import DraftLink
+
+        servicer.runs.link = DraftLink(config.draft, tls.channel_credentials(config.tls_ca, config.tls_cert, config.tls_key)
+                                       if config.tls_ca else None)
     servicer.runs.draining = lambda: server.drain.draining
     server.drain.listeners.append(servicer.runs.drain)
     metrics.follow_store(engine.store, metrics.target().sequences, metrics.target().kv_usage)
@@ -204,3 +209,5 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
         if sweep is not None:
             sweep.cancel()
         servicer.batcher.close()
+        if servicer.runs.link is not None:
+            await servicer.runs.link.close()

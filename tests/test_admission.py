@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from specdec.spec.costs import NGRAM_DRAFT_PRIOR, CostModel
-from coordinator.policy.draft_length import DraftLengthPolicy
+from specdec.spec.draft_length import DraftLengthPolicy
 from coordinator.policy.admission import Admission
 from specdec.errors import Overloaded
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
-from coordinator.policy.draft_length import DraftLengthPolicy
+from specdec.spec.draft_length import DraftLengthPolicy
 from coordinator.clients import TargetClient
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import DEFAULT_DECODE_AHEAD, SpeculativeLoop

@@ -170,13 +170,16 @@ def test_bad_runs_are_refused_with_the_field_named_and_the_stream_goes_on(stack,
                                             pb.DecodeRun(sequence_id="good", append_tokens=prompt, max_new_tokens=4)])]
         ends = {}
         tokens = []
+        seen = []
         for response in stub.Decode(iter(requests), timeout=30):
+            seen.append(str(response))
             for run in response.runs:
                 if run.sequence_id == "good":
                     tokens += run.tokens
                 if run.done:
                     ends[run.sequence_id] = (grpc.StatusCode.OK if not run.error_code else
                                              {c.value[0]: c for c in grpc.StatusCode}[run.error_code], run.error_message)
+        assert "bad-token" in ends, seen
         assert ends["bad-max"][0] == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in ends["bad-max"][1]
         assert ends["bad-token"][0] == grpc.StatusCode.INVALID_ARGUMENT and "append_tokens" in ends["bad-token"][1]
         assert ends["good"][0] == grpc.StatusCode.OK
@@ -207,4 +210,103 @@ def test_target_restarted_mid_run_gives_the_same_tokens(pair, tmp_path):
         assert tokens == expected
     finally:
         target.stop()
+        stack.stop()
+
+
+# --- drafted runs: the target asks its own draft service (TargetService --draft) ------------------
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory):
+    """A model draft and a feature draft, each the --draft of its own target; coordinators on each
+    with drafted runs, and one on the model draft's target with the step loop."""
+    from specdec.model.feature_draft import save_feature_draft
+    import torch
+
+    folder = tmp_path_factory.mktemp("drafted")
+    target, noisy = tiny.tiny_pair(seed=0)
+    target_path = tiny.save(target, folder / "target")
+    one_layer = tiny.one_layer_target(seed=3)  # a feature draft nearly reproduces a one-layer target (tests/tiny.py)
+    one_layer_path = tiny.save(one_layer, folder / "one-layer")
+    feature_path = str(save_feature_draft(tiny.feature_draft_of(one_layer), folder / "feature", one_layer_path, [tiny.EOS],
+                                          dtype=torch.float32))
+    stack = Stack()
+    model_draft = stack.draft(drafter="model", model=tiny.save(noisy, folder / "draft"))
+    model_target = stack.target(target_path, draft=model_draft)
+    feature_draft = stack.draft(drafter="model", model=feature_path)
+    feature_target = stack.target(one_layer_path, draft=feature_draft)
+    clients = {"runs": stack.client(stack.coordinator(model_target, model_draft, tiny.byte_tokenizer())),
+               "steps": stack.client(stack.coordinator(model_target, model_draft, tiny.byte_tokenizer(), decode_runs=False)),
+               "feature": stack.client(stack.coordinator(feature_target, feature_draft, tiny.byte_tokenizer()))}
+    yield {"stack": stack, "clients": clients, "target": target, "one_layer": one_layer}
+    stack.stop()
+
+
+def test_drafted_runs_give_the_step_loops_tokens_and_drafts(drafted):
+    """Fixed draft lengths: the same proposals as the coordinator's loop asks for, so the same stats too."""
+    clients, target = drafted["clients"], drafted["target"]
+    link = drafted["stack"].servers[1].servicer.runs.link
+    asked = link.messages_out
+    for prompt in tiny.prompts(4, seed=3):
+        expected = tiny.reference_greedy(target, prompt, MAX_NEW)
+        speculation = pb.SpeculationParams(draft_length=4, adaptive=False)
+        runs, steps = (generate(clients[name], prompt, speculation=speculation) for name in ("runs", "steps"))
+        assert list(runs.token_ids) == list(steps.token_ids) == expected
+        assert (runs.stats.steps, runs.stats.draft_tokens, runs.stats.accepted_tokens) == \
+            (steps.stats.steps, steps.stats.draft_tokens, steps.stats.accepted_tokens)
+        assert 0 < runs.stats.accepted_tokens < runs.stats.draft_tokens
+        adaptive = generate(clients["runs"], prompt, speculation=pb.SpeculationParams(draft_length=8))
+        assert list(adaptive.token_ids) == expected
+    assert link.messages_out > asked, "the runs did not draft through the target's draft service"
+    for server in drafted["stack"].servers[:2]:  # the model draft and its target
+        assert wait_free(server.servicer.engine) == 0
+
+
+def test_drafted_runs_sample_as_the_step_loop_does(drafted):
+    clients = drafted["clients"]
+    for prompt in tiny.prompts(3, seed=4):
+        request = dict(sampling=pb.SamplingParams(temperature=0.8, top_k=30, seed=99), speculation=pb.SpeculationParams(draft_length=4))
+        runs, steps = (generate(clients[name], prompt, **request) for name in ("runs", "steps"))
+        assert list(runs.token_ids) == list(steps.token_ids)
+
+
+def test_a_feature_draft_drafts_in_runs_from_the_targets_features(drafted):
+    target = drafted["one_layer"]
+    accepted = 0
+    for prompt in tiny.prompts(6):
+        response = generate(drafted["clients"]["feature"], prompt, speculation=pb.SpeculationParams(draft_length=5, adaptive=False))
+        assert list(response.token_ids) == tiny.reference_greedy(target, prompt, MAX_NEW)
+        accepted += response.stats.accepted_tokens
+    assert accepted > 0
+    assert drafted["stack"].servers[3].servicer.runs.link.messages_in > 0
+
+
+def test_a_coordinator_with_another_draft_keeps_its_own(drafted):
+    """The target's draft is used only by a coordinator naming that same draft."""
+    stack = drafted["stack"]
+    other = stack.coordinator(f"127.0.0.1:{stack.servers[1].port}", f"127.0.0.1:{stack.servers[2].port}", tiny.byte_tokenizer())
+    assert not stack.servers[-1].servicer.loop.target_drafts
+    prompt = tiny.prompts(1, seed=5)[0]
+    assert list(generate(stack.client(other), prompt).token_ids) == tiny.reference_greedy(drafted["target"], prompt, MAX_NEW)
+
+
+def test_a_draft_killed_mid_run_leaves_the_tokens_unchanged(tmp_path):
+    target, noisy = tiny.tiny_pair(seed=0)
+    draft = Service("draft", "--drafter", "model", "--model", tiny.save(noisy, tmp_path / "draft"), "--device", "cpu",
+                    "--metrics-port", "-1").start()
+    stack = Stack()
+    try:
+        target_addr = stack.target(tiny.save(target, tmp_path / "target"), draft=draft.address)
+        stub = stack.client(stack.coordinator(target_addr, draft.address, tiny.byte_tokenizer()))
+        prompt = tiny.prompts(1, seed=2)[0]
+        call = stub.GenerateStream(pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=300,
+                                                            speculation=pb.SpeculationParams(draft_length=4, adaptive=False)),
+                                   timeout=120)
+        tokens = list(next(call).token_ids)
+        draft.kill()
+        for chunk in call:
+            tokens += chunk.token_ids
+        assert tokens == tiny.reference_greedy(target, prompt, 300)
+        assert wait_free(target_engine(stack)) == 0
+    finally:
+        draft.stop()
         stack.stop()

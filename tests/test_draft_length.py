@@ -1,9 +1,9 @@
-"""The draft-length policy (coordinator/policy/draft_length.py) and the costs it weighs
+"""The draft-length policy (specdec/spec/draft_length.py) and the costs it weighs
 (specdec/spec/costs.py): E(g), the best length or prefix, the running cost model and its fit."""
 
 import pytest
 
-from coordinator.policy.draft_length import DraftLengthPolicy
+from specdec.spec.draft_length import DraftLengthPolicy
 from specdec.spec.costs import (MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, Costs, best_length, best_prefix,
                                 cost_curve, expected_tokens, monotone)
 

@@ -17,7 +17,7 @@
   the most positions a pass verifies before it costs 1.5 times one position, 8 on the CPU prior's
   curve. Not the default: the per-request V(n) it reads is noisy on a busy machine (a clean-clone
   run read a knee of 2 off a tiny model's). The draft-length policy
-  (coordinator/policy/draft_length.py) still chooses within that cap by acceptance and cost.
+  (specdec/spec/draft_length.py) still chooses within that cap by acceptance and cost.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ OPEN_METHODS = ("/grpc.health.", "/grpc.reflection.")
 # Streams that carry many sequences for a client's whole life (the target's Decode): refusing their
 # next message would cut every sequence on them, so they see the drain themselves (Drain.listeners)
 # and end once their work is done.
-LASTING_METHODS = ("/specdec.v1.TargetService/Decode",)
+LASTING_METHODS = ("/specdec.v1.TargetService/Decode", "/specdec.v1.DraftService/Drafts")
 
 
 class Drain(grpc.aio.ServerInterceptor):

@@ -1,0 +1,119 @@
+"""The target's one stream to its draft service (`--draft`), for the proposals of its drafted runs.
+
+A run that drafts with a model (target_service/runs.py) needs a proposal before each pass. Asked by
+the coordinator, each step crossed the wire four times (coordinator -> draft -> coordinator ->
+target -> coordinator); asked by the target, twice (target -> draft -> target), with the verdict of
+the last step in the same message as the next ask (`known_len` rolls the draft back). Every run's
+asks go on ONE DraftService.Drafts stream: the asks made in one turn of the event loop travel in
+one DraftsRequest, and the draft answers in batched DraftsResponses, so 32 runs cost one message
+each way a round, not 32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import structlog
+
+from protos import specdec_pb2 as pb
+from protos import specdec_pb2_grpc as pb_grpc
+from specdec.errors import SequenceNotFound, Unavailable
+from specdec.serving.rpc import CHANNEL_OPTIONS
+
+log = structlog.get_logger(__name__)
+
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+
+
+class DraftLink:
+    """Propose over the Drafts stream; the stream opens on first use and again after it broke."""
+
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
+        self.address = address
+        options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+        self._channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials is not None
+                         else grpc.aio.insecure_channel(address, options=options))
+        self._stub = pb_grpc.DraftServiceStub(self._channel)
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._outbox = pb.DraftsRequest()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self.messages_out = self.messages_in = 0  # DraftsRequests written, DraftsResponses read
+
+    async def propose(self, request: pb.ProposeRequest, timeout: float) -> pb.ProposeSessionResponse:
+        """The proposal for `request`. Raises SequenceNotFound where the draft lost the sequence
+        (ask again with known_len 0), Unavailable where the draft or the stream failed."""
+        self._ensure()
+        future = asyncio.get_running_loop().create_future()
+        self._waiting[request.sequence_id] = future
+        self._outbox.propose.append(request)
+        self._wake.set()
+        try:
+            async with asyncio.timeout(timeout):
+                entry = await future
+        except TimeoutError as exc:
+            raise Unavailable(f"the draft service took longer than {timeout:.3g} s") from exc
+        finally:
+            self._waiting.pop(request.sequence_id, None)
+        if entry.error_code == _NOT_FOUND:
+            raise SequenceNotFound(request.sequence_id, entry.error_message)
+        if entry.error_code:
+            raise Unavailable(f"the draft service failed: {entry.error_message}")
+        return entry.proposal
+
+    def release(self, sequence_id: str) -> None:
+        """Frees the draft's copy of a sequence whose run ended (sent with the next message)."""
+        if self._call is not None:
+            self._outbox.release.append(sequence_id)
+            self._wake.set()
+
+    def _ensure(self) -> None:
+        if self._call is not None:
+            return
+        call = self._call = self._stub.Drafts()
+        loop = asyncio.get_running_loop()
+        for task in (loop.create_task(self._read(call)), loop.create_task(self._write(call))):
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _write(self, call) -> None:
+        try:
+            while self._call is call:
+                await self._wake.wait()
+                self._wake.clear()
+                message, self._outbox = self._outbox, pb.DraftsRequest()
+                if message.propose or message.release:
+                    await call.write(message)
+                    self.messages_out += 1
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
+            log.info("drafts stream closed for writing", error=str(exc))
+
+    async def _read(self, call) -> None:
+        reason = "the draft service ended the stream"
+        try:
+            async for response in call:
+                self.messages_in += 1
+                for entry in response.proposals:
+                    future = self._waiting.get(entry.sequence_id)
+                    if future is not None and not future.done():
+                        future.set_result(entry)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"the drafts stream broke: {exc.code().name} {exc.details()}"
+        finally:
+            if self._call is call:
+                self._call = None
+                self._wake.set()
+            for future in list(self._waiting.values()):
+                if not future.done():
+                    future.set_exception(Unavailable(reason))
+
+    async def close(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._channel.close()
