@@ -72,7 +72,8 @@ def main() -> None:
             stack.start_target()
             draft = stack.start_draft("ngram")
             coordinators = {}
-            for path, flags in (("run in the target", ("--decode-runs",)), ("exchange a pass", ("--no-decode-runs", "--decode-ahead", "0"))):
+            paths = (("run in the target", ("--decode-runs",)), ("exchange a pass", ("--no-decode-runs", "--decode-ahead", "0")))
+            for path, flags in paths:
                 coordinators[f"ngram draft service, {path}"] = stack.start_coordinator(draft, *flags)
                 coordinators[f"ngram in coordinator, {path}"] = stack.start_coordinator("ngram", *flags)
                 coordinators[f"speculation off, {path}"] = stack.start_coordinator("", *flags)

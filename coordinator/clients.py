@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 import structlog
 
-from coordinator.decode_stream import DecodeStream
+from coordinator.decode_stream import DecodeStream, StreamPerRun
 from coordinator.protocol import DraftOutcome, Progress, TreeSpec, VerifyOutcome
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
@@ -256,9 +256,10 @@ class TargetClient:
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.sessions = Sessions(self.stub.VerifySession, "Verify")
-        # Runs the target decodes alone share one stream; a fleet's replicas cannot be told apart on
-        # one stream, so a fleet keeps the per-sequence exchanges.
-        self.decoder = None if channel_target(address)[1] else DecodeStream(self.stub.Decode, retry_s)
+        # Runs in the target share one stream; a fleet's replicas cannot be told apart on one
+        # stream, so there each run has its own, routed by its sequence as every call is.
+        self.decoder = (StreamPerRun(lambda sequence_id: self.stub.Decode(metadata=_metadata(sequence_id)), retry_s)
+                        if channel_target(address)[1] else DecodeStream(self.stub.Decode, retry_s))
 
     async def info(self, timeout_s: float | None = None) -> pb.ModelInfo:
         response = await self.stub.GetInfo(pb.TargetServiceGetInfoRequest(), timeout=timeout_s or self.timeout_s, wait_for_ready=True)

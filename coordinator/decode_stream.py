@@ -7,13 +7,15 @@ per sequence per pass; on one stream, whatever the number of runs, a pass costs 
 way at most (`messages_in`, `messages_out` count them). A run needs nothing from the coordinator
 between passes, so nothing is on its critical path but the target.
 
-A fleet of target replicas keeps the per-sequence exchanges (coordinator/clients.py): gRPC's
-ring_hash routes a call, not a message within a stream, to the replica holding its sequence.
+A fleet of target replicas gets a stream per run instead (`StreamPerRun`): gRPC's ring_hash routes
+a call, not a message within a stream, to the replica holding its sequence. No exchange between
+passes still, but a message per run per pass.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -45,7 +47,8 @@ def run_proto(run: DecodeRun) -> pb.DecodeRun:
                         max_new_tokens=run.max_new_tokens, stop_token_ids=sorted(run.stop_token_ids),
                         eos_banned_until=run.eos_banned_until, logprobs=run.logprobs,
                         lookup_max_tokens=run.lookup_max_tokens, lookup_costs=run.lookup_costs, lookup_source=run.lookup_source,
-                        draft_length=run.draft_length, adaptive=run.adaptive, seeded=run.seeded, features=run.features)
+                        draft_length=run.draft_length, adaptive=run.adaptive, seeded=run.seeded, features=run.features,
+                        overlap=run.overlap)
 
 
 class DecodeStream:
@@ -149,3 +152,23 @@ class DecodeStream:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class StreamPerRun:
+    """A fleet's Decoder: each run on a Decode stream of its own, opened with its sequence's
+    metadata (`open_stream(sequence_id)`) so the fleet's ring_hash takes it to one replica."""
+
+    def __init__(self, open_stream, retry_s: float):
+        self._open, self.retry_s = open_stream, retry_s
+
+    async def decode(self, run: DecodeRun) -> AsyncIterator[DecodeProgress]:
+        stream = DecodeStream(lambda: self._open(run.sequence_id), self.retry_s)
+        try:
+            async with contextlib.aclosing(stream.decode(run)) as progress:
+                async for made in progress:
+                    yield made
+        finally:
+            await stream.close()
+
+    async def close(self) -> None:
+        pass

@@ -147,8 +147,9 @@ class SpeculativeLoop:
             return False
         if state.lookup or self.proposer is None or spec.draft_length == 0:
             return True
-        # a model draft: the target asks its own draft service (no run-ahead there yet)
-        return self.target_drafts and state.ahead.mode == "off"
+        # a model draft: the target asks its own draft service, pipelined with --overlap on (auto
+        # weighs each request's bets as the step loop runs them)
+        return self.target_drafts and state.ahead.mode in ("off", "on")
 
     def _drafted_by_target(self, spec: GenerationSpec, state: SequenceState) -> bool:
         return not state.lookup and self.proposer is not None and spec.draft_length > 0
@@ -168,7 +169,8 @@ class SpeculativeLoop:
                             logprobs=spec.logprobs, lookup_max_tokens=lookup[0], lookup_costs=lookup[1],
                             lookup_source=spec.prediction_ids if state.lookup else (),
                             draft_length=spec.draft_length if self._drafted_by_target(spec, state) else 0,
-                            adaptive=spec.adaptive, seeded=spec.seeded, features=self.features)
+                            adaptive=spec.adaptive, seeded=spec.seeded, features=self.features,
+                            overlap=state.ahead.mode == "on")
             try:
                 ending: list[int] = []  # the last tokens, held until the run's end brings its costs
                 async with contextlib.aclosing(self.decoder.decode(run)) as progress:

@@ -127,6 +127,7 @@ class DecodeRun:
     adaptive: bool = True  # ... adapting the length as this loop would
     seeded: bool = False  # ... with static lengths (the client chose the seed)
     features: bool = False  # ... a feature draft: the target sends it its hidden states
+    overlap: bool = False  # ... pipelined: the draft drafts the next step during this one's pass
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ each way a round, not 32.
 from __future__ import annotations
 
 import asyncio
+import collections
 
 import grpc
 import structlog
@@ -36,7 +37,9 @@ class DraftLink:
                          else grpc.aio.insecure_channel(address, options=options))
         self._stub = pb_grpc.DraftServiceStub(self._channel)
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._waiting: dict[str, asyncio.Future] = {}
+        # Per sequence, the asks in flight in the order sent: the draft answers one sequence's asks
+        # in that order (it serialises them), and a run drafting ahead has two in flight at once.
+        self._waiting: dict[str, collections.deque[asyncio.Future]] = {}
         self._outbox = pb.DraftsRequest()
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
@@ -47,16 +50,14 @@ class DraftLink:
         (ask again with known_len 0), Unavailable where the draft or the stream failed."""
         self._ensure()
         future = asyncio.get_running_loop().create_future()
-        self._waiting[request.sequence_id] = future
+        self._waiting.setdefault(request.sequence_id, collections.deque()).append(future)
         self._outbox.propose.append(request)
         self._wake.set()
         try:
             async with asyncio.timeout(timeout):
-                entry = await future
+                entry = await asyncio.shield(future)  # a cancelled ask keeps its place: its answer still comes
         except TimeoutError as exc:
             raise Unavailable(f"the draft service took longer than {timeout:.3g} s") from exc
-        finally:
-            self._waiting.pop(request.sequence_id, None)
         if entry.error_code == _NOT_FOUND:
             raise SequenceNotFound(request.sequence_id, entry.error_message)
         if entry.error_code:
@@ -96,8 +97,13 @@ class DraftLink:
             async for response in call:
                 self.messages_in += 1
                 for entry in response.proposals:
-                    future = self._waiting.get(entry.sequence_id)
-                    if future is not None and not future.done():
+                    queue = self._waiting.get(entry.sequence_id)
+                    if not queue:
+                        continue
+                    future = queue.popleft()
+                    if not queue:
+                        del self._waiting[entry.sequence_id]
+                    if not future.done():
                         future.set_result(entry)
         except grpc.aio.AioRpcError as exc:
             reason = f"the drafts stream broke: {exc.code().name} {exc.details()}"
@@ -105,9 +111,11 @@ class DraftLink:
             if self._call is call:
                 self._call = None
                 self._wake.set()
-            for future in list(self._waiting.values()):
+            waiting, self._waiting = self._waiting, {}
+            for future in (f for queue in waiting.values() for f in queue):
                 if not future.done():
                     future.set_exception(Unavailable(reason))
+                    future.exception()  # retrieved: nobody may be waiting for it any more
 
     async def close(self) -> None:
         call, self._call = self._call, None

@@ -114,6 +114,10 @@ class Drafted:
     known: int = 0  # leading canonical tokens the draft holds
     log: FeatureLog | None = None  # a feature draft's: the target's hidden states of the canonical positions
     features_known: int = 0  # leading features the draft holds
+    overlap: bool = False  # the draft drafts the next step while the target verifies this one
+    plan: tuple[int, float] = (0, 0.0)  # this step's (planned length, min cumulative probability)
+    ready: tuple[list[int], list] | None = None  # the next step's draft, drafted ahead: (tokens, dists)
+    hits: int = 0  # steps whose draft was drafted ahead (counted for the tests and the log)
     steps: int = 0  # target passes so far
     skip_until: int = 0  # after a draft failure, the pass at which the draft is asked again
 
@@ -127,6 +131,7 @@ class DecodeStreams:
         self._submit, self._release, self.draining, self.link = submit, release, draining, link
         # Step costs seen by every drafted run (the machines', not a request's), as the coordinator's CostModel
         self.cost_model = CostModel(MODEL_DRAFT_PRIOR)
+        self.hits = 0  # steps of pipelined runs whose draft was drafted during the pass before
         self.runs: dict[str, Run] = {}  # every stream's runs, by sequence (the engine's reports name sequences)
         # Runs that ended (cancelled, or a stop token) while a call of theirs may be on the worker:
         # the passes it decodes ahead for them are waste, so they stop (`interrupt`).
@@ -236,7 +241,7 @@ class DecodeStreams:
             policy = DraftLengthPolicy(max_length=message.draft_length, cost_model=None if message.seeded else self.cost_model,
                                        prior=MODEL_DRAFT_PRIOR, adaptive=message.adaptive)
             run.drafted = Drafted([*[0] * message.known_len, *message.append_tokens], policy, message.seeded,
-                                  log=FeatureLog() if message.features else None)
+                                  log=FeatureLog() if message.features else None, overlap=message.overlap)
             if message.features:
                 run.template = dataclasses.replace(template, return_features=True)
         self.runs[sequence_id] = stream.runs[sequence_id] = run
@@ -263,6 +268,7 @@ class DecodeStreams:
             while not run.done:
                 draft = await self._draft(run) if run.drafted is not None else None
                 call = draft if draft is not None else run.next_call(self._quiet(run) if run.drafted is not None else None)
+                ahead = self._run_ahead(run, call) if draft is not None and run.drafted.overlap else None
                 run.in_call = 0
                 try:
                     result = await self._submit(call)
@@ -281,6 +287,8 @@ class DecodeStreams:
                 out.compute_seconds += result.compute_seconds
                 if run.drafted is not None:
                     self._drafted(run, call, result)
+                if ahead is not None:
+                    await self._settle(run, call, result, ahead)
                 stream.changed()
         except SpecdecError as exc:
             code, message = exc.code, str(exc)
@@ -315,10 +323,17 @@ class DecodeStreams:
         coordinator's loop would ask for it (planned by the same policy, the same seeds); None
         where this step drafts nothing (then the call decodes ahead through the quiet steps)."""
         d, remaining = run.drafted, run.max_new - run.made
-        planned, min_prob = d.policy.plan()
+        planned, min_prob = d.plan = d.policy.plan()
         gamma = min(planned, remaining - 1)
+        ready, d.ready = d.ready, None  # drafted for this step only
         if gamma <= 0 or d.steps < d.skip_until:
             return None
+        if ready is not None and ready[0]:  # drafted during the last pass: no wait for the draft
+            d.hits += 1
+            self.hits += 1
+            run.ask = (0.0, 0.0)
+            call = run.next_call(ahead=0)
+            return dataclasses.replace(call, draft_tokens=ready[0][:gamma], draft_dists=ready[1][:gamma])
         sampling = run.template.sampling
         request = pb.ProposeRequest(sequence_id=run.sequence_id, known_len=d.known, append_tokens=d.tokens[d.known:], max_tokens=gamma,
                                     min_cumulative_prob=min_prob, temperature=sampling.temperature,
@@ -349,6 +364,46 @@ class DecodeStreams:
         dists = [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else EMPTY_DIST for m in answer.tokens]
         call = run.next_call(ahead=0)
         return dataclasses.replace(call, draft_tokens=tokens, draft_dists=dists)
+
+    def _run_ahead(self, run: Run, call: VerifyCall) -> asyncio.Task | None:
+        """Pipelining: while the target verifies `call`, the draft drafts the step after it, on the bet
+        that the target accepts the whole draft. The draft still holds the chain past the canonical
+        tokens, so the ask names it all as known and sends nothing; its first token is the draft's
+        guess at the target's own next token, the rest the next step's draft (its own seed: the
+        bet's draws must not be the ones a fresh ask at that position would make). Lossless: these
+        are proposals like any other, used only after the very prefix they were drafted from."""
+        d = run.drafted
+        planned, min_prob = d.plan
+        after = call.known_len + len(call.append) + len(call.draft_tokens) + 1  # canonical length if the bet wins
+        room = min(planned, run.max_new - (run.made + len(call.draft_tokens) + 1) - 1)
+        if room < 1:
+            return None
+        sampling = run.template.sampling
+        request = pb.ProposeRequest(sequence_id=run.sequence_id, known_len=after - 1, max_tokens=room + 1,
+                                    min_cumulative_prob=min_prob, temperature=sampling.temperature,
+                                    seed=derive_seed(sampling.seed, after, "runahead"))
+        task = asyncio.get_running_loop().create_task(self.link.propose(request, PROPOSE_TIMEOUT_S))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a lost bet's failure is nobody's
+        return task
+
+    @staticmethod
+    async def _settle(run: Run, call: VerifyCall, result, ahead: asyncio.Task) -> None:
+        """After the verdict: the drafted-ahead tokens become the next step's draft if the target
+        accepted the whole draft and its own token is the draft's guess; otherwise they are dropped
+        (the next ask's known_len crops them from the draft's copy)."""
+        d = run.drafted
+        if run.done or result.accepted < len(call.draft_tokens) or result.decoded:
+            return
+        try:
+            answer = await ahead
+        except SpecdecError:
+            return
+        tokens = [m.token_id for m in answer.tokens]
+        if len(tokens) < 2 or tokens[0] != result.next_token:
+            return
+        d.ready = (tokens[1:], [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else EMPTY_DIST
+                                for m in answer.tokens[1:]])
+        d.known = run.length  # the guess was the target's token: the draft holds the canonical tokens, then `ready`
 
     @staticmethod
     def _quiet(run: Run) -> int | None:

@@ -188,9 +188,11 @@ def test_bad_runs_are_refused_with_the_field_named_and_the_stream_goes_on(stack,
         channel.close()
 
 
-def test_a_fleet_keeps_the_exchanges():
-    assert TargetClient("127.0.0.1:1,127.0.0.1:2", 1.0).decoder is None
-    assert TargetClient("127.0.0.1:1", 1.0).decoder is not None
+def test_a_fleet_gets_a_stream_per_run_one_target_one_stream():
+    from coordinator.decode_stream import DecodeStream, StreamPerRun
+
+    assert isinstance(TargetClient("127.0.0.1:1,127.0.0.1:2", 1.0).decoder, StreamPerRun)
+    assert isinstance(TargetClient("127.0.0.1:1", 1.0).decoder, DecodeStream)
 
 
 def test_target_restarted_mid_run_gives_the_same_tokens(pair, tmp_path):
@@ -236,7 +238,8 @@ def drafted(tmp_path_factory):
     feature_target = stack.target(one_layer_path, draft=feature_draft)
     clients = {"runs": stack.client(stack.coordinator(model_target, model_draft, tiny.byte_tokenizer())),
                "steps": stack.client(stack.coordinator(model_target, model_draft, tiny.byte_tokenizer(), decode_runs=False)),
-               "feature": stack.client(stack.coordinator(feature_target, feature_draft, tiny.byte_tokenizer()))}
+               "feature": stack.client(stack.coordinator(feature_target, feature_draft, tiny.byte_tokenizer())),
+               "pipelined": stack.client(stack.coordinator(model_target, model_draft, tiny.byte_tokenizer(), overlap="on"))}
     yield {"stack": stack, "clients": clients, "target": target, "one_layer": one_layer}
     stack.stop()
 
@@ -278,6 +281,19 @@ def test_a_feature_draft_drafts_in_runs_from_the_targets_features(drafted):
         accepted += response.stats.accepted_tokens
     assert accepted > 0
     assert drafted["stack"].servers[3].servicer.runs.link.messages_in > 0
+
+
+def test_pipelined_runs_give_the_same_tokens_and_use_their_bets(drafted):
+    """--overlap on: the draft drafts the next step during each pass; a won bet is the next draft."""
+    clients, target = drafted["clients"], drafted["target"]
+    runs = drafted["stack"].servers[1].servicer.runs
+    hits = runs.hits
+    for prompt in tiny.prompts(4, seed=3):
+        expected = tiny.reference_greedy(target, prompt, MAX_NEW)
+        response = generate(clients["pipelined"], prompt, speculation=pb.SpeculationParams(draft_length=3, adaptive=False))
+        assert list(response.token_ids) == expected
+        assert response.stats.accepted_tokens > 0
+    assert runs.hits > hits, "no step used a draft drafted during the pass before"
 
 
 def test_a_coordinator_with_another_draft_keeps_its_own(drafted):

@@ -524,7 +524,12 @@ def stack(wide_models, tmp_path_factory):
         # With 8 requests running, the default load cap (--verify-token-budget 8) leaves no room for
         # draft tokens at all: the batched case lifts it so that its batches verify drafts.
         uncapped = services.coordinator(target, draft, tiny.byte_tokenizer(), verify_token_budget=0)
-        yield {1: services.client(default), 8: services.client(uncapped)}
+        # A target that asks its draft itself (--draft): drafted runs, plain and pipelined
+        drafting = services.target(str(folder / "target"), draft=draft)
+        drafted = services.coordinator(drafting, draft, tiny.byte_tokenizer(), verify_token_budget=0)
+        pipelined = services.coordinator(drafting, draft, tiny.byte_tokenizer(), verify_token_budget=0, overlap="on")
+        yield {1: services.client(default), 8: services.client(uncapped), "drafted": services.client(drafted),
+               "pipelined": services.client(pipelined), "servers": services.servers}
     finally:
         services.stop()
 
@@ -533,10 +538,10 @@ GRPC_SAMPLES = SAMPLES * 5 // 6  # ~20 ms a request through three services
 
 
 def sample_grpc(client, prompt: list[int], sampling: SamplingConfig, eos: set[int], concurrency: int,
-                speculation: pb.SpeculationParams | None = None, n: int = GRPC_SAMPLES) -> tuple[list[Cell], Stats]:
+                speculation: pb.SpeculationParams | None = None, n: int = GRPC_SAMPLES, max_new: int = DEPTH) -> tuple[list[Cell], Stats]:
     """n unseeded Generate calls, `concurrency` in flight at a time; their first tokens."""
     def one(_):
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=DEPTH,
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new,
                                      sampling=pb.SamplingParams(temperature=sampling.temperature), speculation=speculation)
         return client.Generate(request, timeout=60)
 
@@ -566,3 +571,22 @@ def test_through_grpc_services(wide_models, stack, concurrency, adaptive):
         f"{total.accepted_tokens} of {total.draft_tokens} draft tokens accepted"
     name = f"gRPC, {concurrency} at once, {'adaptive' if adaptive else 'two tokens a step'}"
     assert_target_distribution(name, samples, exact_joint(target, PROMPT, PLAIN, eos), total)
+
+
+@pytest.mark.parametrize("mode", ["drafted", "pipelined"])
+@pytest.mark.parametrize("concurrency", [1, 8], ids=["one stream", "8 concurrent"])
+def test_through_grpc_drafted_runs(wide_models, stack, mode, concurrency):
+    """The target asks its draft itself (target_service/runs.py), and pipelined, the draft drafts
+    the next step on the bet that this one is accepted whole: still the target's distribution."""
+    target, eos = wide_models["target"], eos_of(wide_models["target"])
+    # One token a step, and two more tokens than are checked: a pipelined run's bet on the first
+    # step then drafts the second step, whose tokens are among the three checked.
+    speculation = pb.SpeculationParams(draft_length=1, adaptive=False)
+    runs = stack["servers"][3].servicer.runs
+    hits = runs.hits
+    samples, total = sample_grpc(stack[mode], PROMPT, PLAIN, eos, concurrency, speculation, max_new=DEPTH + 2)
+    assert total.draft_tokens > len(samples) and 0.1 * total.draft_tokens <= total.accepted_tokens <= 0.9 * total.draft_tokens, \
+        f"{total.accepted_tokens} of {total.draft_tokens} draft tokens accepted"
+    if mode == "pipelined":
+        assert runs.hits - hits > 0.05 * len(samples), f"{runs.hits - hits} steps drafted ahead in {len(samples)} requests"
+    assert_target_distribution(f"gRPC drafted runs, {mode}, {concurrency} at once", samples, exact_joint(target, PROMPT, PLAIN, eos), total)
