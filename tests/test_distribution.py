@@ -574,7 +574,7 @@ def test_through_grpc_services(wide_models, stack, concurrency, adaptive):
 
 
 @pytest.mark.parametrize("mode", ["drafted", "pipelined"])
-@pytest.mark.parametrize("concurrency", [1, 8], ids=["one stream", "8 concurrent"])
+@pytest.mark.parametrize("concurrency", [1, pytest.param(8, marks=pytest.mark.slow)], ids=["one stream", "8 concurrent"])
 def test_through_grpc_drafted_runs(wide_models, stack, mode, concurrency):
     """The target asks its draft itself (target_service/runs.py), and pipelined, the draft drafts
     the next step on the bet that this one is accepted whole: still the target's distribution."""
@@ -582,7 +582,7 @@ def test_through_grpc_drafted_runs(wide_models, stack, mode, concurrency):
     # One token a step, and two more tokens than are checked: a pipelined run's bet on the first
     # step then drafts the second step, whose tokens are among the three checked.
     speculation = pb.SpeculationParams(draft_length=1, adaptive=False)
-    runs = stack["servers"][3].servicer.runs
+    runs = stack["servers"][4].servicer.runs  # the target with --draft
     hits = runs.hits
     samples, total = sample_grpc(stack[mode], PROMPT, PLAIN, eos, concurrency, speculation, max_new=DEPTH + 2)
     assert total.draft_tokens > len(samples) and 0.1 * total.draft_tokens <= total.accepted_tokens <= 0.9 * total.draft_tokens, \
