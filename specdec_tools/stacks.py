@@ -76,12 +76,11 @@ class Stack(ServiceProcesses):
                         for i in range(replicas))
 
     def drafts_for_target(self, drafter: str, draft_address: str, replicas: int = 1) -> list[str]:
-        """The target's --draft for `drafter` served at `draft_address`: a model draft that is not
-        a feature draft, one replica of it (the target keeps one Drafts stream), and its own
-        coordinators then start model-draft requests as drafted runs (target_service/runs.py)."""
-        from specdec.model.loading import feature_draft_folder
-
-        if drafter == "ngram" or replicas != 1 or "," in draft_address or feature_draft_folder(drafter) is not None:
+        """The target's --draft for `drafter` served at `draft_address`: a model draft (a feature
+        draft too), one replica of it (the target keeps one Drafts stream); its coordinators then
+        start model-draft requests as drafted runs (target_service/runs.py). The n-gram drafter
+        needs none: the target drafts by prompt lookup itself."""
+        if drafter == "ngram" or replicas != 1 or "," in draft_address:
             return []
         return ["--draft", draft_address]
 

@@ -44,6 +44,7 @@ class DraftLink:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.messages_out = self.messages_in = 0  # DraftsRequests written, DraftsResponses read
+        self.asks = 0  # ProposeRequests sent in them
 
     async def propose(self, request: pb.ProposeRequest, timeout: float) -> pb.ProposeSessionResponse:
         """The proposal for `request`. Raises SequenceNotFound where the draft lost the sequence
@@ -52,6 +53,7 @@ class DraftLink:
         future = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(request.sequence_id, collections.deque()).append(future)
         self._outbox.propose.append(request)
+        self.asks += 1
         self._wake.set()
         try:
             async with asyncio.timeout(timeout):

@@ -264,6 +264,21 @@ def test_drafted_runs_give_the_step_loops_tokens_and_drafts(drafted):
         assert wait_free(server.servicer.engine) == 0
 
 
+def test_concurrent_drafted_runs_ask_the_draft_in_shared_messages(drafted):
+    clients, target = drafted["clients"], drafted["target"]
+    link = drafted["stack"].servers[1].servicer.runs.link
+    asks, sent, received = link.asks, link.messages_out, link.messages_in
+    prompts = tiny.prompts(8, seed=6)
+    speculation = pb.SpeculationParams(draft_length=3, adaptive=False)
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        responses = list(pool.map(lambda p: generate(clients["runs"], p, speculation=speculation), prompts))
+    for prompt, response in zip(prompts, responses):
+        assert list(response.token_ids) == tiny.reference_greedy(target, prompt, MAX_NEW)
+    asks, sent, received = link.asks - asks, link.messages_out - sent, link.messages_in - received
+    print(f"\n8 concurrent drafted runs: {asks} asks in {sent} DraftsRequests, answered in {received} DraftsResponses")
+    assert sent < asks / 2 and received < asks / 2
+
+
 def test_drafted_runs_sample_as_the_step_loop_does(drafted):
     clients = drafted["clients"]
     for prompt in tiny.prompts(3, seed=4):
