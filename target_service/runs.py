@@ -33,6 +33,7 @@ from protos import specdec_pb2 as pb
 from specdec.errors import SequenceNotFound, SpecdecError, Unavailable
 from specdec.limits import MAX_DECODE_AHEAD
 from specdec.model.features import FeatureLog
+from specdec.serving import metrics
 from specdec.serving.wire import logprobs_to_proto
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from specdec.spec.draft_length import DraftLengthPolicy
@@ -285,6 +286,7 @@ class DecodeStreams:
                 out.prediction_drafted += result.predicted_drafted
                 out.prediction_accepted += result.predicted_accepted
                 out.compute_seconds += result.compute_seconds
+                self._observe(call, result)
                 if run.drafted is not None:
                     self._drafted(run, call, result)
                 if ahead is not None:
@@ -364,6 +366,15 @@ class DecodeStreams:
         dists = [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else EMPTY_DIST for m in answer.tokens]
         call = run.next_call(ahead=0)
         return dataclasses.replace(call, draft_tokens=tokens, draft_dists=dists)
+
+    @staticmethod
+    def _observe(call: VerifyCall, result) -> None:
+        """The target's metrics, as a Verify call's are observed (target_service/servicer.py)."""
+        m = metrics.target()
+        m.verify_seconds.observe(result.compute_seconds)
+        m.batch_size.observe(result.batch_size)
+        m.draft_tokens.inc(len(call.draft_tokens) + result.ahead_drafted)
+        m.accepted_tokens.inc(result.accepted + result.ahead_accepted)
 
     def _run_ahead(self, run: Run, call: VerifyCall) -> asyncio.Task | None:
         """Pipelining: while the target verifies `call`, the draft drafts the step after it, on the bet
