@@ -24,6 +24,7 @@ import structlog
 from coordinator.protocol import DecodeProgress, DecodeRun
 from protos import specdec_pb2 as pb
 from specdec.errors import SequenceNotFound
+from specdec.serving.outbox import Outbox
 from specdec.serving.wire import logprobs_from_proto
 
 log = structlog.get_logger(__name__)
@@ -60,10 +61,9 @@ class DecodeStream:
         self._open, self.retry_s = open_stream, retry_s
         self._call: grpc.aio.StreamStreamCall | None = None
         self._runs: dict[str, asyncio.Queue] = {}
-        self._outbox = pb.DecodeRequest()
-        self._wake = asyncio.Event()
+        self._outbox = Outbox(pb.DecodeRequest, "Decode")
         self._tasks: set[asyncio.Task] = set()
-        self.messages_out = self.messages_in = 0  # DecodeRequests written, DecodeResponses read
+        self.messages_in = 0  # DecodeResponses read
         self.opened = 0  # streams opened (one, unless the target went away)
 
     def _ensure(self) -> None:
@@ -72,7 +72,7 @@ class DecodeStream:
         call = self._call = self._open()
         self.opened += 1
         loop = asyncio.get_running_loop()
-        for task in (loop.create_task(self._read(call)), loop.create_task(self._write(call))):
+        for task in (loop.create_task(self._read(call)), loop.create_task(self._outbox.pump(call, lambda: self._call is call))):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -82,8 +82,8 @@ class DecodeStream:
         self._ensure()
         queue: asyncio.Queue = asyncio.Queue()
         self._runs[run.sequence_id] = queue
-        self._outbox.start.append(run_proto(run))
-        self._wake.set()
+        self._outbox.pending.start.append(run_proto(run))
+        self._outbox.changed()
         done = False
         try:
             while not done:
@@ -99,8 +99,8 @@ class DecodeStream:
         finally:
             self._runs.pop(run.sequence_id, None)
             if not done and self._call is not None:  # closed early (a stop string, the client left): stop it
-                self._outbox.cancel.append(run.sequence_id)
-                self._wake.set()
+                self._outbox.pending.cancel.append(run.sequence_id)
+                self._outbox.changed()
 
     @staticmethod
     def _error(sequence_id: str, item: pb.DecodeProgress) -> Exception:
@@ -109,19 +109,10 @@ class DecodeStream:
             return SequenceNotFound(sequence_id, item.error_message)
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), item.error_message)
 
-    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
-        """Sends what the runs asked since the last message, in one message (grpc.aio takes one
-        write at a time)."""
-        try:
-            while self._call is call:
-                await self._wake.wait()
-                self._wake.clear()
-                message, self._outbox = self._outbox, pb.DecodeRequest()
-                if message.start or message.cancel:
-                    await call.write(message)
-                    self.messages_out += 1
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            log.info("decode stream closed for writing", error=str(exc))
+    @property
+    def messages_out(self) -> int:
+        """DecodeRequests written."""
+        return self._outbox.sent
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         error: BaseException | None = None
@@ -141,7 +132,7 @@ class DecodeStream:
         finally:
             if self._call is call:
                 self._call = None
-                self._wake.set()  # the writer sees its stream gone
+                self._outbox.changed()  # the writer sees its stream gone
             for queue in list(self._runs.values()):
                 queue.put_nowait(error)
 

@@ -20,6 +20,7 @@ import structlog
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import SequenceNotFound, Unavailable
+from specdec.serving.outbox import Outbox
 from specdec.serving.rpc import CHANNEL_OPTIONS
 
 log = structlog.get_logger(__name__)
@@ -40,10 +41,9 @@ class DraftLink:
         # Per sequence, the asks in flight in the order sent: the draft answers one sequence's asks
         # in that order (it serialises them), and a run drafting ahead has two in flight at once.
         self._waiting: dict[str, collections.deque[asyncio.Future]] = {}
-        self._outbox = pb.DraftsRequest()
-        self._wake = asyncio.Event()
+        self._outbox = Outbox(pb.DraftsRequest, "Drafts")
         self._tasks: set[asyncio.Task] = set()
-        self.messages_out = self.messages_in = 0  # DraftsRequests written, DraftsResponses read
+        self.messages_in = 0  # DraftsResponses read
         self.asks = 0  # ProposeRequests sent in them
 
     async def propose(self, request: pb.ProposeRequest, timeout: float) -> pb.ProposeSessionResponse:
@@ -52,9 +52,9 @@ class DraftLink:
         self._ensure()
         future = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(request.sequence_id, collections.deque()).append(future)
-        self._outbox.propose.append(request)
+        self._outbox.pending.propose.append(request)
         self.asks += 1
-        self._wake.set()
+        self._outbox.changed()
         try:
             async with asyncio.timeout(timeout):
                 entry = await asyncio.shield(future)  # a cancelled ask keeps its place: its answer still comes
@@ -69,29 +69,22 @@ class DraftLink:
     def release(self, sequence_id: str) -> None:
         """Frees the draft's copy of a sequence whose run ended (sent with the next message)."""
         if self._call is not None:
-            self._outbox.release.append(sequence_id)
-            self._wake.set()
+            self._outbox.pending.release.append(sequence_id)
+            self._outbox.changed()
 
     def _ensure(self) -> None:
         if self._call is not None:
             return
         call = self._call = self._stub.Drafts()
         loop = asyncio.get_running_loop()
-        for task in (loop.create_task(self._read(call)), loop.create_task(self._write(call))):
+        for task in (loop.create_task(self._read(call)), loop.create_task(self._outbox.pump(call, lambda: self._call is call))):
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _write(self, call) -> None:
-        try:
-            while self._call is call:
-                await self._wake.wait()
-                self._wake.clear()
-                message, self._outbox = self._outbox, pb.DraftsRequest()
-                if message.propose or message.release:
-                    await call.write(message)
-                    self.messages_out += 1
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
-            log.info("drafts stream closed for writing", error=str(exc))
+    @property
+    def messages_out(self) -> int:
+        """DraftsRequests written."""
+        return self._outbox.sent
 
     async def _read(self, call) -> None:
         reason = "the draft service ended the stream"
@@ -112,7 +105,7 @@ class DraftLink:
         finally:
             if self._call is call:
                 self._call = None
-                self._wake.set()
+                self._outbox.changed()
             waiting, self._waiting = self._waiting, {}
             for future in (f for queue in waiting.values() for f in queue):
                 if not future.done():
