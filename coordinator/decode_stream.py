@@ -24,7 +24,7 @@ import structlog
 from coordinator.protocol import DecodeProgress, DecodeRun
 from protos import specdec_pb2 as pb
 from specdec.errors import SequenceNotFound
-from specdec.serving.outbox import Outbox
+from specdec.serving.outbox import StreamClient
 from specdec.serving.wire import logprobs_from_proto
 
 log = structlog.get_logger(__name__)
@@ -52,29 +52,20 @@ def run_proto(run: DecodeRun) -> pb.DecodeRun:
                         overlap=run.overlap)
 
 
-class DecodeStream:
+class DecodeStream(StreamClient):
     """Implements coordinator.protocol.Decoder over a target's Decode method."""
 
     def __init__(self, open_stream, retry_s: float):
         """`open_stream()`: a new Decode call (the stub's method; no deadline, it lives as long as the
         coordinator). `retry_s`: how long the loop starts a run again while the target is away."""
+        super().__init__(self._opened, pb.DecodeRequest, "Decode")
         self._open, self.retry_s = open_stream, retry_s
-        self._call: grpc.aio.StreamStreamCall | None = None
         self._runs: dict[str, asyncio.Queue] = {}
-        self._outbox = Outbox(pb.DecodeRequest, "Decode")
-        self._tasks: set[asyncio.Task] = set()
-        self.messages_in = 0  # DecodeResponses read
         self.opened = 0  # streams opened (one, unless the target went away)
 
-    def _ensure(self) -> None:
-        if self._call is not None:
-            return
-        call = self._call = self._open()
+    def _opened(self):
         self.opened += 1
-        loop = asyncio.get_running_loop()
-        for task in (loop.create_task(self._read(call)), loop.create_task(self._outbox.pump(call, lambda: self._call is call))):
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        return self._open()
 
     async def decode(self, run: DecodeRun) -> AsyncIterator[DecodeProgress]:
         if run.sequence_id in self._runs:
@@ -109,11 +100,6 @@ class DecodeStream:
             return SequenceNotFound(sequence_id, item.error_message)
         return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), item.error_message)
 
-    @property
-    def messages_out(self) -> int:
-        """DecodeRequests written."""
-        return self._outbox.sent
-
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         error: BaseException | None = None
         try:
@@ -130,19 +116,10 @@ class DecodeStream:
         except grpc.aio.AioRpcError as exc:
             error = SequenceNotFound("*", f"the Decode stream broke: {exc.details()}") if _went_away(exc) else exc
         finally:
-            if self._call is call:
-                self._call = None
-                self._outbox.changed()  # the writer sees its stream gone
+            self._ended(call)
             for queue in list(self._runs.values()):
                 queue.put_nowait(error)
 
-    async def close(self) -> None:
-        call, self._call = self._call, None
-        if call is not None:
-            call.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 class StreamPerRun:

@@ -20,7 +20,7 @@ import structlog
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import SequenceNotFound, Unavailable
-from specdec.serving.outbox import Outbox
+from specdec.serving.outbox import StreamClient
 from specdec.serving.rpc import CHANNEL_OPTIONS
 
 log = structlog.get_logger(__name__)
@@ -28,7 +28,7 @@ log = structlog.get_logger(__name__)
 _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 
 
-class DraftLink:
+class DraftLink(StreamClient):
     """Propose over the Drafts stream; the stream opens on first use and again after it broke."""
 
     def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
@@ -37,13 +37,10 @@ class DraftLink:
         self._channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials is not None
                          else grpc.aio.insecure_channel(address, options=options))
         self._stub = pb_grpc.DraftServiceStub(self._channel)
-        self._call: grpc.aio.StreamStreamCall | None = None
+        super().__init__(self._stub.Drafts, pb.DraftsRequest, "Drafts")
         # Per sequence, the asks in flight in the order sent: the draft answers one sequence's asks
         # in that order (it serialises them), and a run drafting ahead has two in flight at once.
         self._waiting: dict[str, collections.deque[asyncio.Future]] = {}
-        self._outbox = Outbox(pb.DraftsRequest, "Drafts")
-        self._tasks: set[asyncio.Task] = set()
-        self.messages_in = 0  # DraftsResponses read
         self.asks = 0  # ProposeRequests sent in them
 
     async def propose(self, request: pb.ProposeRequest, timeout: float) -> pb.ProposeSessionResponse:
@@ -72,20 +69,6 @@ class DraftLink:
             self._outbox.pending.release.append(sequence_id)
             self._outbox.changed()
 
-    def _ensure(self) -> None:
-        if self._call is not None:
-            return
-        call = self._call = self._stub.Drafts()
-        loop = asyncio.get_running_loop()
-        for task in (loop.create_task(self._read(call)), loop.create_task(self._outbox.pump(call, lambda: self._call is call))):
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    @property
-    def messages_out(self) -> int:
-        """DraftsRequests written."""
-        return self._outbox.sent
-
     async def _read(self, call) -> None:
         reason = "the draft service ended the stream"
         try:
@@ -103,9 +86,7 @@ class DraftLink:
         except grpc.aio.AioRpcError as exc:
             reason = f"the drafts stream broke: {exc.code().name} {exc.details()}"
         finally:
-            if self._call is call:
-                self._call = None
-                self._outbox.changed()
+            self._ended(call)
             waiting, self._waiting = self._waiting, {}
             for future in (f for queue in waiting.values() for f in queue):
                 if not future.done():
@@ -113,10 +94,5 @@ class DraftLink:
                     future.exception()  # retrieved: nobody may be waiting for it any more
 
     async def close(self) -> None:
-        call, self._call = self._call, None
-        if call is not None:
-            call.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await super().close()
         await self._channel.close()

@@ -44,3 +44,47 @@ class Outbox:
                     self.sent += 1
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError) as exc:
             log.info("stream closed for writing", stream=self.name, error=str(exc))
+
+
+class StreamClient:
+    """The client end of one long-lived bidirectional call that many users share: opened on first
+    use (`_ensure`) and again after it broke, its writes merged by an Outbox, its answers read by
+    the subclass's `_read(call)`, which calls `_ended(call)` when that call is over."""
+
+    def __init__(self, open_call: Callable[[], object], make_request: Callable[[], object], name: str):
+        self._open_call = open_call
+        self._call = None
+        self._outbox = Outbox(make_request, name)
+        self._tasks: set[asyncio.Task] = set()
+        self.messages_in = 0  # answers read
+
+    @property
+    def messages_out(self) -> int:
+        """Requests written."""
+        return self._outbox.sent
+
+    def _ensure(self) -> None:
+        if self._call is not None:
+            return
+        call = self._call = self._open_call()
+        loop = asyncio.get_running_loop()
+        for task in (loop.create_task(self._read(call)), loop.create_task(self._outbox.pump(call, lambda: self._call is call))):
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _ended(self, call) -> None:
+        """`call` is over: the next use opens another, and its writer stops."""
+        if self._call is call:
+            self._call = None
+            self._outbox.changed()
+
+    async def _read(self, call) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        call, self._call = self._call, None
+        if call is not None:
+            call.cancel()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
