@@ -73,9 +73,10 @@ class DecodeStream(StreamClient):
         self._ensure()
         queue: asyncio.Queue = asyncio.Queue()
         self._runs[run.sequence_id] = queue
-        self._outbox.pending.start.append(run_proto(run))
+        start = run_proto(run)
+        self._outbox.pending.start.append(start)
         self._outbox.changed()
-        done = False
+        done, sent = False, start.ByteSize()
         try:
             while not done:
                 item = await queue.get()
@@ -86,7 +87,9 @@ class DecodeStream(StreamClient):
                 if item.error_code:
                     raise self._error(run.sequence_id, item)
                 yield DecodeProgress(list(item.tokens), logprobs_from_proto(item.logprobs), item.passes, item.drafted, item.accepted,
-                                     item.prediction_drafted, item.prediction_accepted, item.compute_seconds, item.done)
+                                     item.prediction_drafted, item.prediction_accepted, item.compute_seconds, item.done,
+                                     item.ByteSize() + sent)
+                sent = 0
         finally:
             self._runs.pop(run.sequence_id, None)
             if not done and self._call is not None:  # closed early (a stop string, the client left): stop it

@@ -25,7 +25,7 @@ from coordinator.policy.overlap import RunAheadPolicy
 from coordinator.protocol import (DecodeRun, Decoder, DraftOutcome, GenerationSpec, Progress, Proposer, Stats, TreeSpec, Verifier,
                                   VerifyOutcome)
 from coordinator.state import SequenceState
-from specdec.errors import SequenceNotFound
+from specdec.errors import SequenceNotFound, Unavailable
 from specdec.limits import MAX_DECODE_AHEAD
 from specdec.serving import metrics
 from specdec.model.features import FeatureLog
@@ -181,6 +181,7 @@ class SpeculativeLoop:
                         stats.prediction_tokens += made.prediction_drafted
                         stats.accepted_prediction_tokens += made.prediction_accepted
                         stats.verify_seconds += made.compute_seconds
+                        stats.wire_bytes += made.wire_bytes
                         if not made.tokens and not made.done:
                             continue
                         new, finish = _finish([*ending, *made.tokens], spec.eos_token_ids, spec.max_new_tokens - state.generated)
@@ -202,8 +203,8 @@ class SpeculativeLoop:
             except SequenceNotFound as exc:
                 now = time.monotonic()
                 give_up = give_up or now + self.decoder.retry_s
-                if now + pause > give_up:
-                    raise
+                if now + pause > give_up:  # the target stayed away: the client may retry elsewhere
+                    raise Unavailable(f"the target lost the request's run and did not take it back: {exc}") from exc
                 _refilled("target", state.sequence_id)
                 log.info("the target lost a run; starting it again", reason=str(exc), pause_s=pause)
                 await asyncio.sleep(pause)

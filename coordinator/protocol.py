@@ -143,6 +143,7 @@ class DecodeProgress:
     prediction_accepted: int = 0
     compute_seconds: float = 0.0
     done: bool = False
+    wire_bytes: int = 0  # this progress's bytes on the wire (the first one's include the run's start)
 
 
 class Decoder(Protocol):

@@ -81,6 +81,11 @@ def test_greedy_runs_are_the_target_alone_and_stream_every_pass(stack, pair):
             assert [t for c in chunks for t in c.token_ids] == expected, name
             # tokens come as the passes make them, not in bursts of --decode-ahead passes
             assert sum(1 for c in chunks if c.token_ids) > MAX_NEW // 2, name
+    batcher = stack.servers[0].servicer.batcher
+    before = batcher.batches
+    streamed = stubs["off"].GenerateStream(pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=MAX_NEW), timeout=60)
+    assert sum(len(c.token_ids) for c in streamed) == MAX_NEW
+    assert batcher.batches - before <= 2, "a lone streamed run is one call to the batcher (two if the idle sweep interrupted it)"
     lookup = generate(stubs["lookup"], echoing(pair, 1)[0], speculation=pb.SpeculationParams(draft_length=8)).stats
     assert lookup.steps < MAX_NEW and lookup.accepted_tokens > 0, "the run's lookup drafts saved no pass"
     assert decoders(stack)[0].opened == 1, "one stream serves every run of a coordinator"
