@@ -346,3 +346,23 @@ def test_a_draft_killed_mid_run_leaves_the_tokens_unchanged(tmp_path):
     finally:
         draft.stop()
         stack.stop()
+
+
+def test_a_target_that_stays_away_fails_the_run_unavailable(pair, tmp_path):
+    target = Service("target", "--model", str(tiny.save(pair[0], tmp_path / "target")), "--device", "cpu", "--metrics-port", "-1").start()
+    stack = Stack()
+    try:
+        stub = stack.client(stack.coordinator(target.address, "", tiny.byte_tokenizer(), target_retry_s=1.0))
+        prompt = tiny.prompts(1, seed=9)[0]
+        call = stub.GenerateStream(pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=400), timeout=60)
+        next(call)
+        target.kill()
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as failed:
+            for _ in call:
+                pass
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value.details()
+        assert time.monotonic() - started < 10
+    finally:
+        target.stop()
+        stack.stop()
