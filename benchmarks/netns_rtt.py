@@ -91,9 +91,10 @@ def echo_rtt(rtt_s: float, samples: int = 40) -> float:
     return statistics.median(times)
 
 
-def measure(stub, requests: int, max_new: int) -> tuple[float, float, list[list[int]]]:
-    """(tokens/s, seconds a pass outside the target's compute, the tokens of each request)."""
-    tokens, wall, outside, passes, outputs = 0, 0.0, 0.0, 0, []
+def measure(stub, requests: int, max_new: int) -> tuple[float, float, list[list[int]], tuple[int, int, int]]:
+    """(tokens/s, seconds a pass outside the target's compute, the tokens of each request,
+    (target passes, draft tokens, accepted tokens))."""
+    tokens, wall, outside, passes, outputs, drafted, accepted = 0, 0.0, 0.0, 0, [], 0, 0
     for i in range(requests):
         prompt = list(PROMPTS[i % len(PROMPTS)].encode())
         started = time.perf_counter()
@@ -103,8 +104,9 @@ def measure(stub, requests: int, max_new: int) -> tuple[float, float, list[list[
         tokens += len(response.token_ids)
         outside += max(0.0, s.total_seconds - s.verify_seconds)
         passes += max(1, s.steps)
+        drafted, accepted = drafted + s.draft_tokens, accepted + s.accepted_tokens
         outputs.append(list(response.token_ids))
-    return tokens / wall, outside / passes, outputs
+    return tokens / wall, outside / passes, outputs, (passes, drafted, accepted)
 
 
 def main() -> None:
@@ -151,10 +153,11 @@ def main() -> None:
                     relay.set_rtt(rtt)
                 measured = echo_rtt(rtt)
                 for path, stub in stubs.items():
-                    rate, outside, outputs = measure(stub, args.requests, args.max_new_tokens)
+                    rate, outside, outputs, (passes, drafted, accepted) = measure(stub, args.requests, args.max_new_tokens)
                     first = base.setdefault(path, (rate, outputs))
                     print(f"RTT {rtt * 1e3:.1f} ms (relay measured {measured * 1e3:.2f} ms) {path:>12}: {rate:7.1f} tok/s "
                           f"{rate / first[0]:.2f}x of RTT 0, {outside * 1e3:6.2f} ms a pass outside the target, "
+                          f"{passes} passes, {accepted}/{drafted} drafted accepted, "
                           f"tokens {'identical' if outputs == first[1] else 'DIFFER'} to RTT 0", flush=True)
             same = all(outputs == base["steps"][1] for _, outputs in [base["drafted runs"]])
             print(f"drafted runs' tokens {'identical' if same else 'DIFFER from'} the steps' (greedy)")

@@ -23,6 +23,7 @@ it), its runs stop and their sequences are released at once, not after the idle 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 
@@ -139,6 +140,8 @@ class DecodeStreams:
         self.stopping: set[str] = set()
         self._streams: set[_Stream] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._reports: collections.deque = collections.deque()  # the engine's, not yet taken by the loop
+        self._woken = False
 
     def interrupt(self) -> bool:
         """Whether passes decoded ahead should stop for a run's sake. Safe on the worker (a set's length)."""
@@ -158,9 +161,20 @@ class DecodeStreams:
             run.task.cancel()
 
     def on_tokens(self, reports) -> None:
-        """The engine's per-pass report, on the worker thread: handed to the event loop."""
-        if self._loop is not None and any(sequence_id in self.runs for sequence_id, *_ in reports):
-            self._loop.call_soon_threadsafe(self._arrived, reports)
+        """The engine's per-pass report, on the worker thread: handed to the event loop, with one
+        wake-up for all the reports made before the loop takes them (a wake-up costs the loop's
+        thread a turn, which on a small CPU the worker's next pass pays for)."""
+        if self._loop is None or not any(sequence_id in self.runs for sequence_id, *_ in reports):
+            return
+        self._reports.append(reports)  # a deque: appends and pops are thread-safe
+        if not self._woken:
+            self._woken = True
+            self._loop.call_soon_threadsafe(self._take_reports)
+
+    def _take_reports(self) -> None:
+        self._woken = False  # before taking: a report appended after this wakes the loop again
+        while self._reports:
+            self._arrived(self._reports.popleft())
 
     def _arrived(self, reports) -> None:
         for sequence_id, index, tokens, logprobs in reports:
