@@ -2,7 +2,7 @@
 specdec_tools/netns.py), every link between the services through a delaying relay
 (benchmarks/delay_relay.py; this kernel has no netem), at 0, 0.2, 0.5 and 2 ms of round trip.
 
-    sudo .venv/bin/python benchmarks/netns_rtt.py [--requests 6] [--max-new-tokens 64] [--rtts-ms 0,0.2,0.5,2]
+    sudo .venv/bin/python benchmarks/netns_rtt.py [--requests 6] [--max-new-tokens 64] [--rtts-ms 0,0.2,0.5,2] [--draft-length 4]
 
 Tiny target and noisy model draft (specdec_tools.tinymodels), each service in its own namespace
 with one compute thread. Two coordinators over the same target and draft, measured alternately:
@@ -91,14 +91,15 @@ def echo_rtt(rtt_s: float, samples: int = 40) -> float:
     return statistics.median(times)
 
 
-def measure(stub, requests: int, max_new: int) -> tuple[float, float, list[list[int]], tuple[int, int, int]]:
+def measure(stub, requests: int, max_new: int, speculation: pb.SpeculationParams | None = None) -> tuple[float, float, list[list[int]], tuple[int, int, int]]:
     """(tokens/s, seconds a pass outside the target's compute, the tokens of each request,
     (target passes, draft tokens, accepted tokens))."""
     tokens, wall, outside, passes, outputs, drafted, accepted = 0, 0.0, 0.0, 0, [], 0, 0
     for i in range(requests):
         prompt = list(PROMPTS[i % len(PROMPTS)].encode())
         started = time.perf_counter()
-        response = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new), timeout=300)
+        response = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new, speculation=speculation),
+                                 timeout=300)
         wall += time.perf_counter() - started
         s = response.stats
         tokens += len(response.token_ids)
@@ -114,6 +115,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rtts-ms", default="0,0.2,0.5,2")
+    parser.add_argument("--draft-length", type=int, default=0,
+                        help="A fixed draft length every step (the adaptive policy drafts little with the tiny pair); 0: the default policy")
     args = parser.parse_args()
     reason = namespaces_allowed()
     if reason:
@@ -147,13 +150,14 @@ def main() -> None:
             for stub in stubs.values():
                 measure(stub, 2, 16)  # warm up: connections, streams, the cost model
             base: dict[str, tuple[float, list]] = {}
+            speculation = pb.SpeculationParams(draft_length=args.draft_length, adaptive=False) if args.draft_length else None
             print(f"{args.requests} requests x {args.max_new_tokens} tokens a path and round trip, one at a time")
             for rtt in rtts:
                 for relay in relays:
                     relay.set_rtt(rtt)
                 measured = echo_rtt(rtt)
                 for path, stub in stubs.items():
-                    rate, outside, outputs, (passes, drafted, accepted) = measure(stub, args.requests, args.max_new_tokens)
+                    rate, outside, outputs, (passes, drafted, accepted) = measure(stub, args.requests, args.max_new_tokens, speculation)
                     first = base.setdefault(path, (rate, outputs))
                     print(f"RTT {rtt * 1e3:.1f} ms (relay measured {measured * 1e3:.2f} ms) {path:>12}: {rate:7.1f} tok/s "
                           f"{rate / first[0]:.2f}x of RTT 0, {outside * 1e3:6.2f} ms a pass outside the target, "
