@@ -1,5 +1,9 @@
 """`specdec bench --overlap`: sequential against overlapped speculation, draft and target pinned apart.
 
+With a model draft the target asks the draft itself (drafted runs): "overlapped" is then a pipelined
+run, the draft drafting the next step during the target's pass. The coordinator's run-ahead
+statistics stay 0 there (the bets are the target's), so the hit columns read 0.
+
 Overlapped speculation (coordinator/policy/overlap.py) only pays where the draft and the target compute
 at the same time on different hardware. Here that is two CPU cores: the target service runs pinned
 to one core, the draft service to the other (one torch thread each), in BOTH modes, so the
@@ -36,8 +40,10 @@ class PinnedStack(Stack):
     def __init__(self, target: str, drafter: str, logs: pathlib.Path, cores: tuple[int, int] | None):
         super().__init__(target, logs, "cpu")
         target_core, draft_core = cores if cores else (None, None)
-        self.start_target(core=target_core)
         draft_address = self.start_draft(drafter, core=draft_core)
+        # a model draft is the target's own (--draft): both schedules are drafted runs, the target
+        # asking the draft each step, plain or pipelined (target_service/runs.py)
+        self.start_target(*self.drafts_for_target(drafter, draft_address), core=target_core)
         self.coordinators = {
             "off": self.start_coordinator("", core=draft_core),
             "sequential": self.start_coordinator(draft_address, "--overlap", "off", core=draft_core),
