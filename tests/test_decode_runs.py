@@ -196,8 +196,14 @@ def test_bad_runs_are_refused_with_the_field_named_and_the_stream_goes_on(stack,
 def test_a_fleet_gets_a_stream_per_run_one_target_one_stream():
     from coordinator.decode_stream import DecodeStream, StreamPerRun
 
-    assert isinstance(TargetClient("127.0.0.1:1,127.0.0.1:2", 1.0).decoder, StreamPerRun)
-    assert isinstance(TargetClient("127.0.0.1:1", 1.0).decoder, DecodeStream)
+    async def decoders():  # grpc.aio channels belong to an event loop
+        clients = [TargetClient("127.0.0.1:1,127.0.0.1:2", 1.0), TargetClient("127.0.0.1:1", 1.0)]
+        kinds = [type(client.decoder) for client in clients]
+        for client in clients:
+            await client.close()
+        return kinds
+
+    assert asyncio.run(decoders()) == [StreamPerRun, DecodeStream]
 
 
 def test_target_restarted_mid_run_gives_the_same_tokens(pair, tmp_path):
