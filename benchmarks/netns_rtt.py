@@ -91,7 +91,8 @@ def echo_rtt(rtt_s: float, samples: int = 40) -> float:
     return statistics.median(times)
 
 
-def measure(stub, requests: int, max_new: int, speculation: pb.SpeculationParams | None = None) -> tuple[float, float, list[list[int]], tuple[int, int, int]]:
+def measure(stub, requests: int, max_new: int,
+            speculation: pb.SpeculationParams | None = None) -> tuple[float, float, list[list[int]], tuple[int, int, int]]:
     """(tokens/s, seconds a pass outside the target's compute, the tokens of each request,
     (target passes, draft tokens, accepted tokens))."""
     tokens, wall, outside, passes, outputs, drafted, accepted = 0, 0.0, 0.0, 0, [], 0, 0
@@ -116,7 +117,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rtts-ms", default="0,0.2,0.5,2")
     parser.add_argument("--draft-length", type=int, default=0,
-                        help="A fixed draft length every step (the adaptive policy drafts little with the tiny pair); 0: the default policy")
+                        help="A fixed draft length every step (the adaptive policy drafts little with the tiny pair); "
+                             "0: the default policy")
     args = parser.parse_args()
     reason = namespaces_allowed()
     if reason:
