@@ -241,6 +241,9 @@ class DecodeStreams:
             why = "this target has no draft service (--draft)" if self.link is None else "out of range"
             stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT, f"draft_length: {why}")
             return
+        if message.draft_length and message.known_len:  # the draft is sent the canonical tokens: all of them
+            stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT, "known_len: a drafted run starts from the whole sequence (0)")
+            return
         s = message.sampling
         sampling = SamplingConfig(temperature=s.temperature if s.HasField("temperature") else 0.0,
                                   top_k=s.top_k if s.HasField("top_k") else 0, top_p=s.top_p if s.HasField("top_p") else 1.0,
@@ -255,7 +258,7 @@ class DecodeStreams:
         if message.draft_length:
             policy = DraftLengthPolicy(max_length=message.draft_length, cost_model=None if message.seeded else self.cost_model,
                                        prior=MODEL_DRAFT_PRIOR, adaptive=message.adaptive)
-            run.drafted = Drafted([*[0] * message.known_len, *message.append_tokens], policy, message.seeded,
+            run.drafted = Drafted(list(message.append_tokens), policy, message.seeded,
                                   log=FeatureLog() if message.features else None, overlap=message.overlap)
             if message.features:
                 run.template = dataclasses.replace(template, return_features=True)
