@@ -27,10 +27,9 @@ from specdec.errors import DeadlineExceeded, SequenceNotFound
 from specdec.model.features import FeatureRows
 from specdec.serving.rpc import CHANNEL_OPTIONS
 from specdec.serving.logs import REQUEST_ID_METADATA
-from specdec.serving.wire import logprobs_from_proto
+from specdec.serving.wire import dists_from_proto, logprobs_from_proto
 from specdec.spec.request import VerifyCall
 from specdec.spec.sampling import SamplingConfig
-from specdec.spec.tree import EMPTY_DIST
 
 log = structlog.get_logger(__name__)
 
@@ -364,7 +363,7 @@ class DraftClient:
             raise
         wall = time.perf_counter() - start
         tokens = [m.token_id for m in messages]
-        dists = [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else EMPTY_DIST for m in messages]
+        dists = dists_from_proto(m.dist for m in messages)
         confidence = [m.cumulative_prob for m in messages]
         if answer is None:  # a stream says only what its last token had cost by then
             compute = messages[-1].compute_seconds if messages else 0.0
@@ -385,7 +384,7 @@ class DraftClient:
             raise
         wall = time.perf_counter() - start
         tree_pb = response.tree
-        dists = [(list(d.token_ids), list(d.probs)) if d.token_ids else EMPTY_DIST for d in tree_pb.child_dists]
+        dists = dists_from_proto(tree_pb.child_dists)
         return DraftOutcome(list(tree_pb.tokens), dists, response.compute_seconds, wall,
                             request.ByteSize() + response.ByteSize(), parents=list(tree_pb.parents))
 

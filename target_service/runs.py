@@ -35,12 +35,11 @@ from specdec.errors import SequenceNotFound, SpecdecError, Unavailable
 from specdec.limits import MAX_DECODE_AHEAD
 from specdec.model.features import FeatureLog
 from specdec.serving import metrics
-from specdec.serving.wire import logprobs_to_proto
+from specdec.serving.wire import dists_from_proto, logprobs_to_proto, sampling_from_proto
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from specdec.spec.draft_length import DraftLengthPolicy
 from specdec.spec.request import VerifyCall
-from specdec.spec.sampling import SamplingConfig, TokenLogprob, derive_seed
-from specdec.spec.tree import EMPTY_DIST
+from specdec.spec.sampling import TokenLogprob, derive_seed
 from target_service.drafts import DraftLink
 
 # After the draft fails, a drafted run decodes this many passes alone before asking it again (as
@@ -244,11 +243,8 @@ class DecodeStreams:
         if message.draft_length and message.known_len:  # the draft is sent the canonical tokens: all of them
             stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT, "known_len: a drafted run starts from the whole sequence (0)")
             return
-        s = message.sampling
-        sampling = SamplingConfig(temperature=s.temperature if s.HasField("temperature") else 0.0,
-                                  top_k=s.top_k if s.HasField("top_k") else 0, top_p=s.top_p if s.HasField("top_p") else 1.0,
-                                  seed=s.seed if s.HasField("seed") else 0)
-        template = VerifyCall(sequence_id, 0, [], [], [], sampling, logprobs=message.logprobs if message.HasField("logprobs") else None,
+        template = VerifyCall(sequence_id, 0, [], [], [], sampling_from_proto(message.sampling),
+                              logprobs=message.logprobs if message.HasField("logprobs") else None,
                               eos_banned_until=message.eos_banned_until, lookup_max_tokens=message.lookup_max_tokens,
                               lookup_costs=tuple(message.lookup_costs))
         run = Run(sequence_id, template, message.max_new_tokens, frozenset(message.stop_token_ids),
@@ -268,16 +264,21 @@ class DecodeStreams:
 
     def _never_started(self, run: Run, stream: _Stream) -> None:
         """A run cancelled before its task began never reaches `_drive`'s `finally`: end it here."""
-        if run.ending:
-            return
+        if not run.ending:
+            self._end(run, stream, grpc.StatusCode.CANCELLED, "the run was cancelled")
+            self.stopping.discard(run.sequence_id)
+
+    def _end(self, run: Run, stream: _Stream, code: grpc.StatusCode, message: str) -> None:
+        """The run's last progress (done, with its error if any) goes out with the stream's next message."""
         run.ending = True
         self.runs.pop(run.sequence_id, None)
         stream.runs.pop(run.sequence_id, None)
         out = run.progress()
-        out.done, out.error_code, out.error_message = True, grpc.StatusCode.CANCELLED.value[0], "the run was cancelled"
+        out.done = True
+        if code != grpc.StatusCode.OK:
+            out.error_code, out.error_message = code.value[0], message
         stream.finished.append(run)
         stream.changed()
-        self.stopping.discard(run.sequence_id)
 
     async def _drive(self, run: Run, stream: _Stream) -> None:
         """The run's loop: a call at its end, the tokens the call made beyond those reported already."""
@@ -319,15 +320,7 @@ class DecodeStreams:
         finally:
             # The end goes out before the release: the coordinator waits for it (it carries the
             # last call's costs), and the release waits for the worker.
-            run.ending = True
-            self.runs.pop(run.sequence_id, None)
-            out = run.progress()
-            out.done = True
-            if code != grpc.StatusCode.OK:
-                out.error_code, out.error_message = code.value[0], message
-            stream.runs.pop(run.sequence_id, None)
-            stream.finished.append(run)
-            stream.changed()
+            self._end(run, stream, code, message)
             if run.drafted is not None and self.link is not None:
                 self.link.release(run.sequence_id)
             try:  # on the worker, behind any pass of a call cancelled mid-way
@@ -380,7 +373,7 @@ class DecodeStreams:
                 d.policy.nothing_drafted()
             return None
         run.ask = (answer.compute_seconds, max(0.0, time.perf_counter() - started - answer.compute_seconds))
-        dists = [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else EMPTY_DIST for m in answer.tokens]
+        dists = dists_from_proto(m.dist for m in answer.tokens)
         call = run.next_call(ahead=0)
         return dataclasses.replace(call, draft_tokens=tokens, draft_dists=dists)
 
@@ -429,8 +422,7 @@ class DecodeStreams:
         tokens = [m.token_id for m in answer.tokens]
         if len(tokens) < 2 or tokens[0] != result.next_token:
             return
-        d.ready = (tokens[1:], [(list(m.dist.token_ids), list(m.dist.probs)) if m.dist.token_ids else EMPTY_DIST
-                                for m in answer.tokens[1:]])
+        d.ready = (tokens[1:], dists_from_proto(m.dist for m in answer.tokens[1:]))
         d.known = run.length  # the guess was the target's token: the draft holds the canonical tokens, then `ready`
 
     @staticmethod

@@ -13,8 +13,7 @@ from specdec.serving import metrics
 from specdec.serving import tls
 from specdec.serving.rpc import EngineHost, Server, rpc_method
 from specdec.serving.threads import loop_computes_alike
-from specdec.serving.wire import logprobs_to_proto
-from specdec.spec.sampling import SamplingConfig
+from specdec.serving.wire import logprobs_to_proto, sampling_from_proto
 from target_service.config import TargetConfig
 from target_service.batcher import VerifyBatcher
 from specdec.spec.tree import DraftTree
@@ -27,16 +26,6 @@ log = structlog.get_logger(__name__)
 # A step's call feeds the target the token(s) it has not seen since its last step (the correction
 # or bonus token) before its draft; more is a prompt, or a sequence re-sent whole.
 INLINE_APPEND = 2
-
-
-def sampling_from_proto(params: pb.SamplingParams) -> SamplingConfig:
-    """Unset fields take the documented defaults; range checks happen in the engine."""
-    return SamplingConfig(
-        temperature=params.temperature if params.HasField("temperature") else 0.0,
-        top_k=params.top_k if params.HasField("top_k") else 0,
-        top_p=params.top_p if params.HasField("top_p") else 1.0,
-        seed=params.seed if params.HasField("seed") else 0,
-    )
 
 
 class TargetServicer(pb_grpc.TargetServiceServicer):
