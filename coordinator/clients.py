@@ -25,6 +25,7 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import DeadlineExceeded, SequenceNotFound
 from specdec.model.features import FeatureRows
+from specdec.serving.backend_auth import authorized
 from specdec.serving.rpc import CHANNEL_OPTIONS
 from specdec.serving.logs import REQUEST_ID_METADATA
 from specdec.serving.wire import dists_from_proto, logprobs_from_proto
@@ -97,14 +98,15 @@ def _resolve(endpoint: str) -> tuple[str, str]:
 _RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
-def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
-    """A channel to one service, or to its replicas (see channel_target) with sequence affinity."""
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None, token: str = "") -> grpc.aio.Channel:
+    """A channel to one service, or to its replicas (see channel_target) with sequence affinity;
+    every call on it carries `token` (--backend-token) when one is given."""
     target, fleet = channel_target(address)
     config = {"methodConfig": [_RETRY_POLICY], **(_FLEET_POLICY if fleet else {})}
     options = [*CHANNEL_OPTIONS, *_RECONNECT_OPTIONS, ("grpc.service_config", json.dumps(config)), ("grpc.enable_retries", 1)]
     if credentials is not None:
-        return grpc.aio.secure_channel(target, credentials, options=options)
-    return grpc.aio.insecure_channel(target, options=options)
+        return authorized(grpc.aio.secure_channel(target, credentials, options=options), token)
+    return authorized(grpc.aio.insecure_channel(target, options=options), token)
 
 
 # The client's deadline (time.monotonic() seconds) of the request being served, if it set one: every
@@ -248,9 +250,10 @@ class Sessions:
 
 
 class TargetClient:
-    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None, retry_s: float = TARGET_RETRY_S):
+    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None, retry_s: float = TARGET_RETRY_S,
+                 token: str = ""):
         self.address = address
-        self.channel = open_channel(address, credentials)
+        self.channel = open_channel(address, credentials, token)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -319,9 +322,9 @@ class TargetClient:
 
 
 class DraftClient:
-    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(self, address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None, token: str = ""):
         self.address = address
-        self.channel = open_channel(address, credentials)
+        self.channel = open_channel(address, credentials, token)
         self.stub = pb_grpc.DraftServiceStub(self.channel)
         self.timeout_s = timeout_s
         self.sessions = Sessions(self.stub.ProposeSession, "Propose")

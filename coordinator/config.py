@@ -6,7 +6,8 @@ import dataclasses
 
 from specdec.limits import MAX_DECODE_AHEAD, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 from coordinator.loop import DEFAULT_DECODE_AHEAD
-from specdec.serving.config import event_loop_option, log_format_option, log_level_option, option
+from specdec.serving.config import (backend_token_option, check_backend_token, event_loop_option, log_format_option,
+                                    log_level_option, option)
 from specdec.model.loading import DEFAULT_TARGET
 
 ENV_PREFIX = "SPECDEC_COORDINATOR_"
@@ -154,12 +155,16 @@ class CoordinatorConfig:
     backend_tls_ca: str = option("", "PEM CA that signed the draft's and target's certificates; when set, calls to them use TLS.")
     backend_tls_cert: str = option("", "PEM client certificate presented to the draft and target (mutual TLS).")
     backend_tls_key: str = option("", "PEM private key of --backend-tls-cert.")
+    backend_token: str = backend_token_option(
+        "the coordinator sends it (metadata `authorization: Bearer <token>`) on every call to its target and draft. "
+        "Its own APIs are --api-token's.")
     grace_s: float = option(10.0, "Seconds in-flight requests get to finish after SIGTERM.")
     event_loop: str = event_loop_option()
     log_format: str = log_format_option()
     log_level: str = log_level_option()
 
     def __post_init__(self):
+        check_backend_token(self.backend_token)
         if not 0 <= self.decode_ahead <= MAX_DECODE_AHEAD:
             raise ValueError(f"--decode-ahead must be in [0, {MAX_DECODE_AHEAD}], got {self.decode_ahead}")
         if self.verify_token_budget < -1:

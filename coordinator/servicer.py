@@ -342,13 +342,17 @@ async def abort_overloaded(context, exc: Overloaded) -> None:
     await context.abort(rich.code, rich.details, trailing_metadata=(*rich.trailing_metadata, retry))
 
 
-async def _wait_for_info(client, deadline: float) -> pb.ModelInfo:
-    """GetInfo answers UNAVAILABLE while the service loads its model: keep asking until the deadline."""
+async def _wait_for_info(client, deadline: float, role: str) -> pb.ModelInfo:
+    """GetInfo answers UNAVAILABLE while the service loads its model: keep asking until the deadline.
+    A refused token ends the wait at once: it will not change while the coordinator waits."""
     loop = asyncio.get_running_loop()
     while True:
         try:
             return await client.info(timeout_s=max(1.0, deadline - loop.time()))
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise ValueError(f"the {role} at {client.address} refused this coordinator's calls ({exc.details()}): "
+                                 "--backend-token must be the same on the coordinator, the draft and the target") from None
             if exc.code() != grpc.StatusCode.UNAVAILABLE or loop.time() > deadline:
                 raise
             log.info("waiting for a backend", address=client.address, reason=exc.details())
@@ -374,14 +378,16 @@ async def connect_backends(config: CoordinatorConfig):
     """Waits (up to startup_timeout_s) for the target and the draft, and checks they fit together."""
     deadline = asyncio.get_running_loop().time() + config.startup_timeout_s
     credentials = tls.channel_credentials(config.backend_tls_ca, config.backend_tls_cert, config.backend_tls_key)
-    target = TargetClient(config.target, config.rpc_timeout_s, credentials, retry_s=config.target_retry_s)
-    target_info = await _wait_for_info(target, deadline)
+    if config.backend_token.strip():
+        log.info("calls to the target and the draft carry the backend token")
+    target = TargetClient(config.target, config.rpc_timeout_s, credentials, retry_s=config.target_retry_s, token=config.backend_token)
+    target_info = await _wait_for_info(target, deadline, "target")
     draft = draft_info = None
     if config.draft == IN_PROCESS_NGRAM:
         draft, draft_info = in_process_ngram()
     elif config.draft:
-        draft = DraftClient(config.draft, config.rpc_timeout_s, credentials)
-        draft_info = await _wait_for_info(draft, deadline)
+        draft = DraftClient(config.draft, config.rpc_timeout_s, credentials, token=config.backend_token)
+        draft_info = await _wait_for_info(draft, deadline, "draft")
         if draft_info.vocab_size and draft_info.vocab_size != target_info.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft_info.vocab_size}) differs from the target's ({target_info.vocab_size})")
     return target, target_info, draft, draft_info

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from specdec.model import gemm
-from specdec.serving.config import (check_static, compute_threads_option,
+from specdec.serving.config import (backend_token_option, check_backend_token, check_static, compute_threads_option,
                                     check_weights, event_loop_option, log_format_option, log_level_option, numerics_option,
                                     option, static_options, weights_option)
 
@@ -67,6 +67,8 @@ class DraftConfig:
     tls_cert: str = option("", "PEM certificate this server presents; with --tls-key turns TLS on.")
     tls_key: str = option("", "PEM private key of --tls-cert.")
     tls_ca: str = option("", "PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS).")
+    backend_token: str = backend_token_option(
+        "the draft refuses every call but health checks that lacks metadata `authorization: Bearer <token>` (UNAUTHENTICATED).")
     grace_s: float = option(10.0, "Seconds in-flight calls get to finish after SIGTERM.")
     max_connection_age_s: float = option(
         0.0,
@@ -78,6 +80,7 @@ class DraftConfig:
     log_level: str = log_level_option()
 
     def __post_init__(self):
+        check_backend_token(self.backend_token)
         check_weights(self.weights, self.packed_gemm_rows)
         check_static(self.numerics, self.pass_rows, self.static_slots, self.static_context)
         if not 0 <= self.packed_gemm_rows <= gemm.MAX_ROWS:

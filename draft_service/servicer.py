@@ -285,7 +285,7 @@ async def serve(config: DraftConfig, ready: asyncio.Future | None = None, signal
     servicer = DraftServicer(config.batch_window_ms, config.max_batch_size, config.max_batch_tokens)
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
     server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["DraftService"].full_name], credentials=credentials,
-                    max_connection_age_s=config.max_connection_age_s)
+                    max_connection_age_s=config.max_connection_age_s, token=config.backend_token)
     metrics.draft()
     metrics_port = metrics.serve_http(config.metrics_port, config.host)
     pb_grpc.add_DraftServiceServicer_to_server(servicer, server.server)

@@ -53,11 +53,13 @@ def health_ok(address: str, timeout: float = 1.0) -> bool:
 
 
 class ServiceProcesses:
-    """The child services of one stack. `grace`: seconds each gets to exit after SIGTERM."""
+    """The child services of one stack. `grace`: seconds each gets to exit after SIGTERM.
+    `backend_token`: the --backend-token of every child (empty: off)."""
 
-    def __init__(self, logs: pathlib.Path | None, grace: float = 20.0):
+    def __init__(self, logs: pathlib.Path | None, grace: float = 20.0, backend_token: str = ""):
         self.logs = logs
         self.grace = grace
+        self.backend_token = backend_token
         self.children: list[subprocess.Popen] = []
         self.roles: dict[str, str] = {}  # address -> role, in start order
 
@@ -69,6 +71,9 @@ class ServiceProcesses:
         env = {**os.environ, prefix + "LOG_FORMAT": "json", **({"GRPC_VERBOSITY": "ERROR"} if self.logs is not None else {})}
         if log_level:
             env[prefix + "LOG_LEVEL"] = log_level
+        # In the environment, not on the command line `ps` shows; and set on every child, empty too,
+        # so that a variable left in the shell cannot give one service of the stack a token the others lack.
+        env[prefix + "BACKEND_TOKEN"] = self.backend_token
         if core is not None:
             env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         log = self._log_file(role, port)

@@ -111,16 +111,25 @@ def cmd_up(argv: list[str]) -> int:
                         help="What the target's kernel reads its weights as (`specdec serve target --weights`); gguf: the "
                              "embedded model's own 4-bit blocks, the model llama.cpp runs. Unset: the target's default.")
     parser.add_argument("--timeout", type=float, default=600.0, help="Seconds to wait for all three to be healthy.")
+    parser.add_argument("--backend-token", default="", metavar="TOKEN",
+                        help="The services' shared --backend-token (given to each through its environment); best set "
+                             "through the environment itself, as a flag shows in `ps`. Empty: off.")
     flags.finish(parser)
     args = parser.parse_args(argv)
     if args.target_replicas < 1 or args.draft_replicas < 1:
         parser.error("--target-replicas and --draft-replicas must be >= 1")
     from specdec.model.loading import DEFAULT_TARGET
+    from specdec.serving.config import check_backend_token
     from specdec_tools.stacks import Stack
 
     if args.drafter == "auto":
         args.drafter, args.draft_model = default_drafter(args.target_model or DEFAULT_TARGET, args.draft_model)
-    stack = Stack(args.target_model or "", None, args.device, grace=15.0)  # on this terminal, with metrics and the HTTP API
+    try:
+        check_backend_token(args.backend_token)
+    except ValueError as exc:
+        parser.error(str(exc))
+    # on this terminal, with metrics and the HTTP API
+    stack = Stack(args.target_model or "", None, args.device, grace=15.0, backend_token=args.backend_token.strip())
     signal.signal(signal.SIGTERM, lambda *_: (stack.stop(), sys.exit(0)))
     try:
         drafter = "ngram" if args.drafter == "ngram" else args.draft_model
@@ -130,7 +139,7 @@ def cmd_up(argv: list[str]) -> int:
                            port=args.port + 1, replicas=args.target_replicas)
         coordinator = stack.start_coordinator(draft, port=args.port)
         stack.wait(args.timeout, announce=lambda role, address: print(f"specdec up: {role} healthy on {address}", file=sys.stderr, flush=True))
-        print(f"specdec up: {_target_summary(stack.target_address.split(',')[0])}", file=sys.stderr, flush=True)
+        print(f"specdec up: {_target_summary(stack.target_address.split(',')[0], stack.backend_token)}", file=sys.stderr, flush=True)
         print(f"specdec up: ready; coordinator on {coordinator} (Ctrl-C stops them all)", file=sys.stderr, flush=True)
         while stack.alive():
             time.sleep(0.5)
@@ -250,17 +259,19 @@ def cmd_generate(argv: list[str]) -> int:
     return 0
 
 
-def _target_summary(address: str) -> str:
+def _target_summary(address: str, token: str = "") -> str:
     """What the target serves, in the terms a user chooses it by (--weights, --device): the model's
     tokens depend on the format, so the demo says which one it ran."""
     import grpc
 
     from protos import specdec_pb2 as pb
     from protos import specdec_pb2_grpc as pb_grpc
+    from specdec.serving.backend_auth import call_metadata
 
     try:
         with grpc.insecure_channel(address) as channel:
-            info = pb_grpc.TargetServiceStub(channel).GetInfo(pb.TargetServiceGetInfoRequest(), timeout=10).info
+            info = pb_grpc.TargetServiceStub(channel).GetInfo(pb.TargetServiceGetInfoRequest(), timeout=10,
+                                                              metadata=call_metadata(token)).info
     except grpc.RpcError as exc:
         return f"target on {address} (its model info did not come: {exc.code().name})"
     why = {"gguf-a8": "its GGUF blocks against 8-bit activations, the fastest exact format on this CPU; "

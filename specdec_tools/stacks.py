@@ -55,11 +55,12 @@ class Stack(ServiceProcesses):
     `target`: the target model spec, also the coordinators' tokenizer and the drafts' target
     tokenizer; empty: the services' default (`specdec up` without --target-model). `logs`: see
     specdec_tools/children.py. `log_level`: every service's. `port` (each start_*): 0 picks a free one.
+    `backend_token`: the --backend-token all of them share (empty: off).
     """
 
     def __init__(self, target: str, logs: pathlib.Path | None, device: str = "cpu", log_level: str | None = None,
-                 grace: float = 20.0):
-        super().__init__(logs, grace)
+                 grace: float = 20.0, backend_token: str = ""):
+        super().__init__(logs, grace, backend_token)
         self.target, self.device, self.log_level = target, device, log_level
         self.target_address = ""
 

@@ -20,6 +20,7 @@ import structlog
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import SequenceNotFound, Unavailable
+from specdec.serving.backend_auth import authorized
 from specdec.serving.outbox import StreamClient
 from specdec.serving.rpc import CHANNEL_OPTIONS
 
@@ -31,11 +32,12 @@ _NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
 class DraftLink(StreamClient):
     """Propose over the Drafts stream; the stream opens on first use and again after it broke."""
 
-    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None):
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None, token: str = ""):
+        """`token`: the backend token the Drafts stream carries (--backend-token); empty: none."""
         self.address = address
         options = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
-        self._channel = (grpc.aio.secure_channel(address, credentials, options=options) if credentials is not None
-                         else grpc.aio.insecure_channel(address, options=options))
+        self._channel = authorized(grpc.aio.secure_channel(address, credentials, options=options) if credentials is not None
+                                   else grpc.aio.insecure_channel(address, options=options), token)
         self._stub = pb_grpc.DraftServiceStub(self._channel)
         super().__init__(self._stub.Drafts, pb.DraftsRequest, "Drafts")
         # Per sequence, the asks in flight in the order sent: the draft answers one sequence's asks

@@ -155,7 +155,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     servicer = TargetServicer(config.batch_window_ms, config.max_batch_size, config.max_batch_tokens)
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
     server = Server(config.host, config.port, [pb.DESCRIPTOR.services_by_name["TargetService"].full_name], credentials=credentials,
-                    max_connection_age_s=config.max_connection_age_s)
+                    max_connection_age_s=config.max_connection_age_s, token=config.backend_token)
     metrics.target()
     metrics_port = metrics.serve_http(config.metrics_port, config.host)
     pb_grpc.add_TargetServiceServicer_to_server(servicer, server.server)
@@ -181,7 +181,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
         from target_service.drafts import DraftLink
 
         servicer.runs.link = DraftLink(config.draft, tls.channel_credentials(config.tls_ca, config.tls_cert, config.tls_key)
-                                       if config.tls_ca else None)
+                                       if config.tls_ca else None, token=config.backend_token)
     servicer.runs.draining = lambda: server.drain.draining
     server.drain.listeners.append(servicer.runs.drain)
     metrics.follow_store(engine.store, metrics.target().sequences, metrics.target().kv_usage)

@@ -111,6 +111,22 @@ def check_weights(weights: str, packed_gemm_rows: int) -> None:
         raise ValueError(f"--weights {weights} is read by specdec's GEMM kernel: it needs --packed-gemm-rows > 0")
 
 
+def backend_token_option(role: str) -> Any:
+    """Every service's `backend_token` field (specdec/serving/backend_auth.py); `role` says what this service does with it."""
+    return option(
+        "",
+        f"Shared secret of the service-to-service calls: {role} The same value on the coordinator, the draft and "
+        "the target, best from the environment (a flag shows in `ps`); surrounding whitespace is dropped. Not "
+        "encryption: across networks others can read, use it with TLS. Empty: off.",
+    )
+
+
+def check_backend_token(token: str) -> None:
+    """Printable ASCII without spaces: gRPC metadata carries nothing else, and a token it cannot carry
+    would fail every call instead of the start. The message never shows the token."""
+    if not all("!" <= c <= "~" for c in token.strip()):
+        raise ValueError("--backend-token must be printable ASCII without spaces (it travels in gRPC metadata)")
+
 LOG_FORMATS = ("auto", "json", "console")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 

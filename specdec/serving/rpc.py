@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from specdec.errors import InvalidArgument, SpecdecError, Unavailable
+from specdec.serving.backend_auth import RequireToken, cleaned
 from specdec.serving.logs import REQUEST_ID_METADATA, bind_request
 
 log = structlog.get_logger(__name__)
@@ -284,7 +285,10 @@ class Server:
         interceptors=(),
         credentials: grpc.ServerCredentials | None = None,
         max_connection_age_s: float = 0.0,
+        token: str = "",
     ):
+        """`token`: the backend token every call but health checks must carry (specdec/serving/backend_auth.py);
+        empty: none."""
         self.drain = Drain()
         # A port taken by another server is an error, not shared: gRPC binds with SO_REUSEPORT by
         # default, and two services (or two fleet replicas handed one free port) then split one
@@ -293,8 +297,12 @@ class Server:
         if max_connection_age_s > 0:  # a GOAWAY makes the client re-resolve its target and reconnect
             options += [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
                         ("grpc.max_connection_age_grace_ms", int(CONNECTION_AGE_GRACE_S * 1000))]
+        # The token is checked first: a call without it is refused before anything else sees it.
+        auth = [RequireToken(token)] if cleaned(token) else []
+        if auth:
+            log.info("backend token required on every call but health checks")
         self.server = grpc.aio.server(
-            options=options, maximum_concurrent_rpcs=max_concurrent_rpcs, interceptors=[self.drain, *interceptors]
+            options=options, maximum_concurrent_rpcs=max_concurrent_rpcs, interceptors=[*auth, self.drain, *interceptors]
         )
         self.http = None  # an HTTP server to stop with this one (the coordinator's API)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
