@@ -23,7 +23,7 @@ from specdec.errors import InvalidArgument
 LARGE_BODY_BYTES = 256 * 1024  # below this, parsing takes a few milliseconds at most: done in place
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 65536  # all stop strings together
-MAX_MESSAGES = 4096  # chat messages in one request
+MAX_MESSAGES = 4096  # chat messages in one request, and prompts in a batch
 
 
 class InvalidBody(Exception):
@@ -41,7 +41,8 @@ def oversized(body: BaseModel, max_prompt_tokens: int) -> tuple[str, str] | None
         ids = sum(len(p) if isinstance(p, list) else 1 for p in prompt)
         if ids > max_prompt_tokens:
             return "prompt", f"{ids} token ids, more than --max-prompt-tokens={max_prompt_tokens}"
-    if isinstance(prompt, list) and len(prompt) > MAX_MESSAGES:
+    # a flat list of ids is one prompt (OpenAI's API), bounded by its ids above and by the context later
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > MAX_MESSAGES:
         return "prompt", f"{len(prompt)} prompts; at most {MAX_MESSAGES}"
     messages = getattr(body, "messages", None)
     if messages is not None and len(messages) > MAX_MESSAGES:

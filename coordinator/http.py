@@ -32,6 +32,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
@@ -308,15 +309,7 @@ def build_app(servicer, model_names: list[str], api_token: str = "", max_body_by
     _error_handlers(app)
     _token_routes(app, servicer, max_body_bytes)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next):
-        if api_token and request.url.path.startswith(("/v1/", "/tokenize", "/detokenize")):
-            header = request.headers.get("authorization", "")
-            if bearer(header) is None:
-                return error(401, "missing bearer token", "authentication_error", "missing_api_key")
-            if not token_matches(header, api_token):
-                return error(403, "invalid bearer token", "permission_error", "invalid_api_key")
-        return await call_next(request)
+    app.add_middleware(Authenticate, api_token=api_token)
 
     @app.get("/health")
     async def health():
@@ -358,6 +351,24 @@ def build_app(servicer, model_names: list[str], api_token: str = "", max_body_by
         return await _complete(servicer, raw, schema.ChatCompletionRequest, model_names, max_body_bytes)
 
     return app
+
+
+class Authenticate:
+    """The bearer token on the API's routes. Plain ASGI, not `@app.middleware("http")`: starlette's
+    BaseHTTPMiddleware re-sends the response it wraps and ends it itself, so a stream StallingStream
+    left unfinished (to have the connection dropped) went out with a clean chunked terminator."""
+
+    def __init__(self, app, api_token: str):
+        self.app, self.api_token = app, api_token
+
+    async def __call__(self, scope, receive, send) -> None:
+        if self.api_token and scope["type"] == "http" and scope["path"].startswith(("/v1/", "/tokenize", "/detokenize")):
+            header = Headers(scope=scope).get("authorization", "")
+            if bearer(header) is None:
+                return await error(401, "missing bearer token", "authentication_error", "missing_api_key")(scope, receive, send)
+            if not token_matches(header, self.api_token):
+                return await error(403, "invalid bearer token", "permission_error", "invalid_api_key")(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def _error_handlers(app: FastAPI) -> None:
@@ -478,7 +489,9 @@ class StallingStream(StreamingResponse):
     """Server-sent events that end when the client stops reading, as --stream-stall-timeout-s ends a
     gRPC stream: a send that TCP flow control holds past `stall_timeout_s` closes the events' iterator
     (which cancels the request, freeing its running slot and both services' sequences) and leaves the
-    response unfinished, so the server drops the connection. 0: wait as long as the client does."""
+    response unfinished: uvicorn then closes the connection without the chunked body's last chunk, so
+    the client sees a broken response, not a whole one (no middleware may finish it: Authenticate).
+    0: wait as long as the client does."""
 
     def __init__(self, content, stall_timeout_s: float, **kwargs):
         super().__init__(content, **kwargs)

@@ -14,9 +14,12 @@ import urllib.error
 import urllib.request
 
 import pytest
+import torch
+from transformers import LlamaForCausalLM
 
 from coordinator import bodies
 from coordinator import openai_schema as schema
+from tests import tiny
 from tests.stack import Stack
 
 
@@ -44,6 +47,44 @@ def test_the_bounds_name_the_field():
     assert bodies.oversized(stops, 400)[0] == "stop"
     long_stop = schema.CompletionRequest.model_validate({"prompt": "x", "stop": ["a" * (bodies.MAX_STOP_CHARS + 1)]})
     assert bodies.oversized(long_stop, 400)[0] == "stop"
+
+
+
+def test_a_flat_list_of_ids_is_one_prompt():
+    """In OpenAI's API a flat list of ids is one prompt, a list of lists a batch: the cap on a batch's
+    prompts refused 5,000 flat ids as "5000 prompts", though --max-prompt-tokens allowed them."""
+    flat = schema.CompletionRequest.model_validate({"prompt": [1] * 5000})
+    assert bodies.oversized(flat, 8192) is None
+    assert "max-prompt-tokens" in bodies.oversized(flat, 4999)[1]
+    batch = schema.CompletionRequest.model_validate({"prompt": [[1]] * 5000})
+    assert bodies.oversized(batch, 8192) == ("prompt", f"5000 prompts; at most {bodies.MAX_MESSAGES}")
+    texts = schema.CompletionRequest.model_validate({"prompt": ["a"] * 5000})
+    assert bodies.oversized(texts, 8192) == ("prompt", f"5000 prompts; at most {bodies.MAX_MESSAGES}")
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    """A one-layer tiny target whose context (8,192 positions) holds a prompt past MAX_MESSAGES ids."""
+    torch.manual_seed(0)
+    config = tiny.tiny_config(layers=1)
+    config.max_position_embeddings = 8192
+    target = LlamaForCausalLM(config).eval()
+    stack = Stack()
+    _, url = stack.tiny_ngram(tiny.save(target, tmp_path_factory.mktemp("long") / "target"), max_prompt_tokens=10_000)
+    yield url
+    stack.stop()
+
+
+def test_a_flat_id_prompt_past_the_batch_cap_is_served_up_to_the_context(long_context):
+    status, body = post(long_context, json.dumps({"prompt": [7] * 5000, "max_tokens": 2}).encode())
+    assert status == 200, body
+    assert body["usage"] == {"prompt_tokens": 5000, "completion_tokens": 2, "total_tokens": 5002}
+    status, body = post(long_context, json.dumps({"prompt": [[7]] * 5000, "max_tokens": 2}).encode())
+    assert status == 400 and body["error"]["param"] == "prompt" and "5000 prompts" in body["error"]["message"]
+    # past the target's context (8,192, one position kept for a generated token): a 400 naming the prompt
+    status, body = post(long_context, json.dumps({"prompt": [7] * 8192, "max_tokens": 2}).encode())
+    assert status == 400 and body["error"]["param"] == "prompt", body
+    assert body["error"]["code"] == "context_length_exceeded" and "8191" in body["error"]["message"], body
 
 
 @pytest.mark.parametrize("size", ["small", "large"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -169,6 +170,59 @@ def test_http_requests_count_against_the_same_clients(target_path):
         assert wait_for(lambda: server.servicer.admission.running == 1, 10)
         assert post(url, client_id="alice") == 429
         assert post(url, client_id="bob") == 200
+
+
+def dechunked(data: bytes) -> tuple[bytes, bool]:
+    """An HTTP/1.1 chunked body as received: (the chunks' bytes, whether its terminating chunk came)."""
+    body, rest = b"", data
+    while b"\r\n" in rest:
+        size, _, rest = rest.partition(b"\r\n")
+        length = int(size, 16)
+        if length == 0:
+            return body, True
+        body, rest = body + rest[:length], rest[length + 2:]
+    return body, False
+
+
+def test_a_server_sent_events_stream_whose_client_stopped_reading_is_dropped(target_path):
+    """docs/deploy.md says a stream cut for stalling is dropped. It used to end with a clean chunked
+    terminator on a connection kept alive (the bearer-token middleware finished the response the
+    stalled stream left unfinished): a client that read on got a truncated completion with no
+    `[DONE]` and no error, as if it were whole."""
+    stack = Stack()
+    sock = socket.socket()
+    try:
+        target = stack.target(target_path)
+        stack.coordinator(target, "", tiny.byte_tokenizer(), decode_ahead=0, stream_stall_timeout_s=1.0, http_port=0)
+        held = stack.servers[0].servicer.engine.store
+        # Before connecting, what the client announces: a small window, and a small segment size, which
+        # keeps the server's send buffer small (Linux sizes it by segments: at loopback's 64 KiB ones
+        # it grew to megabytes, past the whole 300 KB response, which then never stalled).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+        sock.connect(("127.0.0.1", stack.servers[-1].http.port))
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": LONG, "ignore_eos": True, "logprobs": MAX_LOGPROBS,
+                           "stream": True}).encode()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        received = sock.recv(1024)
+        assert received.startswith(b"HTTP/1.1 200"), received
+        assert wait_for(lambda: len(held) == 1, 10), "the stream never ran"
+        assert wait_for(lambda: len(held) == 0, 30), "the stalled stream's sequence was not released"
+        sock.settimeout(3)  # the client reads on, for less than uvicorn's 5 s keep-alive: is the connection closed?
+        closed = False
+        with contextlib.suppress(TimeoutError):
+            while chunk := sock.recv(65536):
+                received += chunk
+            closed = True
+    finally:
+        sock.close()
+        stack.stop()
+    events, finished = dechunked(received.partition(b"\r\n\r\n")[2])
+    assert b"data: " in events and b'"finish_reason": "length"' not in events, "the stream was never stalled"
+    assert not finished, "the response was ended cleanly, as if the completion were whole"
+    assert closed, "the connection was left open"
+    assert b"[DONE]" not in events
 
 
 def test_one_client_holds_no_more_than_the_running_slots_by_default():
