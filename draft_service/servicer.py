@@ -21,6 +21,7 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
 from specdec.serving import tls
+from specdec.serving.carriers import Carriers
 from specdec.model.features import FeatureRows
 from specdec.spec.sampling import check_temperature
 from specdec.errors import SpecdecError
@@ -41,6 +42,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         self.host = EngineHost("draft")
         self.batcher = DraftBatcher(self.host.run, self._forward_rows, batch_window_ms / 1000, max_batch_size, max_batch_tokens)
         self._busy: dict[str, _SequenceLock] = {}  # per sequence: one Propose at a time
+        self.carriers = Carriers(self._release)  # a ProposeSession's sequences, freed when a coordinator is gone
 
     @contextlib.asynccontextmanager
     async def _one_at_a_time(self, sequence_id: str):
@@ -72,16 +74,23 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     @rpc_method
     async def Propose(self, request: pb.ProposeRequest, context):
+        self.carriers.forget(request.sequence_id)  # drafted by calls now, not by a stream that may have ended
         async with contextlib.aclosing(self._propose(request)) as messages:  # a cancelled stream ends it at once
             async for message in messages:
                 yield message
 
     @rpc_method
     async def ProposeSession(self, requests, context):
-        async for request in requests:
-            spent: list[float] = []
-            tokens = [message async for message in self._propose(request.propose, spent)]
-            yield pb.ProposeSessionResponse(tokens=tokens, compute_seconds=spent[0])
+        carried: set[str] = set()
+        try:
+            async for request in requests:
+                self.carriers.carry(request.propose.sequence_id, context)
+                carried.add(request.propose.sequence_id)
+                spent: list[float] = []
+                tokens = [message async for message in self._propose(request.propose, spent)]
+                yield pb.ProposeSessionResponse(tokens=tokens, compute_seconds=spent[0])
+        finally:
+            self.carriers.ended(context, carried)
 
     async def _propose(self, request: pb.ProposeRequest, spent: list[float] | None = None):
         """The Propose messages. `spent` receives the draft's seconds for the whole call: each
@@ -186,6 +195,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
     async def ProposeTree(self, request: pb.ProposeTreeRequest, context):
         t = request.tree
         settings = TreeSettings(t.budget, t.top_k, tuple(t.shape), t.max_depth, request.temperature, request.seed)
+        self.carriers.forget(request.sequence_id)
         self.engine  # noqa: B018 - raises UNAVAILABLE while loading
         async with self._one_at_a_time(request.sequence_id):
             tree = await self.host.run(
@@ -269,8 +279,11 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     @rpc_method
     async def Release(self, request, context):
-        released = await self.host.run(self.engine.release, request.sequence_id)
-        return pb.DraftServiceReleaseResponse(released=released)
+        return pb.DraftServiceReleaseResponse(released=await self._release(request.sequence_id))
+
+    async def _release(self, sequence_id: str) -> bool:
+        self.carriers.forget(sequence_id)
+        return await self.host.run(self.engine.release, sequence_id)
 
 
 def load_engine_with_model_info(config: DraftConfig) -> tuple[DraftEngine, pb.ModelInfo]:

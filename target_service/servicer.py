@@ -11,6 +11,7 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
 from specdec.serving import tls
+from specdec.serving.carriers import Carriers
 from specdec.serving.rpc import EngineHost, Server, rpc_method
 from specdec.serving.threads import loop_computes_alike
 from specdec.serving.wire import logprobs_to_proto, sampling_from_proto
@@ -35,6 +36,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         self.batcher = VerifyBatcher(self.host.run, self._verify_batch, batch_window_ms / 1000, max_batch_size, max_batch_tokens,
                                      inline=self._inline, engine=lambda: self.engine)
         self.runs = DecodeStreams(self.batcher.submit, self._release)
+        self.carriers = Carriers(self._release)  # a VerifySession's sequences, freed when a coordinator is gone
 
     def _verify_batch(self, calls, decode_ahead: bool = True):
         # read from the worker thread: a list's and a set's lengths, set on the loop's thread, are safe to read
@@ -70,16 +72,23 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     @rpc_method
     async def Verify(self, request: pb.VerifyRequest, context):
+        self.carriers.forget(request.sequence_id)  # stepped by calls now, not by a stream that may have ended
         response = pb.VerifyResponse()
         await self._verify(request, response)
         return response
 
     @rpc_method
     async def VerifySession(self, requests, context):
-        async for request in requests:
-            session = pb.VerifySessionResponse()
-            await self._verify(request.verify, session.verify)  # written in place: no copy of the answer a step
-            yield session
+        carried: set[str] = set()
+        try:
+            async for request in requests:
+                self.carriers.carry(request.verify.sequence_id, context)
+                carried.add(request.verify.sequence_id)
+                session = pb.VerifySessionResponse()
+                await self._verify(request.verify, session.verify)  # written in place: no copy of the answer a step
+                yield session
+        finally:
+            self.carriers.ended(context, carried)
 
     async def _verify(self, request: pb.VerifyRequest, response: pb.VerifyResponse) -> None:
         """Verifies `request` and writes the answer into `response`."""
@@ -138,6 +147,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         return pb.TargetServiceReleaseResponse(released=await self._release(request.sequence_id))
 
     async def _release(self, sequence_id: str) -> bool:
+        self.carriers.forget(sequence_id)
         released = await self.host.run(self.engine.release, sequence_id)
         self.batcher.released(sequence_id)
         return released
@@ -174,6 +184,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
         eos_token_ids=engine.lm.eos_token_ids, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
         weights=packed.weights if packed else str(loaded.dtype).removeprefix("torch."),
         weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(loaded.model), draft=config.draft,
+        prefill_chunk_tokens=config.max_prefill_tokens_per_pass,
     )
     engine.store.on_start = metrics.target().sequences_started.inc
     engine.on_tokens = servicer.runs.on_tokens
