@@ -130,6 +130,19 @@ class CoordinatorConfig:
     )
     max_connections_per_client: int = option(
         256, "Most HTTP connections one client address holds open at once; past it a new one is closed at once. 0: no cap.")
+    max_num_partial_prefills: int = option(
+        2,
+        "Prompts longer than the target's prefill chunk (its --max-prefill-tokens-per-pass) admitted and not yet "
+        "at their first token, at most; more wait in the queue without a running slot, and shorter requests behind "
+        "them start first (vLLM's flag of this name). 0: no bound.",
+    )
+    max_long_partial_prefills: int = option(
+        1,
+        "Of those, prompts longer than --long-prefill-token-threshold, at most: a flood of long prompts is "
+        "prefilled one after another, in the order it came, and cannot hold every running slot. 0: no bound.",
+    )
+    long_prefill_token_threshold: int = option(
+        0, "A prompt longer than this is long (--max-long-partial-prefills); 0: 4 percent of the target's context, as vLLM.")
     max_queue: int = option(64, "Requests waiting for a running slot; past it RESOURCE_EXHAUSTED at once, with a retry-after hint.")
     verify_token_budget: int = option(
         8,
@@ -170,7 +183,8 @@ class CoordinatorConfig:
         if self.verify_token_budget < -1:
             raise ValueError(f"--verify-token-budget must be >= -1, got {self.verify_token_budget}")
         for flag in ("max_concurrent_requests", "max_queue", "target_retry_s", "max_streams_per_client",
-                     "stream_stall_timeout_s", "max_prompt_chars", "http_header_timeout_s", "max_connections_per_client"):
+                     "stream_stall_timeout_s", "max_prompt_chars", "http_header_timeout_s", "max_connections_per_client",
+                     "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold"):
             if not getattr(self, flag) >= 0:  # NaN too
                 raise ValueError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(self, flag)}")
         if self.max_body_bytes < 1:

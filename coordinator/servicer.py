@@ -36,6 +36,9 @@ from specdec.spec.sampling import TokenLogprob
 
 log = structlog.get_logger(__name__)
 
+# vLLM's default long-prompt threshold: this share of the model's context.
+LONG_PREFILL_SHARE = 0.04
+
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "eos": pb.FINISH_REASON_EOS,
@@ -156,12 +159,17 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
         metrics.set_model_name(config.model_names()[0])  # the model id /v1/models reports first labels the request metrics
         self.admission = Admission(config.max_concurrent_requests, config.max_queue, config.verify_token_budget,
                                    on_queue=metrics.coordinator().waiting.set,  # specdec:num_requests_waiting
-                                   on_admit=metrics.coordinator().queue_time.observe)  # specdec:request_queue_time_seconds
+                                   on_admit=metrics.coordinator().queue_time.observe,  # specdec:request_queue_time_seconds
+                                   max_partial_prefills=config.max_num_partial_prefills,
+                                   max_long_partial_prefills=config.max_long_partial_prefills)
 
     def attach(self, tokenizer, target: TargetClient, target_info: pb.ModelInfo, draft: DraftClient | None,
                draft_info: pb.ModelInfo | None) -> None:
         self.tokenizer = tokenizer
         self.target_info = target_info
+        self.admission.prefill_chunk_tokens = target_info.prefill_chunk_tokens
+        self.admission.long_prefill_tokens = (self.config.long_prefill_token_threshold
+                                              or int(LONG_PREFILL_SHARE * target_info.max_context))
         self.loop = make_loop(self.config, target, draft, draft_info, self.admission.draft_cap, target_info)
         cost_model = self.loop.cost_model
         self.admission.measured_budget = lambda: knee(cost_model.costs())  # --verify-token-budget -1
@@ -209,15 +217,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             if whole and not stop:
                 spec = dataclasses.replace(spec, answered_whole=True)
             with self._admit(client):  # the per-client cap counts queued requests too
-                async with self.admission.slot():
+                async with self.admission.slot(len(spec.prompt_ids)) as admitted:
                     REQUEST_DEADLINE.set(deadline)
-                    async for item in self._run_spec(spec, stop, m):
+                    async for item in self._run_spec(spec, stop, m, admitted.prefilled):
                         yield item
         except SpecdecError as exc:
             m.failures.labels(exc.code.name).inc()
             raise
 
-    async def _run_spec(self, spec: GenerationSpec, stop: list[str], m):
+    async def _run_spec(self, spec: GenerationSpec, stop: list[str], m, prefilled: Callable[[], None] = lambda: None):
         bind_request(spec.request_id)
         log.info("request started", prompt_tokens=len(spec.prompt_ids), max_new_tokens=spec.max_new_tokens,
                  temperature=spec.sampling.temperature, draft_length=spec.draft_length, adaptive=spec.adaptive)
@@ -229,6 +237,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
             async with contextlib.aclosing(self.loop.run(spec, stats)) as steps:
                 async for step in steps:
                     first = stats.completion_tokens == len(step.tokens)
+                    if first:
+                        prefilled()
                     piece, keep = text.add(step.tokens, final=step.finish_reason is not None)
                     finish = "stop" if text.stopped_at is not None else step.finish_reason
                     if keep < len(step.tokens):

@@ -62,6 +62,8 @@ class RequestResult:
     steps: int = 0
     retry_after_ms: int | None = None
     request_index: int = 0
+    sent: float = 0.0  # seconds from the level's start to this request's send
+    prompt_tokens: int = 0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -300,8 +302,9 @@ async def run_level(client: GrpcClient | HttpClient, prompts: list[list[int]], n
         task_id = progress.add_task(f"{'spec' if speculation else 'no-spec'} " + (f"c={concurrency}" if rate is None else f"rate={rate}/s"), total=num_requests) if progress else None
 
         async def fire(i: int) -> None:
+            sent = time.perf_counter() - start
             result = await client.request(i % len(prompts), prompts[i % len(prompts)], max_new, speculation)
-            result.request_index = i
+            result.request_index, result.sent, result.prompt_tokens = i, sent, len(prompts[i % len(prompts)])
             results.append(result)
             if progress:
                 progress.advance(task_id)
@@ -409,6 +412,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-queue", type=int, default=64, help="Local coordinator's queue bound.")
     parser.add_argument("--device", default="cpu", help="Where the local stack's services compute: cpu, cuda or cuda:N "
                         "(the reference outputs too).")
+    parser.add_argument("--coordinator-flags", default="",
+                        help="Extra flags for the local coordinator, e.g. '--max-long-partial-prefills 0'.")
     parser.add_argument("--target-flags", default="", help="Extra flags for the local target, e.g. '--max-batch-size 1'.")
     parser.add_argument("--weights", default="fp32",
                         help=f"What the local target reads its weights as ({', '.join(FORMATS)}); several, comma-separated: one "
@@ -507,7 +512,7 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
         # The load generator is one client that stands for many: it may fill the running slots and the queue.
         caps = ["--max-concurrent-requests", str(args.max_concurrent_requests), "--max-queue", str(args.max_queue),
                 "--max-streams-per-client", str(args.max_concurrent_requests + args.max_queue)]
-        stack = LocalStack(target, args.drafter, workdir / f"logs-{weights}", caps, ["--weights", weights, *args.target_flags.split()],
+        stack = LocalStack(target, args.drafter, workdir / f"logs-{weights}", [*caps, *args.coordinator_flags.split()], ["--weights", weights, *args.target_flags.split()],
                            api_token=args.api_token.strip(), device=args.device)
     try:
         if stack:
@@ -550,8 +555,10 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
                         if args.long_prompt_tokens:  # what the long prompts cost the others
                             short = [r for r in results if r.prompt_index % args.long_every != 0]
                             report["runs"][-1]["short_requests"] = summarise(short, duration)
+                            long = [r for r in results if r.prompt_index % args.long_every == 0]
+                            report["runs"][-1]["long_requests"] = {**summarise(long, duration), **long_prompts(long)}
                         save_partial(report, args.out)  # a long run killed later still leaves its numbers (main removes it at the end)
-                        progress.console.print(format_report({"runs": report["runs"][-1:]}).splitlines()[-1])
+                        progress.console.print("\n".join(format_report({"runs": report["runs"][-1:]}).splitlines()[1:]))
             if overload and stack:
                 offered = 4 * (args.max_concurrent_requests + args.max_queue)
                 results, duration = level(prompts, offered, args.max_new_tokens, True, offered, None, args.seed, progress)
@@ -701,6 +708,18 @@ def lengthen(prompt: list[int], tokens: int) -> list[int]:
     return (prompt * (tokens // max(1, len(prompt)) + 1))[:tokens]
 
 
+def long_prompts(results: list[RequestResult]) -> dict:
+    """How the long prompts of a mix fared as a group: whether they finished in the order they
+    were sent (adjacent pairs that did), and the prompt tokens prefilled a second from the first one
+    sent to the last one's first token (what a flood of long prompts gets from the target)."""
+    done = sorted((r for r in results if r.ok), key=lambda r: r.sent)
+    ends = [r.sent + r.e2el for r in done]
+    pairs = len(done) - 1
+    span = max((r.sent + r.ttft for r in done), default=0.0) - (done[0].sent if done else 0.0)
+    return {"finished_in_order": sum(a <= b for a, b in zip(ends, ends[1:])) / pairs if pairs > 0 else 1.0,
+            "prefill_tokens_per_s": sum(r.prompt_tokens for r in done) / span if span > 0 else 0.0}
+
+
 def format_report(report: dict) -> str:
     lines = ["weights  spec  conc  done fail  req/s  out tok/s  TTFT p50/p99 ms   TPOT p50/p99 ms   ITL mean  E2EL p50/p99 ms  accept  identical"
              "  output tokens asked: got (requests)"]
@@ -719,6 +738,11 @@ def format_report(report: dict) -> str:
             lines.append(f"  short requests only ({'on ' if r['speculation'] else 'off'}, {r['concurrency']} concurrent): "
                          f"{q['completed']} done, TTFT p50/p99 {q['median_ttft_ms']:.0f}/{q['p99_ttft_ms']:.0f} ms, "
                          f"TPOT p50/p99 {q['median_tpot_ms']:.1f}/{q['p99_tpot_ms']:.1f} ms")
+        if "long_requests" in r:
+            q = r["long_requests"]
+            lines.append(f"  long requests only: {q['completed']} done, TTFT p50/p99 {q['median_ttft_ms']:.0f}/{q['p99_ttft_ms']:.0f} ms, "
+                         f"finished in the order sent {q['finished_in_order']:.0%} (adjacent pairs), "
+                         f"prefill {q['prefill_tokens_per_s']:.0f} tok/s")
     if "overload" in report:
         o = report["overload"]
         lines.append(f"overload: {o['offered_concurrency']} concurrent offered to max_concurrent_requests={o['max_concurrent_requests']} + "

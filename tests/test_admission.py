@@ -164,3 +164,74 @@ def test_budget_minus_one_is_read_off_the_measured_cost_curve():
     assert admission.draft_cap() == 256 // 4 - 1
     with pytest.raises(ValueError):
         Admission(1, 1, verify_token_budget=-2)
+
+
+def test_partial_prefills_are_bounded_and_short_prompts_pass_long_ones():
+    """vLLM's partial-prefill bounds (issue 55): prompts longer than the target's chunk (100 here)
+    hold at most 2 prefill places, those longer than 500 at most 1; a request over its bound waits
+    without a running slot, the long ones start in the order they came, and a short one starts at once."""
+    async def main():
+        admission = Admission(max_running=8, max_queue=8, max_partial_prefills=2, max_long_partial_prefills=1,
+                              long_prefill_tokens=500, prefill_chunk_tokens=100)
+        started: list[str] = []
+        holds: dict[str, object] = {}
+        done = {name: asyncio.Event() for name in "ABCDEFG"}
+
+        async def request(name, tokens):
+            async with admission.slot(tokens) as admitted:
+                started.append(name)
+                holds[name] = admitted
+                await done[name].wait()
+
+        async def arrive(name, tokens):
+            task = asyncio.ensure_future(request(name, tokens))
+            await asyncio.sleep(0.01)
+            return task
+
+        tasks = [await arrive("A", 2000), await arrive("B", 2000), await arrive("C", 10), await arrive("D", 200),
+                 await arrive("E", 300), await arrive("F", 2000)]
+        assert started == ["A", "C", "D"] and admission.queued == 3  # B (long) and E (partial) wait; C passed B
+        assert admission.running == 3, "a request waiting for a prefill place holds no running slot"
+        holds["A"].prefilled()  # A's first token: its long place goes to B, the next long in order
+        await asyncio.sleep(0.01)
+        assert started == ["A", "C", "D", "B"]
+        holds["D"].prefilled()
+        await asyncio.sleep(0.01)
+        assert started == ["A", "C", "D", "B", "E"]
+        tasks.append(await arrive("G", 2000))
+        done["B"].set()  # B ends before its first token (an error): its places go too, to F, then G
+        await asyncio.sleep(0.01)
+        assert started == ["A", "C", "D", "B", "E", "F"]
+        holds["F"].prefilled()
+        await asyncio.sleep(0.01)
+        assert started[-1] == "G"
+        for event in done.values():
+            event.set()
+        await asyncio.gather(*tasks)
+        assert (admission.running, admission.partial, admission.long, admission.queued) == (0, 0, 0, 0)
+
+    asyncio.run(main())
+
+
+def test_a_long_prompt_cancelled_while_waiting_for_its_place_leaks_nothing():
+    async def main():
+        admission = Admission(max_running=4, max_queue=4, max_partial_prefills=1, max_long_partial_prefills=1,
+                              long_prefill_tokens=500, prefill_chunk_tokens=100)
+        release = asyncio.Event()
+
+        async def request(tokens):
+            async with admission.slot(tokens):
+                await release.wait()
+
+        first = asyncio.ensure_future(request(1000))
+        await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(request(1000))
+        await asyncio.sleep(0.01)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert admission.queued == 0 and admission.running == 1 and admission.long == 1
+        release.set()
+        await first
+        assert (admission.running, admission.partial, admission.long) == (0, 0, 0)
+
+    asyncio.run(main())

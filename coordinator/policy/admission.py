@@ -18,6 +18,16 @@
   curve. Not the default: the per-request V(n) it reads is noisy on a busy machine (a clean-clone
   run read a knee of 2 off a tiny model's). The draft-length policy
   (specdec/spec/draft_length.py) still chooses within that cap by acceptance and cost.
+- Prompts the target feeds over several passes (longer than its prefill chunk) are bounded as
+  vLLM bounds partial prefills: at most `max_partial_prefills` are admitted and not yet at their
+  first token, and at most `max_long_partial_prefills` of those longer than
+  `long_prefill_tokens`. A prompt over its bound waits without taking a running slot, and requests
+  behind it that are within theirs pass it, while the long ones keep their order among themselves.
+  Why: a flood of 50 prompts of 2,000 tokens took all 32 running slots and was prefilled all at
+  once; none finished within 75 s, and ten short streams, whose first token comes in a fraction of
+  a second, waited in the queue for all of it. One long prompt at a time is prefilled as fast as
+  many interleaved (the target feeds one chunk a pass either way), finishes first, and leaves the
+  other slots to the short requests.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -63,21 +74,44 @@ def busy(message: str, retry_after_s: float) -> Overloaded:
     return exc
 
 
+@dataclasses.dataclass
+class Admitted:
+    """A request's hold on the coordinator: its running slot, and a partial-prefill place until
+    `prefilled` (its first token) or its end."""
+
+    admission: "Admission"
+    partial: bool = False
+    long: bool = False
+
+    def prefilled(self) -> None:
+        """The prompt is in the target's cache: its place among the partial prefills goes to the next."""
+        if self.partial:
+            self.admission._prefill_done(self)
+
+
 class Admission:
     """Not thread-safe: used from the coordinator's event loop only."""
 
     def __init__(self, max_running: int, max_queue: int, verify_token_budget: int = 8,
-                 on_queue: Callable[[int], None] | None = None, on_admit: Callable[[float], None] | None = None):
+                 on_queue: Callable[[int], None] | None = None, on_admit: Callable[[float], None] | None = None,
+                 max_partial_prefills: int = 0, max_long_partial_prefills: int = 0, long_prefill_tokens: int = 0,
+                 prefill_chunk_tokens: int = 0):
         """`on_queue(depth)` hears every change of the queue's length (the queue-depth gauge);
-        `on_admit(seconds)` how long each admitted request waited for its slot (the queue-time histogram)."""
-        if max_running < 0 or max_queue < 0 or verify_token_budget < -1:
-            raise ValueError("max_running and max_queue must be >= 0, verify_token_budget >= -1")
+        `on_admit(seconds)` how long each admitted request waited for its slot (the queue-time histogram).
+        A prompt longer than `prefill_chunk_tokens` (the target's chunk; 0: none is chunked) is a partial
+        prefill, and a long one past `long_prefill_tokens` too; 0 bounds: no bound."""
+        if min(max_running, max_queue, max_partial_prefills, max_long_partial_prefills, long_prefill_tokens,
+               prefill_chunk_tokens) < 0 or verify_token_budget < -1:
+            raise ValueError("max_running, max_queue and the prefill bounds must be >= 0, verify_token_budget >= -1")
         self.max_running, self.max_queue, self.budget = max_running, max_queue, verify_token_budget
+        self.max_partial, self.max_long = max_partial_prefills, max_long_partial_prefills
+        self.long_prefill_tokens, self.prefill_chunk_tokens = long_prefill_tokens, prefill_chunk_tokens
         # verify_token_budget -1: the budget is sized from the measured costs (costs.knee), by this
         # callable once the coordinator has a cost model; 8 before it has one.
         self.measured_budget: Callable[[], int] | None = None
         self.running = 0
-        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+        self.partial = self.long = 0  # admitted partial (long) prefills not yet at their first token
+        self._waiting: collections.deque[tuple[asyncio.Future, Admitted]] = collections.deque()
         self._mean_seconds = 5.0  # decayed mean request duration, for the retry hint
         self._on_queue = on_queue
         self._on_admit = on_admit
@@ -86,14 +120,35 @@ class Admission:
     def queued(self) -> int:
         return len(self._waiting)
 
+    def _classify(self, prompt_tokens: int) -> Admitted:
+        partial = bool(self.prefill_chunk_tokens) and prompt_tokens > self.prefill_chunk_tokens
+        return Admitted(self, partial, partial and bool(self.long_prefill_tokens) and prompt_tokens > self.long_prefill_tokens)
+
+    def _fits(self, admitted: Admitted) -> bool:
+        """Whether a request may start now: a running slot is free, and a partial-prefill place if it needs one."""
+        if self.max_running and self.running >= self.max_running:
+            return False
+        if admitted.partial and self.max_partial and self.partial >= self.max_partial:
+            return False
+        return not (admitted.long and self.max_long and self.long >= self.max_long)
+
+    def _take(self, admitted: Admitted) -> None:
+        self.running += 1
+        self.partial += admitted.partial
+        self.long += admitted.long
+
     @contextlib.asynccontextmanager
-    async def slot(self):
-        """Holds a running slot for the body; waits in the queue for one, or raises Overloaded (see `busy`)."""
+    async def slot(self, prompt_tokens: int = 0):
+        """Holds a running slot for the body, yielding its Admitted; waits in the queue for one, or
+        raises Overloaded (see `busy`)."""
         arrived = time.monotonic()
-        if not self.max_running or (self.running < self.max_running and not self._waiting):
-            self.running += 1
+        admitted = self._classify(prompt_tokens)
+        # Every change that frees room starts the waiters that fit (_hand_over), so one that fits now
+        # is ahead of none that would: a short prompt behind long ones waiting for their turn starts.
+        if self._fits(admitted):
+            self._take(admitted)
         elif len(self._waiting) < self.max_queue:
-            await self._wait_turn()
+            await self._wait_turn(admitted)
         else:
             raise busy(
                 f"the coordinator is at capacity ({self.running} requests running, {len(self._waiting)} queued; "
@@ -104,34 +159,52 @@ class Admission:
         if self._on_admit is not None:
             self._on_admit(start - arrived)
         try:
-            yield
+            yield admitted
         finally:
             self._mean_seconds = 0.9 * self._mean_seconds + 0.1 * (time.monotonic() - start)
-            self._hand_over()
+            self._leave(admitted)
 
-    async def _wait_turn(self) -> None:
+    async def _wait_turn(self, admitted: Admitted) -> None:
         turn = asyncio.get_running_loop().create_future()
-        self._waiting.append(turn)
+        self._waiting.append((turn, admitted))
         self._queue_changed()
         try:
-            await turn  # the slot is handed over with `running` unchanged
+            await turn  # started by _hand_over, which took its slot for it
         except asyncio.CancelledError:  # the client gave up (deadline, cancel) while queued
             if turn.done() and not turn.cancelled():
-                self._hand_over()  # the slot came just as we left: pass it on
+                self._leave(admitted)  # the slot came just as we left: pass it on
             else:
                 with contextlib.suppress(ValueError):
-                    self._waiting.remove(turn)
+                    self._waiting.remove((turn, admitted))
                 self._queue_changed()
             raise
 
-    def _hand_over(self) -> None:
-        while self._waiting:
-            turn = self._waiting.popleft()
-            self._queue_changed()
-            if not turn.done():
-                turn.set_result(None)
-                return
+    def _prefill_done(self, admitted: Admitted) -> None:
+        self.partial -= admitted.partial
+        self.long -= admitted.long
+        admitted.partial = admitted.long = False
+        self._hand_over()
+
+    def _leave(self, admitted: Admitted) -> None:
         self.running -= 1
+        self.partial -= admitted.partial
+        self.long -= admitted.long
+        admitted.partial = admitted.long = False
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Starts the waiters that fit now, oldest first."""
+        for entry in list(self._waiting):
+            turn, admitted = entry
+            if turn.done():  # cancelled: its own handler removes it
+                continue
+            if self._fits(admitted):
+                self._waiting.remove(entry)
+                self._take(admitted)
+                turn.set_result(None)
+                self._queue_changed()
+            elif self.max_running and self.running >= self.max_running:
+                return
 
     def _queue_changed(self) -> None:
         if self._on_queue is not None:
