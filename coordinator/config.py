@@ -131,7 +131,7 @@ class CoordinatorConfig:
     max_connections_per_client: int = option(
         256, "Most HTTP connections one client address holds open at once; past it a new one is closed at once. 0: no cap.")
     max_num_partial_prefills: int = option(
-        2,
+        1,
         "Prompts longer than the target's prefill chunk (its --max-prefill-tokens-per-pass) admitted and not yet "
         "at their first token, at most; more wait in the queue without a running slot, and shorter requests behind "
         "them start first (vLLM's flag of this name). 0: no bound.",

@@ -709,14 +709,20 @@ def lengthen(prompt: list[int], tokens: int) -> list[int]:
 
 
 def long_prompts(results: list[RequestResult]) -> dict:
-    """How the long prompts of a mix fared as a group: whether they finished in the order they
-    were sent (adjacent pairs that did), and the prompt tokens prefilled a second from the first one
-    sent to the last one's first token (what a flood of long prompts gets from the target)."""
+    """How the long prompts of a mix fared as a group: whether they were prefilled (reached their
+    first token) and finished in the order they were sent (the share of adjacent pairs that did;
+    requests sent within the same instant may reach the server in either order), and the prompt
+    tokens prefilled a second from the first one sent to the last one's first token (what a flood
+    of long prompts gets from the target)."""
     done = sorted((r for r in results if r.ok), key=lambda r: r.sent)
-    ends = [r.sent + r.e2el for r in done]
+    firsts, ends = [r.sent + r.ttft for r in done], [r.sent + r.e2el for r in done]
     pairs = len(done) - 1
-    span = max((r.sent + r.ttft for r in done), default=0.0) - (done[0].sent if done else 0.0)
-    return {"finished_in_order": sum(a <= b for a, b in zip(ends, ends[1:])) / pairs if pairs > 0 else 1.0,
+
+    def in_order(times: list[float]) -> float:
+        return sum(a <= b for a, b in zip(times, times[1:])) / pairs if pairs > 0 else 1.0
+
+    span = max(firsts, default=0.0) - (done[0].sent if done else 0.0)
+    return {"prefilled_in_order": in_order(firsts), "finished_in_order": in_order(ends),
             "prefill_tokens_per_s": sum(r.prompt_tokens for r in done) / span if span > 0 else 0.0}
 
 
@@ -741,7 +747,7 @@ def format_report(report: dict) -> str:
         if "long_requests" in r:
             q = r["long_requests"]
             lines.append(f"  long requests only: {q['completed']} done, TTFT p50/p99 {q['median_ttft_ms']:.0f}/{q['p99_ttft_ms']:.0f} ms, "
-                         f"finished in the order sent {q['finished_in_order']:.0%} (adjacent pairs), "
+                         f"in the order sent (adjacent pairs): prefilled {q['prefilled_in_order']:.0%}, finished {q['finished_in_order']:.0%}, "
                          f"prefill {q['prefill_tokens_per_s']:.0f} tok/s")
     if "overload" in report:
         o = report["overload"]

@@ -83,3 +83,26 @@ def real_shape(name: str, seed: int = 0, initializer_range: float = 0.02) -> Lla
     torch.manual_seed(seed)
     config = LlamaConfig(initializer_range=initializer_range, **REAL_SHAPES[name])
     return LlamaForCausalLM(config).eval()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m specdec_tools.tinymodels OUT`: a tiny random target saved as a model folder (byte
+    tokenizer included), for load tests whose subject is the serving path, not the model: e.g. a
+    flood of long prompts (`--context 4096`) that a real model would take hours to prefill here."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m specdec_tools.tinymodels", description=main.__doc__.split("\n\n")[0])
+    parser.add_argument("out", help="Folder to write the model and tokenizer to.")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--context", type=int, default=512, help="max_position_embeddings")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    torch.manual_seed(args.seed)
+    config = tiny_config(layers=args.layers, hidden=args.hidden)
+    config.max_position_embeddings = args.context
+    print(save(LlamaForCausalLM(config).eval(), pathlib.Path(args.out)))
+
+
+if __name__ == "__main__":
+    main()

@@ -14,8 +14,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-import torch
-from transformers import LlamaForCausalLM
 
 from coordinator import bodies
 from coordinator import openai_schema as schema
@@ -65,10 +63,7 @@ def test_a_flat_list_of_ids_is_one_prompt():
 @pytest.fixture(scope="module")
 def long_context(tmp_path_factory):
     """A one-layer tiny target whose context (8,192 positions) holds a prompt past MAX_MESSAGES ids."""
-    torch.manual_seed(0)
-    config = tiny.tiny_config(layers=1)
-    config.max_position_embeddings = 8192
-    target = LlamaForCausalLM(config).eval()
+    target = tiny.long_context_target(layers=1, context=8192)
     stack = Stack()
     _, url = stack.tiny_ngram(tiny.save(target, tmp_path_factory.mktemp("long") / "target"), max_prompt_tokens=10_000)
     yield url

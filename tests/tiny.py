@@ -59,6 +59,14 @@ def feature_draft_of(target: LlamaForCausalLM, kept: list[int] | None = None, no
     return draft.eval()
 
 
+def long_context_target(layers: int = 1, context: int = 8192, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny target whose context holds prompts of thousands of tokens."""
+    torch.manual_seed(seed)
+    config = tiny_config(layers=layers)
+    config.max_position_embeddings = context
+    return LlamaForCausalLM(config).eval()
+
+
 def one_layer_target(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_config(layers=1)).eval()
