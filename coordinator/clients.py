@@ -20,7 +20,7 @@ import grpc
 import structlog
 
 from coordinator.decode_stream import DecodeStream, StreamPerRun
-from coordinator.protocol import DraftOutcome, Progress, TreeSpec, VerifyOutcome
+from coordinator.protocol import DraftOutcome, Progress, TreeSpec
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import DeadlineExceeded, SequenceNotFound
@@ -28,8 +28,8 @@ from specdec.model.features import FeatureRows
 from specdec.serving.backend_auth import authorized
 from specdec.serving.rpc import CHANNEL_OPTIONS
 from specdec.serving.logs import REQUEST_ID_METADATA
-from specdec.serving.wire import dists_from_proto, logprobs_from_proto
-from specdec.spec.request import VerifyCall
+from specdec.serving.wire import dists_from_proto, verify_result_from_proto
+from specdec.spec.request import VerifyCall, VerifyResult
 from specdec.spec.sampling import SamplingConfig
 
 log = structlog.get_logger(__name__)
@@ -267,21 +267,12 @@ class TargetClient:
         response = await self.stub.GetInfo(pb.TargetServiceGetInfoRequest(), timeout=timeout_s or self.timeout_s, wait_for_ready=True)
         return response.info
 
-    async def verify(self, call: VerifyCall) -> VerifyOutcome:
+    async def verify(self, call: VerifyCall) -> VerifyResult:
         request = _verify_proto(call)
         start = time.perf_counter()
         response = await self._verify_call(call.sequence_id, request)
         wall = time.perf_counter() - start
-        features = None
-        if response.HasField("features"):
-            f = response.features
-            features = FeatureRows.from_wire(f.start, f.rows, f.dim, f.data, "VerifyResponse.features")
-        return VerifyOutcome(response.accepted, response.next_token, response.compute_seconds, wall,
-                             request.ByteSize() + response.ByteSize(), tuple(response.accepted_path), features,
-                             tuple(response.decoded_tokens), logprobs_from_proto(response.logprobs),
-                             response.ahead_passes, response.ahead_drafted, response.ahead_accepted,
-                             response.prediction_drafted, response.prediction_accepted, response.ahead_seconds,
-                             response.ahead_tokens)
+        return verify_result_from_proto(response, wall, request.ByteSize() + response.ByteSize())
 
     async def _verify_call(self, sequence_id: str, request: pb.VerifyRequest) -> pb.VerifyResponse:
         """One Verify, retried while the target is UNAVAILABLE (see TARGET_RETRY_S). Safe to repeat:

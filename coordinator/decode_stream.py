@@ -87,8 +87,8 @@ class DecodeStream(StreamClient):
                 if item.error_code:
                     raise self._error(run.sequence_id, item)
                 yield DecodeProgress(list(item.tokens), logprobs_from_proto(item.logprobs), item.passes, item.drafted, item.accepted,
-                                     item.prediction_drafted, item.prediction_accepted, item.compute_seconds, item.done,
-                                     item.ByteSize() + sent)
+                                     predicted_drafted=item.prediction_drafted, predicted_accepted=item.prediction_accepted,
+                                     compute_seconds=item.compute_seconds, done=item.done, wire_bytes=item.ByteSize() + sent)
                 sent = 0
         finally:
             self._runs.pop(run.sequence_id, None)

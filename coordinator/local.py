@@ -8,16 +8,17 @@ every machine, so the draft lengths the adaptive policy chooses do not follow th
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
-from coordinator.protocol import DraftOutcome, Progress, TreeSpec, VerifyOutcome
+from coordinator.protocol import DraftOutcome, Progress, TreeSpec
 from draft_service.drafters.base import DraftSettings
 from draft_service.engine import DraftEngine
 from draft_service.tree import TreeSettings
 from specdec.model.features import FeatureRows
 from specdec.spec.costs import Costs
 from specdec.spec.tree import tree_depth
-from specdec.spec.request import VerifyCall
+from specdec.spec.request import VerifyCall, VerifyResult
 from target_service.engine import TargetEngine
 
 
@@ -44,18 +45,14 @@ class LocalVerifier:
         compute = _forward_seconds(costs, positions) + passes * one + drafted * (_forward_seconds(costs, 2) - one)
         return compute, compute + costs.wire_per_step
 
-    async def verify(self, call: VerifyCall) -> VerifyOutcome:
+    async def verify(self, call: VerifyCall) -> VerifyResult:
         start = time.perf_counter()
         result = self.engine.verify_tree(call) if call.tree is not None else self.engine.verify(call)
         compute, wall = self._seconds(result.compute_seconds, time.perf_counter() - start, call.new_positions,
                                       result.ahead_passes, result.ahead_drafted)
         # the passes after the call's own, in the reported seconds (the measured ones, or their share of the fixed ones)
         ahead = compute * result.ahead_seconds / result.compute_seconds if result.compute_seconds else 0.0
-        return VerifyOutcome(result.accepted, result.next_token, compute, wall, path=result.path, features=result.features,
-                             decoded=result.decoded, logprobs=result.logprobs, ahead_passes=result.ahead_passes,
-                             ahead_drafted=result.ahead_drafted, ahead_accepted=result.ahead_accepted,
-                             prediction_drafted=result.predicted_drafted, prediction_accepted=result.predicted_accepted,
-                             ahead_seconds=ahead, ahead_tokens=result.ahead_tokens)
+        return dataclasses.replace(result, compute_seconds=compute, wall_seconds=wall, ahead_seconds=ahead)
 
     async def release(self, sequence_id: str) -> None:
         self.engine.release(sequence_id)

@@ -22,14 +22,13 @@ import structlog
 from specdec.spec.costs import CostModel, Costs
 from specdec.spec.draft_length import DraftLengthPolicy
 from coordinator.policy.overlap import RunAheadPolicy
-from coordinator.protocol import (DecodeRun, Decoder, DraftOutcome, GenerationSpec, Progress, Proposer, Stats, TreeSpec, Verifier,
-                                  VerifyOutcome)
+from coordinator.protocol import DecodeRun, Decoder, DraftOutcome, GenerationSpec, Progress, Proposer, Stats, TreeSpec, Verifier
 from coordinator.state import SequenceState
 from specdec.errors import SequenceNotFound, Unavailable
 from specdec.limits import MAX_DECODE_AHEAD
 from specdec.serving import metrics
 from specdec.model.features import FeatureLog
-from specdec.spec.request import VerifyCall
+from specdec.spec.request import VerifyCall, VerifyResult
 from specdec.spec.lookup import relative_costs
 from specdec.spec.sampling import SamplingConfig, TokenLogprob, derive_seed
 from specdec.spec.tree import DraftTree
@@ -178,8 +177,8 @@ class SpeculativeLoop:
                         stats.steps += made.passes
                         stats.draft_tokens += made.drafted
                         stats.accepted_tokens += made.accepted
-                        stats.prediction_tokens += made.prediction_drafted
-                        stats.accepted_prediction_tokens += made.prediction_accepted
+                        stats.prediction_tokens += made.predicted_drafted
+                        stats.accepted_prediction_tokens += made.predicted_accepted
                         stats.verify_seconds += made.compute_seconds
                         stats.wire_bytes += made.wire_bytes
                         if not made.tokens and not made.done:
@@ -309,7 +308,7 @@ class SpeculativeLoop:
         elif not draft.tokens:
             turn.decode_ahead = self._ahead_budget(state, stats.steps, turn.remaining, spec)
 
-    async def _verify_draft(self, spec: GenerationSpec, state: SequenceState, turn: Turn) -> VerifyOutcome:
+    async def _verify_draft(self, spec: GenerationSpec, state: SequenceState, turn: Turn) -> VerifyResult:
         try:
             verdict = await self._verify(state.sequence_id, state.tokens, state.target_known, turn.draft, spec, turn.decode_ahead,
                                          turn.lookup)
@@ -322,7 +321,7 @@ class SpeculativeLoop:
         return verdict
 
     def _commit(self, spec: GenerationSpec, state: SequenceState, stats: Stats, turn: Turn,
-                verdict: VerifyOutcome) -> tuple[list[int], str | None]:
+                verdict: VerifyResult) -> tuple[list[int], str | None]:
         """Records what the verdict leaves each service holding and what the step cost. Returns the
         step's new tokens and, if the request ends with them, why."""
         draft, accepted = turn.draft, verdict.accepted
@@ -344,7 +343,7 @@ class SpeculativeLoop:
             stats.runahead_used_tokens += accepted
         return _finish(new, spec.eos_token_ids, turn.remaining)
 
-    async def _settle(self, state: SequenceState, stats: Stats, turn: Turn, verdict: VerifyOutcome, finish: str | None) -> None:
+    async def _settle(self, state: SequenceState, stats: Stats, turn: Turn, verdict: VerifyResult, finish: str | None) -> None:
         """Keeps the run-ahead as the next step's draft if its bet won, else stops it; either way the
         run-ahead policy learns what the step cost."""
         draft, runahead = turn.draft, turn.runahead
@@ -361,7 +360,7 @@ class SpeculativeLoop:
         state.ahead.observe(len(draft.tokens), verdict.accepted, runahead is not None, state.ready is not None,
                             verdict.wall_seconds, turn.draft_wall, miss_wait)
 
-    def _advance(self, state: SequenceState, stats: Stats, new: list[int], finish: str | None, verdict: VerifyOutcome) -> Step:
+    def _advance(self, state: SequenceState, stats: Stats, new: list[int], finish: str | None, verdict: VerifyResult) -> Step:
         state.tokens.extend(new)
         if state.ready is not None:
             state.draft_known = len(state.tokens)  # the draft holds the canonical tokens, then `ready`
@@ -469,7 +468,7 @@ class SpeculativeLoop:
             return await self.proposer.propose_tree(sequence_id, 0, list(tokens), tree, max_depth, sampling.temperature, seed)
 
     async def _verify(self, sequence_id, tokens, known, draft: DraftOutcome, spec: GenerationSpec,
-                      decode_ahead: int = 0, lookup: tuple[int, tuple[float, ...]] = (0, ())) -> VerifyOutcome:
+                      decode_ahead: int = 0, lookup: tuple[int, tuple[float, ...]] = (0, ())) -> VerifyResult:
         try:
             return await self._verify_call(sequence_id, known, tokens[known:], draft, spec, decode_ahead, lookup)
         except SequenceNotFound:
@@ -477,7 +476,7 @@ class SpeculativeLoop:
             return await self._verify_call(sequence_id, 0, list(tokens), draft, spec, decode_ahead, lookup)
 
     async def _verify_call(self, sequence_id, known, append, draft: DraftOutcome, spec: GenerationSpec,
-                           decode_ahead: int = 0, lookup: tuple[int, tuple[float, ...]] = (0, ())) -> VerifyOutcome:
+                           decode_ahead: int = 0, lookup: tuple[int, tuple[float, ...]] = (0, ())) -> VerifyResult:
         if draft.parents is not None and draft.tokens:
             tree = DraftTree(draft.parents, draft.tokens, draft.dists)
             return await self.verifier.verify(VerifyCall(sequence_id, known, append, [], [], spec.sampling, tree))
@@ -489,7 +488,7 @@ class SpeculativeLoop:
             # the call that creates the target's sequence (or re-fills it) seeds its lookup
             lookup_source=spec.prediction_ids if self.lookup and not known else ()))
 
-    def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyOutcome, appended: int,
+    def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyResult, appended: int,
                  asked: bool = False) -> None:
         drafted, accepted = len(draft.tokens), verdict.accepted
         depth = draft.depth  # a tree's deepest branch plays the chain's length in the policy
@@ -497,8 +496,8 @@ class SpeculativeLoop:
         stats.draft_tokens += drafted + verdict.ahead_drafted
         stats.draft_steps += 1 if drafted else 0
         stats.accepted_tokens += accepted + verdict.ahead_accepted
-        stats.prediction_tokens += verdict.prediction_drafted
-        stats.accepted_prediction_tokens += verdict.prediction_accepted
+        stats.prediction_tokens += verdict.predicted_drafted
+        stats.accepted_prediction_tokens += verdict.predicted_accepted
         stats.draft_seconds += draft.compute_seconds
         stats.verify_seconds += verdict.compute_seconds
         draft_wire = max(0.0, draft.wall_seconds - draft.compute_seconds)

@@ -4,7 +4,8 @@ The proposer and verifier are protocols: gRPC clients (coordinator/clients.py) i
 in-process engines (coordinator/local.py) in benchmarks and tests, so the same loop runs with or
 without the network. The outcomes they return, a request as the loop runs it (GenerationSpec) and
 what a run reports (Stats) are plain data, here so that every module of the coordinator can name
-them without importing the loop.
+them without importing the loop; a Verify's call and result are the target engine's own types
+(specdec/spec/request.py), which the loop passes as they are.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from specdec.model.features import FeatureRows
-from specdec.spec.request import VerifyCall
+from specdec.spec.request import VerifyCall, VerifyResult
 from specdec.spec.sampling import SamplingConfig, TokenLogprob
 from specdec.spec.tree import SparseDist, tree_depth
 
@@ -44,32 +45,6 @@ class TreeSpec:
     budget: int
     top_k: int = 4
     shape: tuple[int, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyOutcome:
-    accepted: int
-    next_token: int
-    compute_seconds: float
-    wall_seconds: float
-    wire_bytes: int = 0
-    path: tuple[int, ...] = ()  # a tree's accepted nodes, root to leaf
-    features: FeatureRows | None = None  # asked for with return_features: for a feature draft
-    decoded: tuple[int, ...] = ()  # asked for with decode_ahead: the target's tokens after next_token
-    logprobs: tuple[TokenLogprob, ...] = ()  # asked for: one per token made canonical (accepted, next, decoded)
-    ahead_passes: int = 0  # the target's forwards for `decoded` (0 from a target that does not say: one per token)
-    ahead_drafted: int = 0  # tokens it drafted by prompt lookup (VerifyCall.lookup_max_tokens)
-    ahead_accepted: int = 0  # of which it accepted
-    prediction_drafted: int = 0  # of ahead_drafted, tokens from the request's predicted output (lookup_source)
-    prediction_accepted: int = 0  # of which it accepted
-    ahead_seconds: float = 0.0  # of compute_seconds, the passes decoded after the call's own
-    ahead_tokens: int = 0  # of decoded, the tokens those passes made
-
-    @property
-    def passes(self) -> int:
-        """Target forwards this Verify took."""
-        # A target that does not say (before lookup_max_tokens) took one per decoded token.
-        return 1 + (self.ahead_passes if self.ahead_passes or self.ahead_drafted else len(self.decoded))
 
 
 @dataclasses.dataclass
@@ -101,7 +76,7 @@ class Proposer(Protocol):
 
 
 class Verifier(Protocol):
-    async def verify(self, call: VerifyCall) -> VerifyOutcome:
+    async def verify(self, call: VerifyCall) -> VerifyResult:
         """A chain, or a tree (call.tree): the one request type the target engine takes too."""
         ...
 
@@ -139,8 +114,8 @@ class DecodeProgress:
     passes: int = 0
     drafted: int = 0
     accepted: int = 0
-    prediction_drafted: int = 0
-    prediction_accepted: int = 0
+    predicted_drafted: int = 0  # of drafted, tokens from the run's predicted output (lookup_source)
+    predicted_accepted: int = 0  # of which it accepted
     compute_seconds: float = 0.0
     done: bool = False
     wire_bytes: int = 0  # this progress's bytes on the wire (the first one's include the run's start)

@@ -16,17 +16,16 @@ from __future__ import annotations
 import operator
 
 from specdec.serving.batcher import ContinuousBatcher
-from specdec.spec.request import VerifyCall
-from target_service.engine import StepResult
+from specdec.spec.request import VerifyCall, VerifyResult
 
 
-def _pass_seconds(result: StepResult) -> float:
+def _pass_seconds(result: VerifyResult) -> float:
     """One forward's compute, from the engine's own timing (without the thread hops): a result
     that decoded ahead took several."""
     return result.compute_seconds / (1 + result.ahead_passes)
 
 
-class VerifyBatcher(ContinuousBatcher[VerifyCall, StepResult]):
+class VerifyBatcher(ContinuousBatcher[VerifyCall, VerifyResult]):
     name = "verify-batcher"
 
     def __init__(self, run, verify_batch, window_s: float = 0.002, max_batch_size: int = 16, max_batch_tokens: int = 256,

@@ -27,7 +27,7 @@ from specdec.forward.batching import batchable, forward_batch, pass_groups
 from specdec.limits import MAX_DRAFT_TOKENS
 from specdec.spec.checks import check_verify_call
 from specdec.spec.lookup import LOOKUP_MAX_N, MatchCalibration, NgramIndex, in_source, lookup_draft
-from specdec.spec.request import VerifyCall
+from specdec.spec.request import VerifyCall, VerifyResult
 from specdec.spec.tree import EMPTY_DIST, SparseDist, tree_depth
 from specdec.spec.treeplan import TreePlan, plan_tree, tree_verdict
 from specdec.serving.batcher import RECENT_FLOOR_S, RECENT_PASSES, Requeue
@@ -91,26 +91,6 @@ class PassCosts:
         return tuple(1.0 + g * b / share for g in range(most + 1))
 
 
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    accepted: int
-    next_token: int
-    cached_len: int
-    compute_seconds: float
-    batch_size: int = 1  # rows in the forward pass this result came from
-    path: tuple[int, ...] = ()  # tree drafts: the accepted nodes, root to leaf (accepted == len(path))
-    features: FeatureRows | None = None  # return_features: hidden states of the positions made canonical
-    decoded: tuple[int, ...] = ()  # decode_ahead: tokens decoded after next_token (the last one is pending)
-    logprobs: tuple[TokenLogprob, ...] = ()  # asked for: one per token made canonical (accepted, next, decoded)
-    ahead_passes: int = 0  # decode_ahead: the forwards it took (fewer than len(decoded) when lookup drafts were accepted)
-    ahead_drafted: int = 0  # lookup_max_tokens: tokens the target drafted for itself (this pass's too, when it drafted it)
-    ahead_accepted: int = 0  # and how many of them it accepted
-    predicted_drafted: int = 0  # of the lookup drafts, tokens from a predicted output (VerifyCall.lookup_source)
-    predicted_accepted: int = 0  # and how many of them it accepted
-    ahead_seconds: float = 0.0  # decode_ahead: of compute_seconds, the passes after the call's own
-    ahead_tokens: int = 0  # decode_ahead: of decoded, the tokens those passes made
-
-
 @dataclasses.dataclass
 class _RowAhead:
     """A row decoding ahead after its pass's verdict, alone (TargetEngine._decode_ahead) or with the
@@ -171,7 +151,7 @@ class TargetEngine:
         # (_RowAhead.unsent): whoever streams tokens as they come (target_service/runs.py) sets it.
         self.on_tokens: Callable[[list[tuple[str, int, list[int], list[TokenLogprob]]]], None] | None = None
 
-    def verify(self, call: VerifyCall) -> StepResult:
+    def verify(self, call: VerifyCall) -> VerifyResult:
         """One sequence's chain: verify_batch's one-row path, with its error raised."""
         result = self.verify_batch([call])[0]
         while isinstance(result, Requeue):  # a long prompt, fed a chunk a call
@@ -180,8 +160,8 @@ class TargetEngine:
             raise result
         return result
 
-    def _decode_ahead(self, call: VerifyCall, seq: Sequence, result: StepResult, start: float,
-                      interrupt: Callable[[], bool] | None = None) -> StepResult:
+    def _decode_ahead(self, call: VerifyCall, seq: Sequence, result: VerifyResult, start: float,
+                      interrupt: Callable[[], bool] | None = None) -> VerifyResult:
         """Decodes up to call.decode_ahead more tokens after the verdict, one forward a pass.
 
         Why: the coordinator asks for this only for steps it would not draft anyway (an n-gram
@@ -221,7 +201,7 @@ class TargetEngine:
             features = FeatureRows(features.start, torch.cat([features.values, *rows]))
         return self._ahead_result(result, row, start, features=features)
 
-    def _ahead(self, call: VerifyCall, seq: Sequence, result: StepResult, index: int = 0) -> _RowAhead | None:
+    def _ahead(self, call: VerifyCall, seq: Sequence, result: VerifyResult, index: int = 0) -> _RowAhead | None:
         """The row that decodes ahead after `result`, or None if its budget is spent: a lookup draft's
         accepted tokens are among the caller's budget (_as_decoded), and end it at an end of sequence."""
         own = list(call.draft_tokens[:result.accepted]) if call.lookup_match else []
@@ -269,7 +249,7 @@ class TargetEngine:
         row.ended = any(t in self.lm.eos_token_ids for t in draft[:taken])
 
     @staticmethod
-    def _ahead_result(result: StepResult, row: _RowAhead, start: float, **extra) -> StepResult:
+    def _ahead_result(result: VerifyResult, row: _RowAhead, start: float, **extra) -> VerifyResult:
         compute = time.perf_counter() - start
         return dataclasses.replace(result, cached_len=len(row.seq.tokens), compute_seconds=compute,
                                    ahead_seconds=max(0.0, compute - result.compute_seconds), ahead_tokens=len(row.decoded),
@@ -311,7 +291,7 @@ class TargetEngine:
         return FeatureRows(before, hidden[: len(seq.tokens) - before].float().cpu())
 
     def verify_batch(self, calls: list[VerifyCall], decode_ahead: bool = True,
-                     interrupt: Callable[[], bool] | None = None) -> list[StepResult | SpecdecError]:
+                     interrupt: Callable[[], bool] | None = None) -> list[VerifyResult | SpecdecError]:
         """Verifies several sequences' proposals in ONE forward pass (specdec/forward/batching.py),
         or a few where the rows' cache lengths differ so much that padding them to the longest
         would cost more than another pass (pad_groups).
@@ -327,7 +307,7 @@ class TargetEngine:
         """
         start = time.perf_counter()
         calls = list(calls)  # a row that drafts by lookup gets its draft here
-        results: list[StepResult | SpecdecError | None] = [None] * len(calls)
+        results: list[VerifyResult | SpecdecError | None] = [None] * len(calls)
         rows: list[tuple[int, Sequence]] = []
         prepared: list[tuple[int, Sequence]] = []
         for index, call in enumerate(calls):
@@ -354,7 +334,7 @@ class TargetEngine:
             for (index, _), result in zip(group, self._rows(calls, group, start, len(rows), chunk if fused else None)):
                 results[index] = result
         # a lone row's passes decoded ahead (_row) are not one forward: one of them is
-        ahead = sum(r.ahead_passes for r in results if isinstance(r, StepResult))
+        ahead = sum(r.ahead_passes for r in results if isinstance(r, VerifyResult))
         if fused:
             index, seq, budget = chunk
             results[index] = self._rest(calls[index], seq)
@@ -371,12 +351,12 @@ class TargetEngine:
         if decode_ahead and len(groups) == 1:  # the rows' passes are one forward each
             self._decode_ahead_rows(calls, rows, results, start, interrupt)
         for index, _ in rows:
-            if calls[index].lookup_match and isinstance(results[index], StepResult):
+            if calls[index].lookup_match and isinstance(results[index], VerifyResult):
                 results[index] = self._as_decoded(calls[index], results[index])
         return results
 
     def _split(self, calls: list[VerifyCall], prepared: list[tuple[int, Sequence]],
-               results: list[StepResult | SpecdecError | None], decode_ahead: bool
+               results: list[VerifyResult | SpecdecError | None], decode_ahead: bool
                ) -> tuple[list[tuple[int, Sequence]], tuple[int, Sequence, int] | None]:
         """The rows whose tokens this pass verifies, and the one row (index, sequence, tokens) whose
         prompt is longer than a pass may feed and gets a chunk of it (`_chunk_budget`), the oldest.
@@ -443,7 +423,7 @@ class TargetEngine:
         return [[rows[i] for i in group] for group in pass_groups(self.lm, [seq.cached for _, seq in rows])]
 
     def _decode_ahead_rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]],
-                           results: list[StepResult | SpecdecError | None], start: float,
+                           results: list[VerifyResult | SpecdecError | None], start: float,
                            interrupt: Callable[[], bool] | None) -> None:
         """Decodes ahead for every row of a batched pass together: one batched forward a pass, as
         many passes as the row that asked least allows, each row's token (and lookup draft) made
@@ -464,7 +444,7 @@ class TargetEngine:
         rows_ahead: list[_RowAhead] = []
         for index, seq in rows:
             call, result = calls[index], results[index]
-            if not isinstance(result, StepResult) or call.tree is not None or call.return_features or call.decode_ahead <= 0:
+            if not isinstance(result, VerifyResult) or call.tree is not None or call.return_features or call.decode_ahead <= 0:
                 return
             row = self._ahead(call, seq, result, index)
             if row is None:
@@ -503,7 +483,7 @@ class TargetEngine:
         draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_max_tokens, self._lookup_costs(call, rows), room)
         return dataclasses.replace(call, draft_tokens=draft, draft_dists=[], lookup_match=(n, tuple(proposal))) if n else call
 
-    def _as_decoded(self, call: VerifyCall, result: StepResult) -> StepResult:
+    def _as_decoded(self, call: VerifyCall, result: VerifyResult) -> VerifyResult:
         """A result whose draft was the target's own, as the caller sees it: the caller knows no
         draft tokens, so the accepted ones come first among the tokens made canonical (next_token,
         then decoded), and count with the lookup drafts of the passes decoded ahead."""
@@ -518,7 +498,7 @@ class TargetEngine:
                                    predicted_accepted=result.predicted_accepted + predicted[1])
 
     def _row(self, call: VerifyCall, seq: Sequence, start: float, batch_size: int, decode_ahead: bool,
-             interrupt: Callable[[], bool] | None = None) -> StepResult:
+             interrupt: Callable[[], bool] | None = None) -> VerifyResult:
         """One row's forward on its own; it decodes ahead only when it is the pass's only row
         (decoding ahead would hold the other rows up for several forwards)."""
         if call.tree is not None:
@@ -531,7 +511,7 @@ class TargetEngine:
         return self._decode_ahead(call, seq, result, start, interrupt) if decode_ahead else result
 
     def _rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]], start: float, batch_size: int,
-              feeding: tuple[int, Sequence, int] | None = None) -> list[StepResult]:
+              feeding: tuple[int, Sequence, int] | None = None) -> list[VerifyResult]:
         """Several rows (chains and trees mixed) in ONE batched forward; their results in order.
         `feeding` (index, sequence, tokens): a prompt chunk fed in the same forward (`_fuses`)."""
         seqs = [seq for _, seq in rows]
@@ -673,7 +653,7 @@ class TargetEngine:
         """
         return Requeue(dataclasses.replace(call, known_len=len(seq.tokens), append=[], prefill=seq.uncached))
 
-    def verify_tree(self, call: VerifyCall) -> StepResult:
+    def verify_tree(self, call: VerifyCall) -> VerifyResult:
         """Verifies a draft tree in ONE forward pass (tree attention, positions by depth) and keeps
         only the accepted path in the cache, as if that path had been fed as a chain.
 
@@ -683,7 +663,7 @@ class TargetEngine:
         start = time.perf_counter()
         return self._tree_row(call, self._prepare(call), start, 1)
 
-    def _tree_row(self, call: VerifyCall, seq: Sequence, start: float, batch_size: int) -> StepResult:
+    def _tree_row(self, call: VerifyCall, seq: Sequence, start: float, batch_size: int) -> VerifyResult:
         plan = self._plan(call)
         if not self.trees:  # the chain of first children, fed as a chain (sliding windows stay intact)
             logits = self.lm.forward(seq, plan.tokens, keep=len(plan.tokens) + 1)
@@ -700,13 +680,14 @@ class TargetEngine:
         return plan_tree(call.tree, call.sampling, self.lm.vocab_size, self.trees)
 
     def _finish_tree(self, call: VerifyCall, seq: Sequence, plan: TreePlan, logits: torch.Tensor, start: float,
-                     batch_size: int) -> tuple[StepResult, list[int]]:
+                     batch_size: int) -> tuple[VerifyResult, list[int]]:
         """The verdict; appends the accepted tokens. Returns the result and the accepted plan nodes
         (the caller trims the cache to the canonical tokens + those nodes)."""
         path, next_token = tree_verdict(plan, call.sampling, logits, len(seq.tokens))
         seq.tokens.extend(plan.tokens[i] for i in path)
         caller_path = tuple(plan.nodes[i] for i in path)
-        return StepResult(len(path), next_token, len(seq.tokens), time.perf_counter() - start, batch_size, caller_path), path
+        return VerifyResult(len(path), next_token, len(seq.tokens), time.perf_counter() - start, path=caller_path,
+                            batch_size=batch_size), path
 
     def _prepare(self, call: VerifyCall) -> Sequence:
         check_verify_call(call, self.lm.vocab_size, self.lm.has_features)
@@ -719,13 +700,13 @@ class TargetEngine:
         return seq
 
     def _finish(self, call: VerifyCall, seq: Sequence, logits: torch.Tensor, start: float, batch_size: int,
-                hidden: torch.Tensor | None = None, before: int = 0) -> StepResult:
+                hidden: torch.Tensor | None = None, before: int = 0) -> VerifyResult:
         """The verdict; appends the accepted tokens. hidden [T, H]: the row's final hidden states."""
         accepted, next_token, logprobs = self._verdict(call, logits, len(seq.tokens))
         seq.tokens.extend(call.draft_tokens[:accepted])
         features = self._features(seq, before, hidden) if call.return_features and hidden is not None else None
-        return StepResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start, batch_size, features=features,
-                          logprobs=tuple(logprobs))
+        return VerifyResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start, features=features,
+                            logprobs=tuple(logprobs), batch_size=batch_size)
 
     def _verdict(self, call: VerifyCall, logits: torch.Tensor, position: int) -> tuple[int, int, list[TokenLogprob]]:
         """(accepted, next token, their log-probabilities if asked) of one row; logits [G+1, V];

@@ -38,7 +38,7 @@ from specdec.serving import metrics
 from specdec.serving.wire import dists_from_proto, logprobs_to_proto, sampling_from_proto
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from specdec.spec.draft_length import DraftLengthPolicy
-from specdec.spec.request import VerifyCall
+from specdec.spec.request import VerifyCall, VerifyResult
 from specdec.spec.sampling import TokenLogprob, derive_seed
 from target_service.drafts import DraftLink
 
@@ -378,7 +378,7 @@ class DecodeStreams:
         return dataclasses.replace(call, draft_tokens=tokens, draft_dists=dists)
 
     @staticmethod
-    def _observe(call: VerifyCall, result) -> None:
+    def _observe(call: VerifyCall, result: VerifyResult) -> None:
         """The target's metrics, as a Verify call's are observed (target_service/servicer.py)."""
         m = metrics.target()
         m.verify_seconds.observe(result.compute_seconds)
@@ -408,7 +408,7 @@ class DecodeStreams:
         return task
 
     @staticmethod
-    async def _settle(run: Run, call: VerifyCall, result, ahead: asyncio.Task) -> None:
+    async def _settle(run: Run, call: VerifyCall, result: VerifyResult, ahead: asyncio.Task) -> None:
         """After the verdict: the drafted-ahead tokens become the next step's draft if the target
         accepted the whole draft and its own token is the draft's guess; otherwise they are dropped
         (the next ask's known_len crops them from the draft's copy)."""
@@ -443,7 +443,7 @@ class DecodeStreams:
             request.features.CopyFrom(pb.Features(start=rows.start, rows=rows.rows, dim=int(rows.values.shape[1]),
                                                   data=rows.to_bytes()))
 
-    def _drafted(self, run: Run, call: VerifyCall, result) -> None:
+    def _drafted(self, run: Run, call: VerifyCall, result: VerifyResult) -> None:
         """What a drafted run's pass leaves the policy, the costs and the draft's copy knowing."""
         d, drafted = run.drafted, len(call.draft_tokens)
         if d.log is not None and result.features is not None:

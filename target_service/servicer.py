@@ -14,7 +14,7 @@ from specdec.serving import tls
 from specdec.serving.carriers import Carriers
 from specdec.serving.rpc import EngineHost, Server, rpc_method
 from specdec.serving.threads import loop_computes_alike
-from specdec.serving.wire import logprobs_to_proto, sampling_from_proto
+from specdec.serving.wire import sampling_from_proto, verify_result_to_proto
 from target_service.config import TargetConfig
 from target_service.batcher import VerifyBatcher
 from specdec.spec.tree import DraftTree
@@ -120,21 +120,7 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         m.batch_size.observe(result.batch_size)
         m.draft_tokens.inc(len(request.draft_tokens) + len(request.draft_tree.tokens) + result.ahead_drafted)
         m.accepted_tokens.inc(result.accepted + result.ahead_accepted)
-        response.accepted, response.next_token = result.accepted, result.next_token
-        response.compute_seconds, response.cached_len = result.compute_seconds, result.cached_len
-        if result.path:
-            response.accepted_path.extend(result.path)
-        if result.decoded:
-            response.decoded_tokens.extend(result.decoded)
-        response.ahead_passes, response.ahead_drafted, response.ahead_accepted = (
-            result.ahead_passes, result.ahead_drafted, result.ahead_accepted)
-        response.prediction_drafted, response.prediction_accepted = result.predicted_drafted, result.predicted_accepted
-        response.ahead_seconds, response.ahead_tokens = result.ahead_seconds, result.ahead_tokens
-        if result.logprobs:
-            response.logprobs.extend(logprobs_to_proto(result.logprobs))
-        if result.features is not None:
-            f = result.features
-            response.features.CopyFrom(pb.Features(start=f.start, rows=f.rows, dim=int(f.values.shape[1]), data=f.to_bytes()))
+        verify_result_to_proto(result, response)
 
     @rpc_method
     async def Decode(self, requests, context):

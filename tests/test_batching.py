@@ -23,8 +23,8 @@ from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
 from specdec.serving.batcher import Requeue
 from target_service.batcher import VerifyBatcher
-from specdec.spec.request import VerifyCall
-from target_service.engine import StepResult, TargetEngine
+from specdec.spec.request import VerifyCall, VerifyResult
+from target_service.engine import TargetEngine
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
 
 GREEDY = SamplingConfig()
@@ -72,7 +72,7 @@ class Decoder:
             draft[self.rng.randrange(len(draft))] = self.rng.randrange(256)  # a wrong guess somewhere
         return VerifyCall(self.name, self.known, self.tokens[self.known:], draft, [], sampling)
 
-    def apply(self, call: VerifyCall, result: StepResult) -> None:
+    def apply(self, call: VerifyCall, result: VerifyResult) -> None:
         self.tokens += call.draft_tokens[:result.accepted] + [result.next_token]
         self.known = result.cached_len
 
@@ -152,7 +152,8 @@ def test_rows_fail_alone_and_rollback_rows_match(target):
     for index in (0, 2, 4):
         call = calls[index]
         alone = single.verify(VerifyCall(call.sequence_id, call.known_len, call.append, call.draft_tokens, [], GREEDY))
-        assert results[index] == StepResult(alone.accepted, alone.next_token, alone.cached_len, results[index].compute_seconds, 3)
+        assert results[index] == VerifyResult(alone.accepted, alone.next_token, alone.cached_len, results[index].compute_seconds,
+                                               batch_size=3)
 
 
 def test_batched_sampling_equals_unbatched(target):
@@ -469,7 +470,7 @@ def test_the_batcher_counts_long_prompts_being_fed_as_nobody_waiting():
 
     def run_batch(calls, alone):
         seen.append((calls[0].sequence_id, alone))
-        return [Requeue(dataclasses.replace(call, prefill=0)) if call.prefill else StepResult(0, 1, 1, 0.0, len(calls))
+        return [Requeue(dataclasses.replace(call, prefill=0)) if call.prefill else VerifyResult(0, 1, 1, 0.0, batch_size=len(calls))
                 for call in calls]
 
     async def main():
@@ -493,7 +494,7 @@ def test_a_lone_step_runs_on_the_event_loop_where_the_servicer_allows_it():
 
     def run_batch(calls, alone):
         threads.append((calls[0].sequence_id, threading.get_ident() == loop_thread))
-        return [StepResult(0, 1, call.known_len + len(call.append), 0.0, len(calls)) for call in calls]
+        return [VerifyResult(0, 1, call.known_len + len(call.append), 0.0, batch_size=len(calls)) for call in calls]
 
     async def main():
         nonlocal loop_thread

@@ -266,12 +266,13 @@ def test_a_loop_without_a_draft_weighs_no_costs():
     import asyncio
 
     from coordinator.loop import SpeculativeLoop
-    from coordinator.protocol import GenerationSpec, Stats, VerifyOutcome
+    from coordinator.protocol import GenerationSpec, Stats
+    from specdec.spec.request import VerifyResult
     from specdec.spec.sampling import SamplingConfig
 
     class Instant:
         async def verify(self, call):
-            return VerifyOutcome(0, 7, 0.001, 0.0011)
+            return VerifyResult(0, 7, cached_len=0, compute_seconds=0.001, wall_seconds=0.0011)
 
         async def release(self, sequence_id):
             pass

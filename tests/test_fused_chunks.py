@@ -15,11 +15,11 @@ from specdec.kv.buffers import arena_of
 from specdec.model import gemm, stack
 from specdec.model.lm import CausalLM
 from specdec.serving.batcher import ContinuousBatcher, Requeue
-from specdec.spec.request import VerifyCall
+from specdec.spec.request import VerifyCall, VerifyResult
 from specdec.spec.sampling import SamplingConfig
 from target_service import engine as engine_module
 from target_service.batcher import VerifyBatcher
-from target_service.engine import StepResult, TargetEngine
+from target_service.engine import TargetEngine
 from tests import tiny
 
 CPU = torch.device("cpu")
@@ -78,7 +78,7 @@ def _run(eng: TargetEngine, long_prompt: list[int], short: list[list[int]], step
             if isinstance(result, Requeue):
                 pending_long = result.call
                 continue
-            assert isinstance(result, StepResult), result
+            assert isinstance(result, VerifyResult), result
             out[name].append(result.next_token)
             state[name] = (result.cached_len, [result.next_token])
             if name == "long":
@@ -162,5 +162,5 @@ def test_a_row_decoding_in_the_same_pass_keeps_the_chunk_short(compact):
     long_prompt = (tiny.prompts(1, seed=36)[0] * 40)[:150]
     results = eng.verify_batch([VerifyCall("other", first.cached_len, [first.next_token], [], [], GREEDY),
                                 VerifyCall("long", 0, long_prompt, [], [], GREEDY)], decode_ahead=True)
-    assert isinstance(results[0], StepResult) and isinstance(results[1], Requeue)
+    assert isinstance(results[0], VerifyResult) and isinstance(results[1], Requeue)
     assert eng.store._sequences["long"].cached == CHUNK

@@ -1,12 +1,14 @@
-"""One Verify request, the one type every layer passes: the coordinator's loop builds it, its gRPC
-client translates it to the protobuf and the target's servicer back, and the in-process verifier
-(coordinator/local.py) hands it straight to the target engine. No gRPC here."""
+"""One Verify request and its result, the two types every layer passes: the coordinator's loop
+builds the call, its gRPC client translates it to the protobuf and the target's servicer back, and
+the in-process verifier (coordinator/local.py) hands it straight to the target engine; the result
+goes back the same way (its translations: specdec/serving/wire.py). No gRPC here."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from specdec.spec.sampling import SamplingConfig
+from specdec.spec.sampling import SamplingConfig, TokenLogprob
 from specdec.spec.tree import DraftTree, SparseDist
 
 
@@ -41,3 +43,41 @@ class VerifyCall:
     def new_positions(self) -> int:
         """Positions this call feeds the target (what batching pads to)."""
         return self.prefill + len(self.append) + len(self.draft_tokens) + (len(self.tree.tokens) if self.tree else 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    """The target's verdict on a VerifyCall, as its engine makes it and as the coordinator's loop
+    reads it, through the wire or in-process.
+
+    Why one type, not one per side or a wrapper: all but three fields are one quantity that both
+    sides name alike, and those three keep their defaults on the side that cannot know them. Only
+    the target knows `batch_size` (it is not sent); only the coordinator, around the call, can
+    measure `wall_seconds` and `wire_bytes`."""
+
+    accepted: int
+    next_token: int
+    cached_len: int  # tokens the target holds for the sequence after this call
+    compute_seconds: float
+    path: tuple[int, ...] = ()  # tree drafts: the accepted nodes, root to leaf (accepted == len(path))
+    # return_features: hidden states of the positions made canonical, a FeatureRows
+    # (specdec/model/features.py), which the maths may not import
+    features: Any = None
+    decoded: tuple[int, ...] = ()  # decode_ahead: tokens decoded after next_token (the last one is pending)
+    logprobs: tuple[TokenLogprob, ...] = ()  # asked for: one per token made canonical (accepted, next, decoded)
+    ahead_passes: int = 0  # decode_ahead: the forwards it took (fewer than len(decoded) when lookup drafts were accepted)
+    ahead_drafted: int = 0  # lookup_max_tokens: tokens the target drafted for itself (this pass's too, when it drafted it)
+    ahead_accepted: int = 0  # of which it accepted
+    predicted_drafted: int = 0  # of ahead_drafted, tokens from a predicted output (VerifyCall.lookup_source)
+    predicted_accepted: int = 0  # of which it accepted
+    ahead_seconds: float = 0.0  # decode_ahead: of compute_seconds, the passes after the call's own
+    ahead_tokens: int = 0  # decode_ahead: of decoded, the tokens those passes made
+    batch_size: int = 1  # the target's: rows in the forward pass this result came from
+    wall_seconds: float = 0.0  # the coordinator's: the call end to end, the wire's time included (0: not measured)
+    wire_bytes: int = 0  # the coordinator's: the request's and the response's bytes on the wire
+
+    @property
+    def passes(self) -> int:
+        """Target forwards this Verify took."""
+        # A target that does not say (before lookup_max_tokens) took one per decoded token.
+        return 1 + (self.ahead_passes if self.ahead_passes or self.ahead_drafted else len(self.decoded))
