@@ -1,8 +1,8 @@
 """Long prompts cannot hold every running slot (issue 55; coordinator/policy/admission.py).
 
-Two running slots, three long prompts sent first and a short one after them: before the partial-
-prefill bounds, the first two long prompts took both slots and the short request waited in the
-queue until one of them had been prefilled and decoded whole. Now one long prompt is prefilled at
+Three running slots, three long prompts sent first and a short one right after them: before the
+partial-prefill bounds, the long prompts took every slot and the short request waited in the queue
+until one of them had been prefilled and decoded whole. Now one long prompt is prefilled at
 a time, the others wait without a slot, the short request starts at once and is done before the
 first long one (which asks for more tokens), the long ones reach their first token in the order they came, and every output is
 the target's own greedy tokens.
@@ -30,7 +30,7 @@ def flood(tmp_path_factory):
     target = tiny.long_context_target(layers=2, context=4096)
     stack = Stack()
     address, _ = stack.tiny_ngram(tiny.save(target, tmp_path_factory.mktemp("flood") / "target"),
-                                  max_concurrent_requests=2, max_num_partial_prefills=1, max_long_partial_prefills=1,
+                                  max_concurrent_requests=3, max_num_partial_prefills=1, max_long_partial_prefills=1,
                                   long_prefill_token_threshold=512, max_streams_per_client=8)
     yield stack.client(address), target
     stack.stop()
@@ -60,7 +60,7 @@ def test_a_short_request_passes_long_prompts_that_wait_their_turn(flood):
         futures = {}
         for i, ids in enumerate(longs):
             futures[f"long{i}"] = pool.submit(run, f"long{i}", ids, LONG_NEW)
-            time.sleep(0.1)  # their order of arrival is known
+            time.sleep(0.02)  # their order of arrival is known
         futures["short"] = pool.submit(run, "short", short, MAX_NEW)
         outputs = {name: future.result() for name, future in futures.items()}
 
