@@ -2,7 +2,7 @@
 on one client's open connections.
 
 Why: uvicorn times out idle keep-alive connections but not a request whose headers never finish.
-A chaos run held 500 connections open for a minute, each sending one header byte every 5 s
+A chaos run held 500 connections open, each sending one header byte every few seconds
 (slowloris), and the server closed none of them. Here each connection must deliver a whole request
 head within `header_timeout_s` of opening (or of its last response), and a client (an IP address:
 nothing else is known before the headers) may hold at most `max_per_client` connections; past

@@ -49,10 +49,11 @@ class PassCosts:
     Why: where a pass holds several rows, a drafted position costs what it adds to the pass
     (`b`), which the rows' share of the pass must pay back; a coordinator's V(n) / V(1), timed on
     its own requests' steps, cannot tell that cost apart, since the other rows set a batched pass's
-    time. On 2 CPU cores 8 rows took ~21 ms and each drafted position ~1 ms more (a row's share
-    ~2.6 ms: a first draft token must be right ~40% of the time to pay); on a GPU `b` is near 0
-    until compute binds. `lookup_costs(rows, most)` is V(1 + g) / V(1) as seen from one row's
-    share, in the form VerifyCall.lookup_costs carries."""
+    time. On a CPU a drafted position adds a sizeable part of a row's share of a batched pass (at
+    8 rows on 2 cores, a first draft token had to be right ~40% of the time to pay:
+    benchmarks/results/lookup-by-pass-costs/NOTES.md); on a GPU `b` is near 0 until compute binds.
+    `lookup_costs(rows, most)` is V(1 + g) / V(1) as seen from one row's share, in the form
+    VerifyCall.lookup_costs carries."""
 
     MIN_READINGS = 8.0  # no estimate before this many (decayed) readings, nor without spread
 
@@ -410,7 +411,7 @@ class TargetEngine:
         Why: a forward's fixed cost (reading every weight once, and a hundred calls around the
         stack) is most of a decode step on a CPU, and a chunk in a forward of its own paid it again:
         beside decoding rows, chunks are cut short (`_chunk_budget`), so a prompt's many small chunks
-        paid it many times (docs/benchmarks.md, "Chunks inside the rows' forward"). Exact all the
+        paid it many times (benchmarks/results/fused-chunks/NOTES.md). Exact all the
         same: the stack's rows do not depend on which rows share the pass."""
         return (len(groups) == 1 and self.ragged
                 and all(calls[index].tree is None and not calls[index].return_features for index, _ in groups[0]))
@@ -548,9 +549,9 @@ class TargetEngine:
 
         Why: a chunk sized to the decoding rows' step alone made one decoding sequence hold six
         waiting prompts to a few tokens a pass (its own step is short, and on a CPU most of it is the
-        pass's fixed cost). At 8 grounded streams the 700-800-token prompts waited 7-8 s for their
-        first token while the 200-token ones, fed whole in the passes where nobody decoded, waited
-        under 3 s (docs/benchmarks.md, "Chunks sized by the prompts waiting"). Weighing the requests
+        pass's fixed cost). At 8 grounded streams the 700-800-token prompts waited more than twice
+        as long for their first token as the 200-token ones, fed whole in the passes where nobody
+        decoded (benchmarks/results/chunks-per-waiting-prompt/NOTES.md). Weighing the requests
         that wait for their first token against those waiting for their next one keeps the plain
         bound where prompts are few beside many streams (the victims' shape)."""
         horizon = self._recent()
@@ -576,9 +577,9 @@ class TargetEngine:
         says so.) This counted prompts with fewer than --max-prefill-tokens-per-pass tokens left
         as decoding, and sequences idle for long (a paused client, one gone without a release):
         120 prompts of 479 tokens beside one idle 3-token sequence then fed each other 2-token
-        chunks and took 2 to over 8 s to drain (tests/test_shutdown.py). "Fed" allows the token or
-        two a step's call brings: the rows of this very pass hold them, and a chunk riding in their
-        forward (_fuses) must not take them for prompts."""
+        chunks and at times outlasted a shutdown's grace period (tests/test_shutdown.py). "Fed"
+        allows the token or two a step's call brings: the rows of this very pass hold them, and a
+        chunk riding in their forward (_fuses) must not take them for prompts."""
         horizon = self._recent()
         return any(other is not seq and other.uncached <= self.MIN_CHUNK and other.last_used >= horizon for other in self.store)
 
@@ -588,7 +589,7 @@ class TargetEngine:
     # Sizes follow the measured time per chunk token (fixed costs included), so a chunk converges to
     # the size that takes this share. Less keeps the others' steps shorter; but where a chunk's
     # fixed costs dominate (small models), shorter chunks mostly add passes, and a burst of long
-    # prompts drains slowly (docs/benchmarks.md, "Long prompts without victims").
+    # prompts drains slowly (benchmarks/results/chunked-prefill/NOTES.md, "Long prompts without victims").
     CHUNK_STEPS = 0.75
     MIN_CHUNK = 2  # tokens: at thousands of keys one token's attention is a sizeable share of a step
     # The longest a lone long prompt's chunk may take: a short request arriving meanwhile waits for
@@ -623,12 +624,13 @@ class TargetEngine:
 
         Why two measures of a step: a pass's time counts a prompt fed whole beside the rows and a
         lone row's passes decoded ahead, which a chunk riding in one forward of steps must not be
-        sized by (a 4,000-token prompt's last piece, fed whole beside two rows, took 2 s and moved
-        the average pass to 0.4 s: chunks sized from that would run at the 256-token limit).
+        sized by (a 4,000-token prompt's last piece, fed whole beside two rows, took as long as
+        many steps and pulled the average pass up so far that chunks sized from it would run at
+        the 256-token limit).
         Chunks in forwards of their own keep the pass's time, on which they were tuned: sized by a
         step's own time, where a chunk forward's fixed cost is most of a step (the tiny test
-        models), they shrank to 2 tokens and 120 queued prompts no longer drained within 8 s
-        (tests/test_shutdown.py)."""
+        models), they shrank to 2 tokens and 120 queued prompts no longer drained within the
+        shutdown test's grace period (tests/test_shutdown.py)."""
         if step_s:
             self._step_s = _average(self._step_s, step_s)
         if forward_s:

@@ -24,10 +24,10 @@
   `long_prefill_tokens`. A prompt over its bound waits without taking a running slot, and requests
   behind it that are within theirs pass it, while the long ones keep their order among themselves.
   Why: a flood of 50 prompts of 2,000 tokens took all 32 running slots and was prefilled all at
-  once; none finished within 75 s, and ten short streams, whose first token comes in a fraction of
-  a second, waited in the queue for all of it. One long prompt at a time is prefilled as fast as
-  many interleaved (the target feeds one chunk a pass either way), finishes first, and leaves the
-  other slots to the short requests.
+  once, so none of them finished for a long while, and ten short streams, whose first token comes
+  almost at once, waited in the queue for all of it. One long prompt at a time is prefilled as fast
+  as many interleaved (the target feeds one chunk a pass either way), finishes first, and leaves the
+  other slots to the short requests (benchmarks/results/prefill-flood/NOTES.md).
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def _layer_kv(seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor] | 
 # row goes to a pass of its own. Every row of a batch is padded to the longest cache, and on a CPU a
 # padded key costs as much in copies and attention as a real one: beside short rows, one row with
 # thousands of cached positions made everybody's step many times slower than two passes apart
-# (docs/benchmarks.md, "Long prompts without victims"). A pass of its own costs one more read of
+# (benchmarks/results/chunked-prefill/NOTES.md, "Long prompts without victims"). A pass of its own costs one more read of
 # the weights, which this many padded keys outweigh.
 PAD_KEYS = 2048
 

@@ -407,11 +407,12 @@ def settle_heap() -> int:
     collector's permanent generation; returns how many.
 
     Why: a loaded model leaves ~400,000 tracked objects (SmolLM2-135M packed as gguf-a8), and each
-    full collection walks all of them: ~190 ms on this project's 2-core test machine, a stall of
-    the event loop or the compute thread whenever the collector decides it is due (then a
+    full collection walks all of them: a stall of the event loop or the compute thread, longer
+    than a decode step on a small CPU, whenever the collector decides it is due (then a
     token-to-token latency spike for every stream). They live as long as the process, so the
-    collector has nothing to find among them; frozen, they are skipped (full collection ~0 ms
-    after, 2026-11-27). Requests' own garbage is collected as before.
+    collector has nothing to find among them; frozen, they are skipped and a full collection
+    costs next to nothing (`benchmarks/gc_pause.py`; benchmarks/results/notebook-2026-11/NOTES.md,
+    "A full garbage collection in a serving process"). Requests' own garbage is collected as before.
     """
     gc.collect()
     gc.freeze()
@@ -440,7 +441,7 @@ def run_service(main, event_loop: str = "uvloop"):
 
 
 # The longest wait between two sweeps for idle sequences: a short --idle-timeout-s is swept every
-# quarter of itself, the default 600 s at most this late.
+# quarter of itself, a long one (the default) at most this late.
 MAX_SWEEP_INTERVAL_S = 30.0
 
 
