@@ -187,10 +187,7 @@ class Admission:
 
     def _leave(self, admitted: Admitted) -> None:
         self.running -= 1
-        self.partial -= admitted.partial
-        self.long -= admitted.long
-        admitted.partial = admitted.long = False
-        self._hand_over()
+        self._prefill_done(admitted)  # a request ended before its first token gives its place back too
 
     def _hand_over(self) -> None:
         """Starts the waiters that fit now, oldest first."""
