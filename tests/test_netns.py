@@ -16,8 +16,11 @@ printed (run with -s). Skipped where namespaces cannot be made (not root, no CAP
 from __future__ import annotations
 
 import concurrent.futures
+import queue
+import re
 import shutil
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -27,7 +30,7 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from tests import tiny
 from specdec_tools.netns import Network, namespaces_allowed
-from tests.services import Service, healthy
+from tests.services import Service, free_port, healthy
 
 MAX_NEW = 24
 RPC_TIMEOUT_S = 3.0  # the coordinator's deadline per internal call: how long a dead link can stall a step
@@ -50,7 +53,11 @@ def hosts(tmp_path_factory):
     try:
         net.up()
         common = ("--device", "cpu", "--metrics-port", "-1")
-        target = Service("target", "--model", target_path, *common, netns=net.ns["target"], host=net.address("target"), env=ENV)
+        metrics_port = free_port()  # the target's sequence gauge, read from this host (test f)
+        target = Service(
+            "target", "--model", target_path, "--device", "cpu", "--metrics-port", str(metrics_port),
+            netns=net.ns["target"], host=net.address("target"), env=ENV,
+        )
         draft = Service(
             "draft", "--drafter", "model", "--model", draft_path, *common, netns=net.ns["draft"], host=net.address("draft"), env=ENV
         )
@@ -72,7 +79,8 @@ def hosts(tmp_path_factory):
         )
         channel = grpc.insecure_channel(coordinator.address)
         stub = pb_grpc.CoordinatorServiceStub(channel)
-        yield {"net": net, "stub": stub, "model": target_model, "target": target, "draft": draft, "coordinator": coordinator}
+        yield {"net": net, "stub": stub, "model": target_model, "target": target, "draft": draft, "coordinator": coordinator,
+               "target_metrics": f"http://{net.address('target')}:{metrics_port}/metrics"}
     finally:
         if channel is not None:
             channel.close()
@@ -269,3 +277,48 @@ def test_e_target_killed_and_restarted_in_its_namespace(hosts):
     assert took < 5.0, "the coordinator took long to reconnect to the restarted target (reconnect back-off)"
     assert healthy(hosts["coordinator"].address)
     print(f"    restarted target serving: first success after {took:.1f}s, identical")
+
+
+def target_sequences(hosts) -> int:
+    text = urllib.request.urlopen(hosts["target_metrics"], timeout=5).read().decode()
+    return int(float(re.search(r"^specdec:target_num_sequences (\S+)$", text, re.M).group(1)))
+
+
+def test_f_a_peer_that_vanishes_without_a_reset_has_its_sequences_freed(hosts):
+    """A host that vanishes sends no reset: the target's keepalive pings find it (specdec/serving/rpc.py
+    KEEPALIVE_OPTIONS), its session stream ends, and the sequence it carried is freed
+    (specdec/serving/carriers.py) in well under the --idle-timeout-s sweep (600 s)."""
+    from specdec.serving.carriers import GRACE_S
+    from specdec.serving.rpc import KEEPALIVE_OPTIONS
+
+    net = hosts["net"]
+    options = dict(KEEPALIVE_OPTIONS)
+    found_within = (options["grpc.keepalive_time_ms"] + options["grpc.keepalive_timeout_ms"]) / 1000 + GRACE_S
+    before = target_sequences(hosts)
+    channel = grpc.insecure_channel(hosts["target"].address)  # this host is the peer that vanishes
+    requests: queue.Queue = queue.Queue()
+    try:
+        session = pb_grpc.TargetServiceStub(channel).VerifySession(iter(requests.get, None), timeout=600)
+        requests.put(pb.VerifySessionRequest(verify=pb.VerifyRequest(sequence_id="vanishing", append_tokens=[1, 2, 3])))
+        assert next(session).verify.cached_len == 3
+        assert target_sequences(hosts) == before + 1
+        net.cut("target")  # the target's packets to this host go nowhere; no reset, no FIN reaches it
+        cut = time.monotonic()
+        try:
+            time.sleep(found_within + 2.0)
+        finally:
+            net.restore("target")
+        freed = None
+        while time.monotonic() - cut < found_within + 30.0:
+            try:
+                if target_sequences(hosts) == before:
+                    freed = time.monotonic() - cut
+                    break
+            except OSError:  # the route back settles a moment after the link is up
+                pass
+            time.sleep(0.5)
+        print(f"\n(f) a peer gone without a reset: its sequence freed {freed:.1f}s after the cut (keepalive + grace {found_within:.0f}s)")
+        assert freed is not None, "the vanished peer's sequence is still held"
+    finally:
+        requests.put(None)
+        channel.close()

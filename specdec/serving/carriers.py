@@ -4,10 +4,9 @@ Why: the coordinator steps each sequence on a session stream of its own (VerifyS
 ProposeSession) and releases it when its request ends. A coordinator that dies sends no Release,
 and its sequences' KV caches stayed held until --idle-timeout-s swept them: ten minutes of memory
 per crash in a fleet. The end of the stream is the signal that needs no lease to renew: a process
-that exits or crashes resets its connections, and gRPC cancels their streams on the server. (A host
-that vanishes without a reset is not seen this way, and the idle sweep frees its sequences: server
-keepalive pings would see it, but with them the target cancelled the calls still in flight while
-draining on SIGTERM, tests/test_shutdown.py, for a reason not yet found.) The coordinator closes a sequence's stream
+that exits or crashes resets its connections, and gRPC cancels their streams on the server; a host
+that vanishes without a reset stops answering the server's keepalive pings (rpc.KEEPALIVE_OPTIONS),
+and its connection is closed the same way. The coordinator closes a sequence's stream
 only when it is done with the sequence or after a failed step (the next step then re-sends the
 sequence whole, as after a lost target). It also closes one when it drops a draft it asked for
 ahead of time, and steps the sequence again on a new stream moments later: so a sequence is freed

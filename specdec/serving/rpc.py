@@ -37,6 +37,17 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
 
+# The server pings a quiet connection: a peer whose host vanished (no reset ever comes) is found
+# within half a minute, its streams end, and the sequences they carried are freed
+# (specdec/serving/carriers.py). The ack timeout is generous because a peer on a saturated box may
+# answer late, and a false alarm cuts every sequence on the connection.
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
 
 def request_id_from(context: grpc.aio.ServicerContext) -> str:
     for key, value in context.invocation_metadata() or ():
@@ -293,7 +304,7 @@ class Server:
         # A port taken by another server is an error, not shared: gRPC binds with SO_REUSEPORT by
         # default, and two services (or two fleet replicas handed one free port) then split one
         # address's connections silently (specdec_tools/children.free_port).
-        options = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+        options = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0), *KEEPALIVE_OPTIONS]
         if max_connection_age_s > 0:  # a GOAWAY makes the client re-resolve its target and reconnect
             options += [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
                         ("grpc.max_connection_age_grace_ms", int(CONNECTION_AGE_GRACE_S * 1000))]
