@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 import structlog
 
 from specdec.spec.costs import CostModel, Costs
-from specdec.spec.draft_length import DraftLengthPolicy
+from specdec.spec.draft_length import AcceptanceMemory, DraftLengthPolicy
 from coordinator.policy.overlap import RunAheadPolicy
 from coordinator.protocol import DecodeRun, Decoder, DraftOutcome, GenerationSpec, Progress, Proposer, Stats, TreeSpec, Verifier
 from coordinator.state import SequenceState
@@ -98,6 +98,7 @@ class SpeculativeLoop:
         self.proposer = proposer
         self.cost_model = cost_model
         self.prior = prior
+        self.acceptance = AcceptanceMemory()  # where a new request's acceptance estimate starts
         self.overlap = overlap
         self.features = features and proposer is not None
         self.calibrated = calibrated
@@ -223,6 +224,7 @@ class SpeculativeLoop:
             adaptive=spec.adaptive,
             # seeded runs keep the static lengths: a cut learned online would change their draws
             calibrated=self.calibrated and not spec.seeded and spec.tree is None,
+            memory=None if spec.seeded else self.acceptance,
         )
         # Run-ahead only for chains, and not for seeded sampling: its draws come from other
         # generator states than a sequential run's, and a seeded run must replay exactly.

@@ -37,7 +37,7 @@ from specdec.model.features import FeatureLog
 from specdec.serving import metrics
 from specdec.serving.wire import dists_from_proto, logprobs_to_proto, sampling_from_proto
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
-from specdec.spec.draft_length import DraftLengthPolicy
+from specdec.spec.draft_length import AcceptanceMemory, DraftLengthPolicy
 from specdec.spec.request import VerifyCall, VerifyResult
 from specdec.spec.sampling import TokenLogprob, derive_seed
 from target_service.drafts import DraftLink
@@ -132,6 +132,7 @@ class DecodeStreams:
         self._submit, self._release, self.draining, self.link = submit, release, draining, link
         # Step costs seen by every drafted run (the machines', not a request's), as the coordinator's CostModel
         self.cost_model = CostModel(MODEL_DRAFT_PRIOR)
+        self.acceptance = AcceptanceMemory()  # ... and the acceptance they saw, where a new run starts
         self.hits = 0  # steps of pipelined runs whose draft was drafted during the pass before
         self.runs: dict[str, Run] = {}  # every stream's runs, by sequence (the engine's reports name sequences)
         # Runs that ended (cancelled, or a stop token) while a call of theirs may be on the worker:
@@ -253,7 +254,8 @@ class DecodeStreams:
         run.stream = stream
         if message.draft_length:
             policy = DraftLengthPolicy(max_length=message.draft_length, cost_model=None if message.seeded else self.cost_model,
-                                       prior=MODEL_DRAFT_PRIOR, adaptive=message.adaptive)
+                                       prior=MODEL_DRAFT_PRIOR, adaptive=message.adaptive,
+                                       memory=None if message.seeded else self.acceptance)
             run.drafted = Drafted(list(message.append_tokens), policy, message.seeded,
                                   log=FeatureLog() if message.features else None, overlap=message.overlap)
             if message.features:

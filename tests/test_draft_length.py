@@ -3,7 +3,7 @@
 
 import pytest
 
-from specdec.spec.draft_length import DraftLengthPolicy
+from specdec.spec.draft_length import PROBE_LENGTH, AcceptanceMemory, DraftLengthPolicy
 from specdec.spec.costs import (MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, Costs, best_length, best_prefix,
                                 cost_curve, expected_tokens, monotone)
 
@@ -34,7 +34,7 @@ def test_policy_probes_now_and_then_when_not_drafting():
     for _ in range(40):
         policy.observe(drafted=4, accepted=0)
     plans = [policy.plan()[0] for _ in range(16)]
-    assert plans.count(0) == 14 and all(g > 0 for g in plans if g)
+    assert plans.count(0) == 14 and all(g == PROBE_LENGTH for g in plans if g)
     for _ in range(4):  # probes that find nothing come ever more rarely
         while policy.plan()[0] == 0:
             pass
@@ -287,3 +287,26 @@ def test_a_loop_without_a_draft_weighs_no_costs():
         return [token async for step in loop.run(spec, stats) for token in step.tokens]
 
     assert asyncio.run(collect()) == [7] * 20 and stats.steps == 20 and model.weighed == 0
+
+
+def test_a_new_request_starts_from_the_acceptance_recent_requests_saw():
+    """A draft that accepts a quarter of its tokens: the first request drafts at the fixed prior's
+    lengths until its verdicts say otherwise; the ones after it start where it left off and do
+    not draft, while a memory of a draft that accepts nearly everything starts them drafting long."""
+    cpu = Costs(0.25, cost_curve(1.0, 1.15, 0.02), 0.0)  # a model draft a quarter of a target token a token
+    memory = AcceptanceMemory()
+    first = DraftLengthPolicy(max_length=8, prior=cpu, memory=memory)
+    assert memory.acceptance is None and first.plan()[0] > 0  # nothing seen yet: the fixed prior drafts
+    for step in range(24):
+        first.observe(drafted=4, accepted=0 if step % 3 else 1)
+    assert memory.acceptance == pytest.approx(0.25, abs=0.05)
+    assert DraftLengthPolicy(max_length=8, prior=cpu, memory=memory).plan()[0] == 0
+    assert DraftLengthPolicy(max_length=8, prior=cpu).plan()[0] > 0  # without it: drafts, and pays to learn
+
+    good = AcceptanceMemory()
+    for _ in range(8):
+        good.observe(drafted=4, accepted=4)
+    assert good.acceptance == 1.0 and DraftLengthPolicy(max_length=8, prior=cpu, memory=good).plan()[0] >= 4
+    # Seeded requests pass no memory (their lengths must not depend on earlier requests), and a
+    # fixed-length request ignores it.
+    assert DraftLengthPolicy(max_length=8, prior=cpu, memory=memory, adaptive=False).plan()[0] == 8

@@ -12,7 +12,8 @@ Two levers, both per request:
    per n and fitted non-decreasing) and t_wire (the target exchange's) from the steps the
    coordinator has timed (shared across requests: they describe the machines). g = 0 (no drafting) wins when
    acceptance is too low to pay for a longer target forward; a probe step now and then keeps the
-   acceptance estimate alive.
+   acceptance estimate alive. A request starts from the acceptance recent requests saw
+(AcceptanceMemory), not from a fixed guess.
 
 A draft whose cumulative probabilities are calibrated (the n-gram drafter's, draft_service/drafters/ngram.py)
 gets a third lever on top: its proposal, up to the cap, is cut at the prefix with the most expected
@@ -33,8 +34,52 @@ coordinator/policy/admission.py): a full batch has no compute to spare for posit
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel, Costs, best_length, best_prefix
+
+
+# Drafted steps' worth of trials the shared acceptance needs before a new request starts from it.
+MEMORY_MIN_TRIALS = 8.0
+# Draft tokens a probe asks for: enough to see whether drafting pays again (a probe is a bet at an
+# acceptance that did not pay: each token costs a draft forward and a verified position).
+PROBE_LENGTH = 2
+
+
+class AcceptanceMemory:
+    """Per-token acceptance over the recent steps of all requests, for a new request's first steps.
+
+    Why: each request began at the fixed prior (a = 2/3) and drafted at the lengths that acceptance
+    pays for until its own verdicts pulled the estimate down. With a draft accepting a quarter of
+    its tokens, a short answer spent most of its steps that way, and speculation cost more than it
+    gave. The draft and target are the same for every request of a coordinator (and for every run
+    of a target), so the acceptance the last requests saw is the better first guess; each request
+    still moves from it with its own verdicts, at the weight the fixed prior had. Thread-safe: the
+    coordinator's tools may run loops on other threads."""
+
+    def __init__(self, decay: float = 0.99, weight: float = 3.0):
+        self.decay, self.weight = decay, weight
+        self._accepted = self._trials = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        trials = accepted + (1 if accepted < drafted else 0)
+        with self._lock:
+            self._accepted = self._accepted * self.decay + accepted
+            self._trials = self._trials * self.decay + trials
+
+    @property
+    def acceptance(self) -> float | None:
+        """The shared estimate, or None until enough steps were seen."""
+        with self._lock:
+            return self._accepted / self._trials if self._trials >= MEMORY_MIN_TRIALS else None
+
+    def prior(self) -> tuple[float, float] | None:
+        """(accepted, rejected) weights a new request starts from, or None (keep the fixed prior)."""
+        a = self.acceptance
+        return None if a is None else (self.weight * a, self.weight * (1.0 - a))
 
 
 @dataclasses.dataclass
@@ -66,6 +111,14 @@ class DraftLengthPolicy:
     max_rest: int = 8
     idle: bool = False  # the last plan() chose not to draft at the acceptance seen (not a rest, not a probe)
     capped: bool = False  # the last plan()'s draft length was 0 because the load cap left no room (draft_cap)
+    # Acceptance shared with the other requests: where this one starts, and what it adds to.
+    # None for seeded requests, whose lengths must not depend on what ran before them.
+    memory: AcceptanceMemory | None = None
+
+    def __post_init__(self):
+        shared = self.memory.prior() if self.memory is not None and self.adaptive else None
+        if shared is not None:
+            self.accepted_weight, self.rejected_weight = shared
 
     @property
     def acceptance(self) -> float:
@@ -116,7 +169,7 @@ class DraftLengthPolicy:
                 self.idle = True
                 return 0, self.threshold
             self.probing = True
-            gamma = min(max_length, 4)
+            gamma = min(max_length, PROBE_LENGTH)
         else:
             self.probe_every = self.min_probe_every
         return gamma, self.threshold
@@ -184,6 +237,8 @@ class DraftLengthPolicy:
             self.probe_every = min(self.max_probe_every, self.probe_every * 2)
         if drafted == 0:
             return
+        if self.memory is not None:
+            self.memory.observe(drafted, accepted)
         rejected = 1 if accepted < drafted else 0
         self.accepted_weight = self.accepted_weight * self.decay + accepted
         self.rejected_weight = self.rejected_weight * self.decay + rejected
