@@ -73,6 +73,7 @@ class Options:
     staged: bool = True
     weights: tuple[str, ...] = ("fp32",)  # --weights formats of the target; the first one also serves the gRPC rows
     device: str = "cpu"  # every model and service of the run; on CUDA the target serves with --numerics exact
+    per_kind: bool = False  # each kind of prompt in a set (its id before the last "-N") is a set of its own
     llamacpp: bool = True  # llama.cpp rows on the target's GGUF, where llama-cpp-python is installed
 
 
@@ -481,6 +482,9 @@ def run(opts: Options, argv: list[str]) -> dict:
                                 gemm.apply(other.model, other.device, other.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS,
                                            weights, other.path))
         prompts = {name: load_prompts(tokenizer, name, opts.limit) for name in opts.prompt_sets}
+        if opts.per_kind:
+            prompts = by_kind(prompts)
+            opts = dataclasses.replace(opts, prompt_sets=tuple(prompts))  # the report's sets are the kinds
         if lm.max_context:  # tiny test models have short contexts: keep each prompt's tail
             room = lm.max_context - opts.max_new_tokens - opts.max_draft - 2
             prompts = {k: [(pid, ids[-room:]) for pid, ids in v] for k, v in prompts.items()}
@@ -547,6 +551,17 @@ def run(opts: Options, argv: list[str]) -> dict:
         return report(list(results.values()), context_info, opts)
 
 
+def by_kind(prompts: dict[str, list[tuple[str, list[int]]]]) -> dict[str, list[tuple[str, list[int]]]]:
+    """Each set split by kind of prompt, `SET:KIND`, KIND being a prompt's id before its last "-N"
+    ("translation-1" -> "translation"): the check that speculation pays, or at least costs nothing,
+    on each kind of task, which one figure over a mixed set hides."""
+    out: dict[str, list[tuple[str, list[int]]]] = {}
+    for name, items in prompts.items():
+        for pid, ids in items:
+            out.setdefault(f"{name}:{pid.rsplit('-', 1)[0]}", []).append((pid, ids))
+    return out
+
+
 def parse(argv: list[str]) -> Options:
     from specdec.model.loading import DEFAULT_TARGET
 
@@ -558,6 +573,8 @@ def parse(argv: list[str]) -> Options:
                         help="'ngram' or a draft model (alias/folder/hub id); repeat for several. Default: ngram.")
     parser.add_argument("--prompts", default=",".join(PROMPT_SETS), help=f"Comma-separated prompt sets from {PROMPTS_DIR}.")
     parser.add_argument("--limit", type=int, default=0, help="Use only the first N prompts of each set (0: all).")
+    parser.add_argument("--per-kind", action="store_true",
+                        help="Report each kind of prompt of a set (its id before the last '-N', e.g. the six of 'categories') as a set of its own.")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="Interleaved repetitions of every configuration.")
     parser.add_argument("--max-draft", type=int, default=8, help="Draft length cap of the adaptive configurations.")
@@ -608,7 +625,7 @@ def parse(argv: list[str]) -> Options:
                    max_new_tokens=args.max_new_tokens, repeats=args.repeats, max_draft=args.max_draft, draft_lengths=lengths,
                    grpc=not args.no_grpc, hf=not args.no_hf, out=pathlib.Path(args.out or flags.fresh_out("bench")), quick=args.quick,
                    prompt_lookup=args.prompt_lookup, tree_budgets=budgets, tree_top_k=args.tree_top_k, staged=not args.no_staged,
-                   weights=weights, llamacpp=not args.no_llamacpp, device=args.device)
+                   weights=weights, llamacpp=not args.no_llamacpp, device=args.device, per_kind=args.per_kind)
     if opts.device != "cpu" and (len(weights) > 1 or weights[0] != "fp32"):
         parser.error("--weights formats other than fp32 are for the CPU kernel; on a GPU the model's own dtype serves")
     if opts.quick:

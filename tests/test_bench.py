@@ -82,3 +82,17 @@ def test_chain_tree_and_staged_side_by_side(document):
         assert r["tokens_per_step"] >= 1.0 and r["tokens_per_second"] > 0
         assert r["identical"]["identical"] == r["identical"]["runs"] > 0
     assert "chain vs tree vs staged" in stdout
+
+
+def test_the_categories_set_splits_into_its_six_kinds_of_task():
+    """`--per-kind`: each kind of prompt is a set of its own, so a kind where speculation costs is
+    not hidden by one where it pays."""
+    import json
+
+    from specdec_tools.bench import by_kind
+    from specdec_tools.workload import prompt_path
+
+    items = [(json.loads(line)["id"], [i]) for i, line in enumerate(prompt_path("categories").read_text().splitlines())]
+    kinds = by_kind({"categories": items})
+    assert sorted(kinds) == [f"categories:{k}" for k in ("conversation", "math", "qa", "rag", "summarization", "translation")]
+    assert all(len(v) == 2 for v in kinds.values()) and sum(len(v) for v in kinds.values()) == len(items)
