@@ -7,8 +7,9 @@ Stages, each cached under --work-dir so a killed run resumes:
 - vocab: the head keeps the N most frequent tokens of that data (eos always).
 - train: at each position i the draft sees (f_i, x_{i+1}) and must predict f_{i+1}: cross-entropy
   against the target's own distribution there (its head on f_{i+1}, over the kept vocabulary) plus
-  a smooth-L1 pull towards f_{i+1} itself. `--unroll 2` also trains a second pass that sees the
-  first pass's predictions instead of the true features, as drafting beyond one token does.
+  a smooth-L1 pull towards f_{i+1} itself. `--unroll N` trains N passes, pass k being the k-th
+  drafted token of every chain (EAGLE-3's training-time test): it sees the predicted features and
+  attends to the true pairs and its own chain's, exactly as drafting does (unroll_mask).
 - report: greedy acceptance at draft length g on held-out prompts, simulated step by step exactly as
   the draft service drafts (true features up to the last verified position, predicted after), and
   the draft's cost per token relative to one target token.
@@ -119,27 +120,61 @@ def make_batch(records: list[dict], max_len: int, rng: random.Random) -> tuple[t
     return feats, tokens, mask
 
 
+def unroll_mask(length: int, depth: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The additive attention mask [T, (depth+1)T] of unrolled pass `depth` over the keys of passes 0..depth.
+
+    Pair i of pass k stands for the k-th drafted token of a chain that left the true features at
+    pair i-k: as in the draft service, it sees the true pairs up to i-k and the chain's own pairs
+    after (pass m's pair i-k+m, m = 1..k), never another chain's predictions. This is EAGLE-3's
+    training-time test: training sees exactly the inputs drafting sees.
+    """
+    i = torch.arange(length, device=device)[:, None]
+    j = torch.arange(length, device=device)[None, :]
+    allowed = [j <= i - depth] + [j == i - depth + m for m in range(1, depth + 1)]
+    mask = torch.zeros(length, (depth + 1) * length, dtype=dtype, device=device)
+    return mask.masked_fill(~torch.cat(allowed, dim=1), torch.finfo(dtype).min)
+
+
+def unrolled(draft: FeatureDraft, inputs: torch.Tensor, following: torch.Tensor, unroll: int):
+    """Yields (predicted features, logits) of passes 0..unroll-1 over pairs (inputs[:, i], following[:, i]).
+
+    Pass 0 sees the true features; pass k > 0 is the k-th drafted token of every chain at once:
+    pair i sees the prediction of f_i that pass k-1 made at pair i-1, and attends as unroll_mask
+    says (the passes share one KV cache). Its pairs i < k belong to no chain: ignore them.
+    """
+    batch_size, length = following.shape
+    positions = torch.arange(length, device=following.device)[None].expand(batch_size, -1)
+    cache = draft.new_cache() if unroll > 1 else None
+    seen = inputs
+    for u in range(unroll):
+        x = draft.inputs(seen, following)
+        attend = unroll_mask(length, u, x.dtype, x.device)[None, None].expand(batch_size, 1, -1, -1)
+        out = draft.body(inputs_embeds=x, attention_mask=attend, position_ids=positions,
+                         **cache_kwargs(draft.body, cache), use_cache=cache is not None)
+        predicted = out.last_hidden_state
+        yield predicted, draft.head(predicted)
+        seen = torch.cat([predicted[:, :1], predicted[:, :-1]], dim=1)  # pair i now sees the prediction of f_i
+
+
 def feature_loss(draft: FeatureDraft, head: torch.Tensor, batch, reg: float, unroll: int) -> tuple[torch.Tensor, float]:
-    """Mean over unroll passes of CE(target dist | draft) + reg * smooth-L1(predicted f, true f).
+    """Mean over unroll passes (unrolled) of CE(target dist | draft) + reg * smooth-L1(predicted f, true f).
 
     head [N, H]: the TARGET's output rows of the kept ids, so the soft label is the target's own
-    distribution at i+1. Returns the loss and the first pass's argmax agreement with the target.
+    distribution at i+1. Returns the loss and pass 0's argmax agreement with the target.
     """
     feats, tokens, mask = batch
     inputs, following, wanted = feats[:, :-1], tokens[:, 1:], feats[:, 1:]
     with torch.no_grad():
         label = torch.softmax(wanted @ head.T, dim=-1)
-    total, agreement, seen = 0.0, 0.0, inputs
-    for u in range(unroll):
-        predicted, logits = draft(seen, following)
+    total, agreement = 0.0, 0.0
+    for u, (predicted, logits) in enumerate(unrolled(draft, inputs, following, unroll)):
         m = mask.clone()
-        m[:, :u] = 0  # pass u has no prediction to stand on for its first u positions
+        m[:, :u] = 0  # pass u has no chain to stand on for its first u positions
         ce = -(torch.log_softmax(logits, dim=-1) * label).sum(-1)
         l1 = torch.nn.functional.smooth_l1_loss(predicted, wanted, reduction="none").mean(-1)
         total = total + ((ce + reg * l1) * m).sum() / m.sum().clamp(min=1)
         if u == 0:
             agreement = float(((logits.argmax(-1) == label.argmax(-1)).float() * m).sum() / m.sum().clamp(min=1))
-        seen = torch.cat([inputs[:, :1], predicted[:, :-1]], dim=1)  # position i now sees the prediction of f_i
     return total / unroll, agreement
 
 
@@ -161,9 +196,13 @@ def train(args, draft: FeatureDraft, head: torch.Tensor, data: list[dict]) -> li
 
 
 @torch.inference_mode()
-def chain_hits(draft: FeatureDraft, record: dict, g: int) -> tuple[int, int, int]:
+def chain_hits(draft: FeatureDraft, record: dict, g: int, depths: list[list[int]] | None = None) -> tuple[int, int, int]:
     """(steps, drafted, accepted) of greedy speculation over one held-out record, drafting as the
-    draft service does: true features up to the last verified position, its own predictions after."""
+    draft service does: true features up to the last verified position, its own predictions after.
+
+    depths, if given ([[reached, accepted]] * g), counts per draft position j how often a step drafted
+    there (its first j tokens accepted) and how often the target took it: position j > 0 drafts from
+    j predicted features, which is what training with --unroll is for."""
     device = draft.kept_ids.device
     tokens, feats, start = record["tokens"].long().to(device), record["feat"].float().to(device), record["prompt_len"]
     n = len(tokens)
@@ -183,8 +222,12 @@ def chain_hits(draft: FeatureDraft, record: dict, g: int) -> tuple[int, int, int
         for j in range(width):
             feature, logits = draft(feature, token, cache, use_cache=True)
             guess = int(draft.kept_ids[logits[0, -1].argmax()])
+            if depths is not None:
+                depths[j][0] += 1
             if guess != int(tokens[pos + j]):
                 break
+            if depths is not None:
+                depths[j][1] += 1
             k, token = k + 1, torch.tensor([[guess]], device=device)
         steps, drafted, accepted = steps + 1, drafted + width, accepted + k
         crop_to(cache, kept)
@@ -196,14 +239,17 @@ def chain_hits(draft: FeatureDraft, record: dict, g: int) -> tuple[int, int, int
 
 def measure_acceptance(draft: FeatureDraft, heldout: list[dict], g: int) -> dict:
     steps = drafted = accepted = positions = 0
+    depths = [[0, 0] for _ in range(g)]
     for record in heldout:
-        s, d, a = chain_hits(draft, record, g)
+        s, d, a = chain_hits(draft, record, g, depths)
         steps, drafted, accepted = steps + s, drafted + d, accepted + a
         positions += len(record["tokens"]) - record["prompt_len"]
     one = [chain_hits(draft, r, 1) for r in heldout]
     return {"prompts": len(heldout), "draft_length": g, "target_tokens": positions, "acceptance": accepted / max(drafted, 1),
             "accepted_per_step": accepted / max(steps, 1), "tokens_per_target_pass": positions / max(steps, 1),
-            "per_token_agreement": sum(a for _, _, a in one) / max(sum(d for _, d, _ in one), 1)}
+            "per_token_agreement": sum(a for _, _, a in one) / max(sum(d for _, d, _ in one), 1),
+            # at each draft position, the share the target took of the tokens drafted there
+            "agreement_by_position": [a / r if r else None for r, a in depths]}
 
 
 @torch.inference_mode()

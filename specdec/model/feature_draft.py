@@ -66,10 +66,15 @@ class FeatureDraft(torch.nn.Module):
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, past_key_values: DynamicCache | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, T, H] (f_i), next_tokens [B, T] (x_{i+1}) -> (predicted f_{i+1} [B, T, H], logits [B, T, N])."""
-        x = self.fc(torch.cat([self.embed(next_tokens).to(features.dtype), features], dim=-1))
+        x = self.inputs(features, next_tokens)
         out = self.body(inputs_embeds=x, **cache_kwargs(self.body, past_key_values), use_cache=use_cache)
         predicted = out.last_hidden_state
         return predicted, self.head(predicted)
+
+    def inputs(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """The body's input embeddings of pairs (f_i, x_{i+1}): [B, T, H]. Training calls the body
+        with its own attention mask over these (specdec_tools/distill_feature.py)."""
+        return self.fc(torch.cat([self.embed(next_tokens).to(features.dtype), features], dim=-1))
 
     def to_target_logits(self, pruned: torch.Tensor) -> torch.Tensor:
         """[..., N] -> [..., V] with -inf outside the kept ids, so the draft's p there is exactly 0."""
