@@ -519,6 +519,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--reg", type=float, default=1.0, help="feature: weight of the smooth-L1 pull towards the target's next feature.")
     p.add_argument("--unroll", type=int, default=1,
                    help="feature: training passes, pass k the k-th drafted token of every chain (fed predicted features).")
+    p.add_argument("--feature-layers", default="",
+                   help="feature: the target layers the draft reads, fused (EAGLE-3): 'low,mid,high' or indices 'i,j,k'; "
+                        "default: the final hidden states.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="Stored weight dtype.")

@@ -29,13 +29,15 @@ from specdec_tools.distill import _progress, chat_ids, data_dir, load_corpus, ma
 from specdec.model.hfcache import cache_kwargs
 from specdec.kv.store import crop_to
 from specdec.model.feature_draft import FeatureDraft, init_from_target, save_feature_draft
+from specdec.model.features import layer_outputs, resolve_feature_layers
 from specdec.model.loading import resolve_device
 
 
 @torch.inference_mode()
 def generate_with_features(model, tokenizer, prompts: list[list[int]], max_new: int, eos: set[int],
-                           batched: bool | None = None) -> list[dict]:
-    """Greedy continuations of a left-padded batch, then each row's final hidden states [L, H].
+                           batched: bool | None = None, layers: tuple[int, ...] = ()) -> list[dict]:
+    """Greedy continuations of a left-padded batch, then each row's final hidden states [L, H]
+    ("feat") and, with `layers`, those layers' outputs concatenated [L, len(layers) * H] ("fused").
 
     On CPU the features come from one unpadded pass per row: exactly those of the sequence alone.
     On a GPU one right-padded pass over the batch: a causal model's real positions never see the
@@ -54,23 +56,33 @@ def generate_with_features(model, tokenizer, prompts: list[list[int]], max_new: 
         gen = out[row, width:].tolist()
         n = next((i + 1 for i, t in enumerate(gen) if t in eos), len(gen))
         sequences.append(prompt + gen[:n])
-    if not (device.type != "cpu" if batched is None else batched):
-        feats = [model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0] for tokens in sequences]
-    else:
-        longest = max(map(len, sequences))
-        padded = torch.tensor([t + [pad] * (longest - len(t)) for t in sequences], device=device)
-        hidden = model.model(input_ids=padded).last_hidden_state.to(torch.float16).cpu()
-        feats = [hidden[row, : len(t)] for row, t in enumerate(sequences)]
-    return [{"tokens": torch.tensor(tokens, dtype=torch.int32), "prompt_len": len(prompt), "feat": f.to(torch.float16).clone()}
-            for tokens, prompt, f in zip(sequences, prompts, feats)]
+    with layer_outputs(model.model, layers) as captured:
+        if not (device.type != "cpu" if batched is None else batched):
+            feats = [model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0] for tokens in sequences]
+            fused = [torch.cat([captured[layer][row][0] for layer in layers], dim=-1) for row in range(len(sequences))] if layers else []
+        else:
+            longest = max(map(len, sequences))
+            padded = torch.tensor([t + [pad] * (longest - len(t)) for t in sequences], device=device)
+            hidden = model.model(input_ids=padded).last_hidden_state.to(torch.float16).cpu()
+            feats = [hidden[row, : len(t)] for row, t in enumerate(sequences)]
+            if layers:
+                joined = torch.cat([captured[layer][0] for layer in layers], dim=-1).to(torch.float16).cpu()
+                fused = [joined[row, : len(t)] for row, t in enumerate(sequences)]
+    records = [{"tokens": torch.tensor(tokens, dtype=torch.int32), "prompt_len": len(prompt), "feat": f.to(torch.float16).clone()}
+               for tokens, prompt, f in zip(sequences, prompts, feats)]
+    for record, values in zip(records, fused if layers else []):
+        record["fused"] = values.float().clamp(-65504.0, 65504.0).to(torch.float16).clone()  # as the wire carries them
+    return records
 
 
 def build_data(args, model, tokenizer, passages: list[str], eos: set[int], heldout: bool = False) -> list[dict]:
     count = args.heldout_prompts if heldout else args.gen_prompts
     tokens = args.eval_tokens if heldout else args.gen_tokens
+    layers = resolve_feature_layers(getattr(args, "feature_layers", ""), model.config.num_hidden_layers)
+    settings = {"target": args.target, "corpus": passages, "seed": args.seed, "prompts": count,
+                "batch": args.gen_batch, "tokens": tokens, "device": model.device.type}
     work = data_dir(pathlib.Path(args.work_dir) / ("heldout" if heldout else "features"),
-                    {"target": args.target, "corpus": passages, "seed": args.seed, "prompts": count,
-                     "batch": args.gen_batch, "tokens": tokens, "device": model.device.type})
+                    {**settings, "feature_layers": ",".join(map(str, layers))} if layers else settings)
     texts = make_prompts(passages, count, args.seed, heldout=heldout)
     prompts = [chat_ids(tokenizer, p) for p in texts]
     batches = [prompts[i: i + args.gen_batch] for i in range(0, len(prompts), args.gen_batch)]
@@ -86,7 +98,7 @@ def build_data(args, model, tokenizer, passages: list[str], eos: set[int], heldo
                 progress.update(task, info=f"--data-budget-s {budget:.0f} spent: {i} of {len(batches)} batches")
                 break
             if not shard.exists():
-                torch.save(generate_with_features(model, tokenizer, batch, tokens, eos), shard.with_suffix(".tmp"))
+                torch.save(generate_with_features(model, tokenizer, batch, tokens, eos, layers=layers), shard.with_suffix(".tmp"))
                 shard.with_suffix(".tmp").rename(shard)
             data += torch.load(shard)
             progress.update(task, advance=1, info=f"{len(batch)} prompts x {tokens} tokens")
@@ -103,11 +115,14 @@ def kept_vocab(data: list[dict], size: int, vocab: int, always: set[int]) -> lis
     return sorted(order[: min(size, vocab)])
 
 
-def make_batch(records: list[dict], max_len: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(features [B, T, H], tokens [B, T], mask [B, T-1]) of random windows of at most max_len positions."""
+def make_batch(records: list[dict], max_len: int, rng: random.Random, fused: bool = False) -> tuple[torch.Tensor, ...]:
+    """(features [B, T, H], tokens [B, T], mask [B, T-1], sources [B, T, D]) of random windows of at
+    most max_len positions; sources are what the draft reads from the target: the fused layers'
+    outputs where `fused`, else the features themselves."""
     length = min(max_len, max(len(r["tokens"]) for r in records))
     hidden = records[0]["feat"].shape[1]
     feats = torch.zeros(len(records), length, hidden)
+    sources = torch.zeros(len(records), length, records[0]["fused"].shape[1]) if fused else feats
     tokens = torch.zeros(len(records), length, dtype=torch.long)
     mask = torch.zeros(len(records), length - 1)
     for b, r in enumerate(records):
@@ -115,9 +130,11 @@ def make_batch(records: list[dict], max_len: int, rng: random.Random) -> tuple[t
         s = rng.randint(0, max(0, n - length))
         e = min(n, s + length)
         feats[b, : e - s] = r["feat"][s:e].float()
+        if fused:
+            sources[b, : e - s] = r["fused"][s:e].float()
         tokens[b, : e - s] = r["tokens"][s:e].long()
         mask[b, : e - s - 1] = 1
-    return feats, tokens, mask
+    return feats, tokens, mask, sources
 
 
 def unroll_mask(length: int, depth: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -162,8 +179,9 @@ def feature_loss(draft: FeatureDraft, head: torch.Tensor, batch, reg: float, unr
     head [N, H]: the TARGET's output rows of the kept ids, so the soft label is the target's own
     distribution at i+1. Returns the loss and pass 0's argmax agreement with the target.
     """
-    feats, tokens, mask = batch
-    inputs, following, wanted = feats[:, :-1], tokens[:, 1:], feats[:, 1:]
+    feats, tokens, mask, *sources = batch
+    inputs = draft.from_target((sources[0] if sources else feats)[:, :-1])
+    following, wanted = tokens[:, 1:], feats[:, 1:]
     with torch.no_grad():
         label = torch.softmax(wanted @ head.T, dim=-1)
     total, agreement = 0.0, 0.0
@@ -186,7 +204,8 @@ def train(args, draft: FeatureDraft, head: torch.Tensor, data: list[dict]) -> li
     head = head.to(device)
 
     def loss_of(chosen: list[int], rng: random.Random):
-        batch = [t.to(device, non_blocking=True) for t in make_batch([data[i] for i in chosen], args.seq_len, rng)]
+        batch = [t.to(device, non_blocking=True)
+                 for t in make_batch([data[i] for i in chosen], args.seq_len, rng, fused=draft.fuse is not None)]
         loss, agreement = feature_loss(draft, head, batch, args.reg, args.unroll)
         agreements.append(agreement)
         return loss, f", agreement {statistics.fmean(agreements[-20:]):.3f}"
@@ -204,7 +223,8 @@ def chain_hits(draft: FeatureDraft, record: dict, g: int, depths: list[list[int]
     there (its first j tokens accepted) and how often the target took it: position j > 0 drafts from
     j predicted features, which is what training with --unroll is for."""
     device = draft.kept_ids.device
-    tokens, feats, start = record["tokens"].long().to(device), record["feat"].float().to(device), record["prompt_len"]
+    tokens, start = record["tokens"].long().to(device), record["prompt_len"]
+    feats = draft.from_target(record["fused" if draft.feature_layers else "feat"].float().to(device))  # what the target sends
     n = len(tokens)
     cache = draft.new_cache()
     # The first step drafts nothing, as in the loop: the prompt's features come from the target's
@@ -307,7 +327,9 @@ def run(args, command: str = "") -> dict:
     vocab = int(target.config.vocab_size)
     kept = kept_vocab(data, args.vocab, vocab, eos)
     layers = args.layers or 1
-    draft = init_from_target(target, kept, layers).to(device)
+    feature_layers = resolve_feature_layers(args.feature_layers, target.config.num_hidden_layers)
+    rms = float(torch.cat([r["fused"][:, -target.config.hidden_size:].float() for r in data]).pow(2).mean().sqrt()) if feature_layers else 1.0
+    draft = init_from_target(target, kept, layers, feature_layers, rms).to(device)
     head = target.get_output_embeddings().weight.detach()[torch.tensor(kept, device=device)]
     t1 = time.perf_counter()
     tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -320,6 +342,7 @@ def run(args, command: str = "") -> dict:
     acc = measure_acceptance(draft, heldout, args.draft_length)
     cost = measure_cost(target, draft)
     report = {"command": command, "method": "feature", "target": args.target, "layers": layers, "kept_vocab": len(kept),
+              "feature_layers": list(feature_layers),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "training_sequences": len(data), "training_positions": int(sum(len(r["tokens"]) - 1 for r in data)),
               "steps": args.steps, "batch": args.batch, "unroll": args.unroll,
@@ -342,6 +365,7 @@ def evaluate(args) -> dict:
     passages = load_corpus(args.corpus)
     loaded = load_model(args.target, "cpu", "float32")
     draft, _meta = load_feature_draft(args.out, "cpu", torch.float32, target_override=args.target)
+    args.feature_layers = ",".join(map(str, draft.feature_layers))  # the held-out data carries what the draft reads
     eos = target_eos(loaded.model, loaded.tokenizer)
     heldout = build_data(args, loaded.model, loaded.tokenizer, passages, eos, heldout=True)
     return {**measure_acceptance(draft, heldout, args.draft_length), **measure_cost(loaded.model, draft),
