@@ -517,7 +517,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--eval-tokens", type=int, default=64)
     p.add_argument("--draft-length", type=int, default=4, help="g for the acceptance report.")
     p.add_argument("--reg", type=float, default=1.0, help="feature: weight of the smooth-L1 pull towards the target's next feature.")
-    p.add_argument("--unroll", type=int, default=1, help="feature: training passes, each fed the previous one's predicted features.")
+    p.add_argument("--unroll", type=int, default=1,
+                   help="feature: training passes, pass k the k-th drafted token of every chain (fed predicted features).")
+    p.add_argument("--feature-layers", default="",
+                   help="feature: the target layers the draft reads, fused (EAGLE-3): 'low,mid,high' or indices 'i,j,k'; "
+                        "default: the final hidden states.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="Stored weight dtype.")
@@ -620,6 +624,8 @@ def format_feature_report(r: dict) -> str:
         f"held-out ({r['prompts']} prompts, {r['target_tokens']} target tokens, greedy, draft length {r['draft_length']}):",
         f"  acceptance {r['acceptance']:.3f}, accepted per step {r['accepted_per_step']:.2f}, "
         f"tokens per target pass {r['tokens_per_target_pass']:.2f}, per-token agreement {r['per_token_agreement']:.3f}",
+        *([f"  taken at draft positions 1..{len(r['agreement_by_position'])}: "
+           + ", ".join("-" if a is None else f"{a:.3f}" for a in r["agreement_by_position"])] if r.get("agreement_by_position") else []),
         f"cost: draft {r['draft_ms']:.2f} ms vs target {r['target_ms']:.2f} ms per token -> c = {r['draft_cost_c']:.3f}",
     ])
 

@@ -141,4 +141,7 @@ def load_feature_drafter(folder, device: str = "auto", dtype: str = "auto", top_
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     model, meta = load_feature_draft(folder, dev, dt)
+    if model.feature_layers:
+        raise ValueError(f"{folder}: a draft over fused target layers {list(model.feature_layers)}; the services send only "
+                         "the target's final hidden states so far (specdec distill --evaluate measures it)")
     return FeatureDrafter(model, dev, meta.get("eos_token_ids"), top_k)

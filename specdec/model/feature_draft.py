@@ -16,9 +16,10 @@ than the token count: the last canonical token's feature is computed by the targ
 
 Folder format (written by `save_feature_draft`, read by `load_feature_draft`):
     specdec_feature_draft.json  {"format": 1, "target": <spec>, "target_vocab_size": V,
-                                 "llama_config": {...}, "eos_token_ids": [...], "report": {...}}
+                                 "llama_config": {...}, "eos_token_ids": [...], "report": {...},
+                                 "feature_layers": [...] (fused drafts only; absent: the final hidden states)}
     kept_vocab.json             the N kept target token ids, in head-row order
-    model.safetensors           fc, the layer, norm and head [N, hidden] (the embedding is the target's)
+    model.safetensors           fc, the layer, norm and head [N, hidden], fuse if fused (the embedding is the target's)
     README.md                   the model card
 """
 
@@ -42,7 +43,8 @@ WEIGHTS = "model.safetensors"
 class FeatureDraft(torch.nn.Module):
     """fc([embed(x_{i+1}); f_i]) -> Llama layer(s) -> norm = predicted f_{i+1}; head over kept ids."""
 
-    def __init__(self, config: LlamaConfig, kept_ids: list[int], target_vocab_size: int):
+    def __init__(self, config: LlamaConfig, kept_ids: list[int], target_vocab_size: int,
+                 feature_layers: tuple[int, ...] | list[int] = ()):
         super().__init__()
         if len(set(kept_ids)) != len(kept_ids) or not kept_ids:
             raise ValueError("kept_ids must be a non-empty list of distinct target token ids")
@@ -59,6 +61,20 @@ class FeatureDraft(torch.nn.Module):
         self.body = LlamaModel(self.config)
         self.head = torch.nn.Linear(hidden, len(kept_ids), bias=False)
         self.register_buffer("kept_ids", torch.tensor(kept_ids, dtype=torch.long), persistent=False)
+        # EAGLE-3's fused features: the target sends the outputs of several of its layers, concatenated,
+        # and `fuse` maps them to one hidden-sized feature. The draft's own predictions stay hidden-sized.
+        # Empty: the target's final hidden states, taken as they are (every draft before fused ones).
+        self.feature_layers = tuple(int(layer) for layer in feature_layers)
+        self.fuse = torch.nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False) if self.feature_layers else None
+
+    @property
+    def feature_dim(self) -> int:
+        """The width of the target features this draft reads (FeatureRows.values' columns)."""
+        return self.config.hidden_size * max(1, len(self.feature_layers))
+
+    def from_target(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [..., feature_dim] -> the hidden-sized features forward() takes."""
+        return features if self.fuse is None else self.fuse(features)
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
@@ -66,10 +82,15 @@ class FeatureDraft(torch.nn.Module):
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, past_key_values: DynamicCache | None = None,
                 use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, T, H] (f_i), next_tokens [B, T] (x_{i+1}) -> (predicted f_{i+1} [B, T, H], logits [B, T, N])."""
-        x = self.fc(torch.cat([self.embed(next_tokens).to(features.dtype), features], dim=-1))
+        x = self.inputs(features, next_tokens)
         out = self.body(inputs_embeds=x, **cache_kwargs(self.body, past_key_values), use_cache=use_cache)
         predicted = out.last_hidden_state
         return predicted, self.head(predicted)
+
+    def inputs(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """The body's input embeddings of pairs (f_i, x_{i+1}): [B, T, H]. Training calls the body
+        with its own attention mask over these (specdec_tools/distill_feature.py)."""
+        return self.fc(torch.cat([self.embed(next_tokens).to(features.dtype), features], dim=-1))
 
     def to_target_logits(self, pruned: torch.Tensor) -> torch.Tensor:
         """[..., N] -> [..., V] with -inf outside the kept ids, so the draft's p there is exactly 0."""
@@ -78,17 +99,20 @@ class FeatureDraft(torch.nn.Module):
         return full
 
 
-def init_from_target(target, kept: list[int], layers: int = 1) -> FeatureDraft:
+def init_from_target(target, kept: list[int], layers: int = 1, feature_layers: tuple[int, ...] = (),
+                     feature_rms: float = 1.0) -> FeatureDraft:
     """Layers, norm and head rows start as the target's last `layers` layers, final norm and output rows.
 
     The last layers are the ones whose input most resembles a feature, so they are the nearest start; fc
     starts as "take the feature, add a little of the token" so step 0 already predicts something.
+    With feature_layers, fuse starts as the last named layer's output divided by its RMS over the
+    data (feature_rms): a normalised residual stream near the final features the rest expects.
     """
     tcfg = target.config
     if not 1 <= layers <= tcfg.num_hidden_layers:
         raise ValueError(f"a feature draft has 1 to {tcfg.num_hidden_layers} layers (the target's count), not {layers}")
     cfg = LlamaConfig(**{**tcfg.to_dict(), "num_hidden_layers": layers, "tie_word_embeddings": False, "torch_dtype": "float32"})
-    draft = FeatureDraft(cfg, kept, int(tcfg.vocab_size))
+    draft = FeatureDraft(cfg, kept, int(tcfg.vocab_size), feature_layers)
     body = target.model
     with torch.no_grad():
         for i, layer in enumerate(body.layers[len(body.layers) - layers:]):
@@ -101,6 +125,9 @@ def init_from_target(target, kept: list[int], layers: int = 1) -> FeatureDraft:
         draft.fc.weight[:, hidden:] = torch.eye(hidden)
         draft.fc.weight[:, :hidden] = 0.1 * torch.eye(hidden)
         draft.fc.bias.zero_()
+        if draft.fuse is not None:
+            draft.fuse.weight.zero_()
+            draft.fuse.weight[:, -hidden:] = torch.eye(hidden) / feature_rms
     return draft
 
 
@@ -117,6 +144,8 @@ def save_feature_draft(model: FeatureDraft, folder: str | pathlib.Path, target: 
     (folder / KEPT).write_text(json.dumps(model.kept_ids.tolist()) + "\n")
     meta = {"format": 1, "target": target, "target_vocab_size": model.target_vocab_size,
             "llama_config": model.config.to_dict(), "eos_token_ids": eos_token_ids, **(extra or {})}
+    if model.feature_layers:
+        meta["feature_layers"] = list(model.feature_layers)  # absent: the target's final hidden states
     (folder / MARKER).write_text(json.dumps(meta, indent=1, default=str) + "\n")
     return folder
 
@@ -134,7 +163,7 @@ def load_feature_draft(folder: str | pathlib.Path, device: torch.device | str = 
         raise ValueError(f"{folder}: unsupported feature-draft format {meta.get('format')!r}")
     kept = json.loads((folder / KEPT).read_text())
     config = LlamaConfig(**meta["llama_config"])
-    model = FeatureDraft(config, kept, int(meta["target_vocab_size"]))
+    model = FeatureDraft(config, kept, int(meta["target_vocab_size"]), meta.get("feature_layers") or ())
     state = load_file(str(folder / WEIGHTS))
     embedding = target_embedding(target_override or meta["target"])
     if tuple(embedding.shape) != (model.target_vocab_size, config.hidden_size):

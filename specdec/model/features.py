@@ -8,7 +8,9 @@ natively, and post-norm features are small numbers that float16 holds to ~3 sign
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -89,3 +91,45 @@ class FeatureLog:
         if self._values is None or start >= self.length:
             return None
         return FeatureRows(start, self._values[start:self.length])
+
+
+def resolve_feature_layers(spec: str, num_layers: int) -> tuple[int, ...]:
+    """`--feature-layers`: "" or "last" (the final hidden states, the default), "low,mid,high"
+    (EAGLE-3's choice: the outputs of layers 1, L/2 - 1 and L - 4 of L), or decoder-layer indices
+    "i,j,k" in [0, L). Returns () for the final hidden states, else the distinct layers in order."""
+    spec = spec.strip()
+    if spec in ("", "last"):
+        return ()
+    named = {"low": 1, "mid": num_layers // 2 - 1, "high": num_layers - 4}
+    layers: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        layer = min(max(named[part], 0), num_layers - 1) if part in named else int(part)
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"feature layer {part!r} is not a decoder layer of the target's {num_layers}")
+        if layer not in layers:
+            layers.append(layer)
+    return tuple(layers)
+
+
+@contextlib.contextmanager
+def layer_outputs(decoder: torch.nn.Module, layers: tuple[int, ...]) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Within the block, each forward of `decoder` (a LlamaModel) appends the output hidden states
+    [B, T, H] of each named decoder layer (the residual stream after it, before any norm) to
+    outputs[layer]. The hooks exist only inside the block: a hooked layer keeps the one-call
+    decoder stack (specdec/model/stack.py) from running, so no forward without it pays for them."""
+    outputs: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+    handles = []
+
+    def hook(layer):
+        def record(module, args, output):
+            outputs[layer].append((output[0] if isinstance(output, tuple) else output).detach())
+        return record
+
+    try:
+        for layer in layers:
+            handles.append(decoder.layers[layer].register_forward_hook(hook(layer)))
+        yield outputs
+    finally:
+        for handle in handles:
+            handle.remove()
