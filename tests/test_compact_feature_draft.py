@@ -141,6 +141,8 @@ def test_over_grpc_greedy_equals_the_target_alone_with_the_compact_draft(target,
         stack.stop()
 
 
+@pytest.mark.slow  # the real target: CI runs it (ci), as it runs test_real_model's first prompt
+@pytest.mark.ci
 @needs_kernel
 def test_the_committed_draft_in_int8_a8_proposes_what_fp32_does_on_most_positions():
     """Teacher-forced over real prompts with the real target's features: the compact draft's top-1
@@ -172,3 +174,52 @@ def test_the_committed_draft_in_int8_a8_proposes_what_fp32_does_on_most_position
     assert positions > 900
     assert same / positions >= 0.95
     assert abs(agree_ours - agree_ref) / positions <= 0.01
+
+
+@needs_kernel
+def test_evaluate_measures_the_compact_draft_as_the_loop_runs_it(target, tmp_path):
+    """`specdec distill --evaluate --weights int8-a8` simulates drafting with the compact draft; the
+    real loop with the same compact draft accepts exactly as many tokens."""
+    import asyncio
+
+    from coordinator.loop import SpeculativeLoop
+    from coordinator.protocol import GenerationSpec, Stats
+    from specdec.model.feature_draft import load_feature_draft
+    from specdec.spec.costs import MODEL_DRAFT_PRIOR
+    from specdec.spec.sampling import SamplingConfig
+    from specdec_tools import distill, distill_feature
+
+    target_path = tiny.save(target, tmp_path / "target")
+    folder = save_feature_draft(tiny.feature_draft_of(target, noise=0.2), tmp_path / "draft", target_path, [tiny.EOS],
+                                dtype=torch.float32)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"passage {i}: the quick brown fox jumps over the lazy dog, then naps." for i in range(60)))
+    argv = ["--method", "feature", "--target-model", target_path, "--corpus", str(corpus), "--out", str(folder),
+            "--heldout-prompts", "4", "--eval-tokens", "24", "--gen-batch", "4", "--threads", "1", "--draft-length", "3",
+            "--evaluate", "--weights", COMPACT_WEIGHTS]
+    args = distill.parse_args(argv)
+    report = distill_feature.evaluate(args)
+    assert report["weights"] == COMPACT_WEIGHTS and "weights int8-a8" in distill.format_evaluation(report)
+    draft, _ = load_feature_draft(folder)
+    gemm.apply(draft, CPU, torch.float32, gemm.DEFAULT_ROWS, 1, COMPACT_WEIGHTS, None)
+    heldout = distill_feature.build_data(args, target, tiny.byte_tokenizer(), distill.load_corpus(args.corpus), {tiny.EOS}, heldout=True)
+    loop = SpeculativeLoop(LocalVerifier(TargetEngine(CausalLM(target, CPU))),
+                           LocalProposer(DraftEngine(FeatureDrafter(draft, CPU, [tiny.EOS]))), None, MODEL_DRAFT_PRIOR, features=True)
+    simulated = real = drafted = positions = 0
+    for record in heldout:
+        prompt_len = record["prompt_len"]
+        continuation = record["tokens"][prompt_len:].tolist()
+        spec = GenerationSpec("r", record["tokens"][:prompt_len].tolist(), len(continuation), SamplingConfig(), 3, False,
+                              frozenset({tiny.EOS}))
+        stats = Stats()
+
+        async def collect(spec=spec, stats=stats):
+            return [t async for step in loop.run(spec, stats) for t in step.tokens]
+
+        assert asyncio.run(collect()) == continuation  # the target's own tokens
+        real, drafted = real + stats.accepted_tokens, drafted + stats.draft_tokens
+        positions += len(continuation)
+        simulated += distill_feature.chain_hits(draft, record, 3)[2]
+    assert 0 < real < drafted
+    assert real == simulated
+    assert report["target_tokens"] == positions  # the report measured these same continuations
