@@ -637,6 +637,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.method != "feature" and args.device != "cpu":
             raise ValueError("--device: only --method feature trains on a GPU; --method layers runs on cpu")
+        if args.weights != "fp32" and not (args.method == "feature" and args.evaluate):
+            raise ValueError("--weights: only --method feature --evaluate measures a draft in another format")
         if args.method == "feature":
             from specdec_tools import distill_feature
 
