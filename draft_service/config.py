@@ -41,7 +41,7 @@ class DraftConfig:
         "CPU float32 model drafts: forwards over 1..N positions use specdec's GEMM kernel, compiled on first "
         "use (small forwards cost less than with the stock kernel); 0 turns it off.",
     )
-    weights: str = weights_option()
+    weights: str = weights_option(draft=True)
     compute_threads: int = compute_threads_option()
     numerics: str = numerics_option()
     pass_rows: int = static_options()[0]

@@ -93,8 +93,14 @@ def load_engine(config: DraftConfig) -> tuple[DraftEngine, DrafterInfo]:
     model = getattr(drafter.lm, "model", None)
     if isinstance(model, torch.nn.Module):  # a model draft: its decode steps are 1-row GEMMs
         parameter = next(model.parameters())
+        weights = config.weights
+        if (info.needs_features and weights == gemm.AUTO and config.packed_gemm_rows > 0
+                and gemm.available(parameter.device, parameter.dtype)):
+            from specdec.model.feature_draft import COMPACT_WEIGHTS
+
+            weights = COMPACT_WEIGHTS  # a feature draft has no GGUF of its own: its auto is the format measured fastest
         packed = gemm.apply(model, parameter.device, parameter.dtype, config.packed_gemm_rows, gemm.DEFAULT_MIN_ROWS,
-                            config.weights, drafter.source)
+                            weights, drafter.source)
         info = dataclasses.replace(info, weights=packed.weights if packed else str(parameter.dtype).removeprefix("torch."),
                                    weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(model))
     # a fixed-shape draft (specdec/model/static.py) holds at most its slots' sequences

@@ -26,6 +26,7 @@ import time
 import torch
 
 from specdec.model.hfcache import cache_kwargs
+from specdec.model.formats import FORMATS
 from specdec_tools import flags
 from specdec.model.pruned import PrunedDraft, save_draft
 
@@ -527,6 +528,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="Stored weight dtype.")
     p.add_argument("--evaluate", action="store_true",
                    help="Train nothing: measure the draft already in --out (held-out acceptance, cost per token) and print it.")
+    p.add_argument("--weights", default="fp32", choices=FORMATS,
+                   help="feature, --evaluate: what the draft's linear layers are read as, as `specdec serve draft --weights` "
+                        "serves it (int8-a8: its auto on a CPU); its agreement and cost are measured so.")
     flags.finish(p, env=False)  # a training run's flags belong on its command line, which the model card records
     return p.parse_args(argv)
 
@@ -594,7 +598,8 @@ def evaluate(args: argparse.Namespace) -> dict:
 def format_evaluation(r: dict) -> str:
     return "\n".join([
         f"draft: {r['layers']} layer{'s' if r['layers'] != 1 else ''}, {r['kept_vocab']}-token head"
-        + (" over the target's hidden states" if r.get("method") == "feature" else ""),
+        + (" over the target's hidden states" if r.get("method") == "feature" else "")
+        + (f", weights {r['weights']}" if r.get("weights", "fp32") != "fp32" else ""),
         f"held-out ({r['prompts']} prompts, {r['target_tokens']} target tokens, greedy, draft length {r['draft_length']}):",
         f"  acceptance {r['acceptance']:.3f}, accepted per step {r['accepted_per_step']:.2f}, "
         f"tokens per target pass {r['tokens_per_target_pass']:.2f}, per-token agreement {r['per_token_agreement']:.3f}",
@@ -638,6 +643,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.method != "feature" and args.device != "cpu":
             raise ValueError("--device: only --method feature trains on a GPU; --method layers runs on cpu")
+        if args.weights != "fp32" and not (args.method == "feature" and args.evaluate):
+            raise ValueError("--weights: only --method feature --evaluate measures a draft in another format")
         if args.method == "feature":
             from specdec_tools import distill_feature
 

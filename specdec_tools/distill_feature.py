@@ -366,7 +366,13 @@ def evaluate(args) -> dict:
     loaded = load_model(args.target, "cpu", "float32")
     draft, _meta = load_feature_draft(args.out, "cpu", torch.float32, target_override=args.target)
     args.feature_layers = ",".join(map(str, draft.feature_layers))  # the held-out data carries what the draft reads
+    weights = getattr(args, "weights", "fp32")
+    if weights != "fp32":  # the draft as the draft service serves it in that format
+        from specdec.model import gemm
+
+        gemm.apply(draft, torch.device("cpu"), torch.float32, gemm.DEFAULT_ROWS, 1, weights, None)
     eos = target_eos(loaded.model, loaded.tokenizer)
     heldout = build_data(args, loaded.model, loaded.tokenizer, passages, eos, heldout=True)
     return {**measure_acceptance(draft, heldout, args.draft_length), **measure_cost(loaded.model, draft),
-            "layers": draft.config.num_hidden_layers, "kept_vocab": len(draft.kept_ids), "method": "feature"}
+            "layers": draft.config.num_hidden_layers, "kept_vocab": len(draft.kept_ids), "method": "feature",
+            "weights": weights}

@@ -25,6 +25,7 @@ Folder format (written by `save_feature_draft`, read by `load_feature_draft`):
 
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
 
@@ -175,3 +176,34 @@ def load_feature_draft(folder: str | pathlib.Path, device: torch.device | str = 
         raise ValueError(f"{folder}: weights missing {sorted(missing)}")
     model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     return model, meta
+
+
+# What `--weights auto` serves a feature draft as on a CPU (draft_service/loading.py). The draft's
+# numerics only choose its proposals, never the output (the target verifies every token), so the
+# format is picked for speed at the proposals' agreement: int8 weights against activations rounded to
+# int8 (the target's `-a8` arithmetic) were the fastest per drafted token on an AVX2-only CPU, where
+# the integer products run without VNNI, and they agree with the fp32 draft's top-1 on nearly every
+# position (the model card has the figures; tests/test_compact_feature_draft.py bounds it).
+COMPACT_WEIGHTS = "int8-a8"
+
+
+def cut_head(model: FeatureDraft, keep: list[int]) -> FeatureDraft:
+    """A copy of the draft whose head keeps only the target ids `keep` (a subset of its kept ids).
+
+    Why: the head is about half the draft's weights, and each row is read every drafted token; the
+    rows of rare tokens buy little agreement. Tokens cut get draft probability 0 (to_target_logits),
+    which rejection sampling handles as it does every token outside the head. The body, fc and norm
+    are shared with `model`, not copied."""
+    rows = {int(t): i for i, t in enumerate(model.kept_ids.tolist())}
+    if not keep or len(set(keep)) != len(keep) or any(int(t) not in rows for t in keep):
+        raise ValueError("keep must be distinct ids, all of them kept by the draft's head")
+    keep = sorted(int(t) for t in keep)
+    # A shallow copy with its own module and buffer tables: every other part (and any attribute a
+    # later version adds) stays the original's.
+    cut = copy.copy(model)
+    cut._modules, cut._buffers, cut._parameters = dict(model._modules), dict(model._buffers), dict(model._parameters)
+    weight = model.head.weight.detach()[torch.tensor([rows[t] for t in keep], device=model.head.weight.device)]
+    cut.head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    cut.head.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    cut.register_buffer("kept_ids", torch.tensor(keep, dtype=torch.long, device=model.kept_ids.device), persistent=False)
+    return cut

@@ -129,6 +129,11 @@ def pack_linears(model: torch.nn.Module, rows: int, min_rows: int, weights: str 
     # agrees with transformers' generate() (SDPA) rather than equalling it bit for bit.
     attention.use(model)
     if weights != "fp32":
+        # A model built around a transformers model (a feature draft's body, specdec/model/feature_draft.py)
+        # gets the same attention and, through it, the lean layer forward: otherwise its compact weights
+        # would sit under transformers' eager layer, whose Python costs more than the weights here.
+        for child in model.children():
+            attention.use(child)
         decoder.use(model)
         stack.use(model)  # one C call for the whole stack where every layer took the lean forward
     after = _resident_bytes()
