@@ -20,17 +20,15 @@ import grpc
 import structlog
 
 from coordinator.decode_stream import DecodeStream, StreamPerRun
-from coordinator.protocol import DraftOutcome, Progress, TreeSpec
+from coordinator.protocol import DraftOutcome, Progress
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import DeadlineExceeded, SequenceNotFound
-from specdec.model.features import FeatureRows
 from specdec.serving.backend_auth import authorized
 from specdec.serving.rpc import CHANNEL_OPTIONS
 from specdec.serving.logs import REQUEST_ID_METADATA
-from specdec.serving.wire import dists_from_proto, verify_result_from_proto
-from specdec.spec.request import VerifyCall, VerifyResult
-from specdec.spec.sampling import SamplingConfig
+from specdec.serving.wire import dists_from_proto, propose_call_to_proto, verify_call_to_proto, verify_result_from_proto
+from specdec.spec.request import ProposeCall, VerifyCall, VerifyResult
 
 log = structlog.get_logger(__name__)
 
@@ -143,32 +141,6 @@ def _metadata(sequence_id: str) -> tuple[tuple[str, str], ...]:
     return ((SEQUENCE_METADATA, sequence_id), *(((REQUEST_ID_METADATA, str(request_id)),) if request_id else ()))
 
 
-def _sampling_proto(sampling: SamplingConfig) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed)
-
-
-def _verify_proto(call: VerifyCall) -> pb.VerifyRequest:
-    """The wire's VerifyRequest for `call`. Distributions travel only when sampling, and only if some
-    token has one: the target takes a missing one as one-hot (EMPTY_DIST)."""
-    request = pb.VerifyRequest(sequence_id=call.sequence_id, known_len=call.known_len, append_tokens=call.append,
-                               draft_tokens=call.draft_tokens, sampling=_sampling_proto(call.sampling),
-                               return_features=call.return_features, decode_ahead=call.decode_ahead, logprobs=call.logprobs,
-                               eos_banned_until=call.eos_banned_until, lookup_max_tokens=call.lookup_max_tokens,
-                               lookup_costs=call.lookup_costs, decode_ahead_passes=call.decode_ahead_passes,
-                               lookup_source=call.lookup_source)
-    sampled = not call.sampling.greedy
-    if sampled and any(ids for ids, _ in call.draft_dists):
-        for ids, probs in call.draft_dists:
-            request.draft_dists.add(token_ids=ids, probs=probs)
-    if call.tree is not None:
-        request.draft_tree.parents.extend(call.tree.parents)
-        request.draft_tree.tokens.extend(call.tree.tokens)
-        if sampled and any(ids for ids, _ in call.tree.child_dists):
-            for ids, probs in call.tree.child_dists:
-                request.draft_tree.child_dists.add(token_ids=ids, probs=probs)
-    return request
-
-
 # A target that restarts (a crash, a rolling update) answers UNAVAILABLE until it is back. Verify is
 # retried for up to this long after the first such failure (never past the request's deadline), so
 # requests ride through a quick restart instead of failing; the channel's retry policy above only
@@ -268,7 +240,7 @@ class TargetClient:
         return response.info
 
     async def verify(self, call: VerifyCall) -> VerifyResult:
-        request = _verify_proto(call)
+        request = verify_call_to_proto(call)
         start = time.perf_counter()
         response = await self._verify_call(call.sequence_id, request)
         wall = time.perf_counter() - start
@@ -324,14 +296,13 @@ class DraftClient:
         response = await self.stub.GetInfo(pb.DraftServiceGetInfoRequest(), timeout=timeout_s or self.timeout_s, wait_for_ready=True)
         return response.info
 
-    async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
-                      min_cumulative_prob: float, temperature: float, seed: int,
-                      progress: Progress | None = None, features: FeatureRows | None = None) -> DraftOutcome:
-        request = pb.ProposeRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append, max_tokens=max_tokens,
-                                    min_cumulative_prob=min_cumulative_prob, temperature=temperature, seed=seed)
-        if features is not None:
-            request.features.CopyFrom(pb.Features(start=features.start, rows=features.rows, dim=int(features.values.shape[1]),
-                                                  data=features.to_bytes()))
+    async def propose(self, call: ProposeCall, progress: Progress | None = None) -> DraftOutcome:
+        """A chain over Propose (a session's exchange, or the stream a run-ahead watches), or a tree
+        over ProposeTree (call.tree)."""
+        if call.tree is not None:
+            return await self._propose_tree(call)
+        sequence_id, append = call.sequence_id, call.append
+        request = propose_call_to_proto(call)
         size = request.ByteSize()
         start = time.perf_counter()
         try:
@@ -363,18 +334,15 @@ class DraftClient:
             compute = messages[-1].compute_seconds if messages else 0.0
         return DraftOutcome(tokens, dists, compute, wall, size, confidence=confidence)
 
-    async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
-                           max_depth: int, temperature: float, seed: int) -> DraftOutcome:
-        request = pb.ProposeTreeRequest(sequence_id=sequence_id, known_len=known_len, append_tokens=append,
-                                        tree=pb.TreeParams(budget=tree.budget, top_k=tree.top_k, shape=tree.shape, max_depth=max_depth),
-                                        temperature=temperature, seed=seed)
+    async def _propose_tree(self, call: ProposeCall) -> DraftOutcome:
+        request = propose_call_to_proto(call)
         start = time.perf_counter()
         try:
-            response = await self.stub.ProposeTree(request, timeout=step_timeout(self.timeout_s, len(append)),
-                                                   metadata=_metadata(sequence_id))
+            response = await self.stub.ProposeTree(request, timeout=step_timeout(self.timeout_s, len(call.append)),
+                                                   metadata=_metadata(call.sequence_id))
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise SequenceNotFound(sequence_id, exc.details() or "") from exc
+                raise SequenceNotFound(call.sequence_id, exc.details() or "") from exc
             raise
         wall = time.perf_counter() - start
         tree_pb = response.tree

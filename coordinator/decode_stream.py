@@ -47,7 +47,7 @@ def run_proto(run: DecodeRun) -> pb.DecodeRun:
                         sampling=pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed),
                         max_new_tokens=run.max_new_tokens, stop_token_ids=sorted(run.stop_token_ids),
                         eos_banned_until=run.eos_banned_until, logprobs=run.logprobs,
-                        lookup_max_tokens=run.lookup_max_tokens, lookup_costs=run.lookup_costs, lookup_source=run.lookup_source,
+                        lookup_max_tokens=run.lookup_draft_length, lookup_costs=run.lookup_costs, lookup_source=run.lookup_source,
                         draft_length=run.draft_length, adaptive=run.adaptive, seeded=run.seeded, features=run.features,
                         overlap=run.overlap)
 

@@ -11,14 +11,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from coordinator.protocol import DraftOutcome, Progress, TreeSpec
-from draft_service.drafters.base import DraftSettings
+from coordinator.protocol import DraftOutcome, Progress
 from draft_service.engine import DraftEngine
-from draft_service.tree import TreeSettings
-from specdec.model.features import FeatureRows
 from specdec.spec.costs import Costs
 from specdec.spec.tree import tree_depth
-from specdec.spec.request import VerifyCall, VerifyResult
+from specdec.spec.request import ProposeCall, VerifyCall, VerifyResult
 from target_service.engine import TargetEngine
 
 
@@ -74,12 +71,11 @@ class LocalProposer:
         compute = positions * costs.draft_per_token
         return compute, compute + costs.draft_per_ask
 
-    async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
-                      min_cumulative_prob: float, temperature: float, seed: int,
-                      progress: Progress | None = None, features: FeatureRows | None = None) -> DraftOutcome:
+    async def propose(self, call: ProposeCall, progress: Progress | None = None) -> DraftOutcome:
+        if call.tree is not None:
+            return self._propose_tree(call)
         start = time.perf_counter()
-        settings = DraftSettings(max_tokens, min_cumulative_prob, temperature, seed)
-        proposals = list(self.engine.propose(sequence_id, known_len, append, settings, features))
+        proposals = list(self.engine.propose(call))
         for p in proposals if progress is not None else ():
             progress.arrived(p.token)
         wall = time.perf_counter() - start
@@ -87,11 +83,9 @@ class LocalProposer:
         return DraftOutcome([p.token for p in proposals], [p.dist for p in proposals], compute, wall,
                             confidence=[p.cumulative_prob for p in proposals])
 
-    async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
-                           max_depth: int, temperature: float, seed: int) -> DraftOutcome:
+    def _propose_tree(self, call: ProposeCall) -> DraftOutcome:
         start = time.perf_counter()
-        settings = TreeSettings(tree.budget, tree.top_k, tuple(tree.shape), max_depth, temperature, seed)
-        drafted = self.engine.propose_tree(sequence_id, known_len, append, settings)
+        drafted = self.engine.propose_tree(call)
         compute, wall = self._seconds(drafted.compute_seconds, time.perf_counter() - start, tree_depth(drafted.parents))
         return DraftOutcome(drafted.tokens, drafted.child_dists, compute, wall, parents=drafted.parents)
 

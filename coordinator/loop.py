@@ -22,15 +22,15 @@ import structlog
 from specdec.spec.costs import CostModel, Costs
 from specdec.spec.draft_length import AcceptanceMemory, DraftLengthPolicy
 from coordinator.policy.overlap import RunAheadPolicy
-from coordinator.protocol import DecodeRun, Decoder, DraftOutcome, GenerationSpec, Progress, Proposer, Stats, TreeSpec, Verifier
+from coordinator.protocol import DecodeRun, Decoder, DraftOutcome, GenerationSpec, Progress, Proposer, Stats, Verifier
 from coordinator.state import SequenceState
 from specdec.errors import SequenceNotFound, Unavailable
 from specdec.limits import MAX_DECODE_AHEAD
 from specdec.serving import metrics
 from specdec.model.features import FeatureLog
-from specdec.spec.request import VerifyCall, VerifyResult
+from specdec.spec.request import ProposeCall, TreeSettings, VerifyCall, VerifyResult
 from specdec.spec.lookup import relative_costs
-from specdec.spec.sampling import SamplingConfig, TokenLogprob, derive_seed
+from specdec.spec.sampling import TokenLogprob, derive_seed
 from specdec.spec.tree import DraftTree
 
 log = structlog.get_logger(__name__)
@@ -56,15 +56,15 @@ class Turn:
     """One step in flight: what its phases decide, handed from one to the next."""
 
     remaining: int  # tokens the request may still produce
-    planned: int  # the draft length the policy chose
+    policy_draft_length: int  # the draft length the policy chose (a run-ahead drafts the next step's with it)
     min_prob: float  # ... and the cumulative probability a draft must keep
-    gamma: int  # the draft length within the request's tokens and context
+    draft_length: int  # this step's: the policy's, within the request's tokens and context
     draft: DraftOutcome = dataclasses.field(default_factory=lambda: DraftOutcome([], [], 0.0, 0.0))
     draft_wall: float | None = None  # set when the draft was asked this step (not a run-ahead's tokens)
     from_ahead: bool = False  # the draft is the last step's run-ahead
     runahead: RunAhead | None = None  # the next step's draft, drafting during this Verify
     decode_ahead: int = 0  # tokens the target may decode after this step's
-    lookup: tuple[int, tuple[float, ...]] = (0, ())  # the target drafts by prompt lookup: (max tokens, relative costs)
+    lookup: tuple[int, tuple[float, ...]] = (0, ())  # the target drafts by prompt lookup: (draft length, relative costs)
 
 
 # After the draft fails, decode this many steps with the target alone before trying it again.
@@ -166,7 +166,7 @@ class SpeculativeLoop:
             run = DecodeRun(state.sequence_id, list(state.tokens), spec.sampling, spec.max_new_tokens - state.generated,
                             spec.eos_token_ids,
                             eos_banned_until=len(spec.prompt_ids) + spec.min_tokens if spec.min_tokens else 0,
-                            logprobs=spec.logprobs, lookup_max_tokens=lookup[0], lookup_costs=lookup[1],
+                            logprobs=spec.logprobs, lookup_draft_length=lookup[0], lookup_costs=lookup[1],
                             lookup_source=spec.prediction_ids if state.lookup else (),
                             draft_length=spec.draft_length if self._drafted_by_target(spec, state) else 0,
                             adaptive=spec.adaptive, seeded=spec.seeded, features=self.features,
@@ -218,7 +218,7 @@ class SpeculativeLoop:
         stats.prompt_tokens = len(spec.prompt_ids)
         lengths = DraftLengthPolicy(
             # Without a draft no step drafts: a policy weighing the costs every step would only cost time.
-            max_length=spec.draft_length if self.proposer is not None else 0,
+            draft_length=spec.draft_length if self.proposer is not None else 0,
             cost_model=None if spec.seeded else self.cost_model,
             prior=self.prior,
             adaptive=spec.adaptive,
@@ -249,19 +249,19 @@ class SpeculativeLoop:
 
     def _plan(self, spec: GenerationSpec, state: SequenceState) -> Turn:
         remaining = spec.max_new_tokens - state.generated
-        planned, min_prob = state.lengths.plan()
-        gamma = 0 if state.lookup else min(planned, remaining - 1)  # with lookup the target drafts: nothing to ask
+        policy_length, min_prob = state.lengths.plan()
+        draft_length = 0 if state.lookup else min(policy_length, remaining - 1)  # with lookup the target drafts: nothing to ask
         if spec.max_context:
-            gamma = min(gamma, spec.max_context - len(state.tokens) - 1)
-        return Turn(remaining, planned, min_prob, gamma)
+            draft_length = min(draft_length, spec.max_context - len(state.tokens) - 1)
+        return Turn(remaining, policy_length, min_prob, draft_length)
 
     async def _draft(self, spec: GenerationSpec, state: SequenceState, stats: Stats, turn: Turn) -> None:
         """Takes the draft run ahead during the last Verify if there is one, else asks the draft
         (unless it failed lately), and cuts a calibrated proposal where its tokens stop paying."""
         ready, state.ready = state.ready, None  # drafted for this step only: a later one starts from another prefix
-        if ready is not None and ready.tokens and turn.gamma > 0:
-            turn.draft, turn.from_ahead = _part(ready, 0, turn.gamma), True
-        elif self.proposer is not None and turn.gamma > 0 and stats.steps >= state.skip_draft_until:
+        if ready is not None and ready.tokens and turn.draft_length > 0:
+            turn.draft, turn.from_ahead = _part(ready, 0, turn.draft_length), True
+        elif self.proposer is not None and turn.draft_length > 0 and stats.steps >= state.skip_draft_until:
             await self._ask_draft(spec, state, stats, turn)
         draft = turn.draft
         cut = state.lengths.cut(draft.confidence)
@@ -273,12 +273,16 @@ class SpeculativeLoop:
 
     async def _ask_draft(self, spec: GenerationSpec, state: SequenceState, stats: Stats, turn: Turn) -> None:
         try:
+            known = state.draft_known
+            seed = derive_seed(spec.sampling.seed, len(state.tokens), "draft")
             if spec.tree is not None:
-                draft = await self._propose_tree(state.sequence_id, state.tokens, state.draft_known, spec.tree, turn.gamma,
-                                                 spec.sampling, spec.seeded)
+                call = ProposeCall(state.sequence_id, known, state.tokens[known:], turn.draft_length,
+                                   temperature=spec.sampling.temperature, seed=seed, tree=self._tree(spec))
             else:
-                draft = await self._propose(state.sequence_id, state.tokens, state.draft_known, turn.gamma, turn.min_prob,
-                                            spec.sampling, state.feature_log, state.draft_features)
+                features = state.feature_log.since(state.draft_features) if state.feature_log is not None else None
+                call = ProposeCall(state.sequence_id, known, state.tokens[known:], turn.draft_length, turn.min_prob,
+                                   spec.sampling.temperature, seed, features)
+            draft = await self._propose(call, state.tokens, state.feature_log)
             state.draft_known = len(state.tokens)
             state.draft_features = state.features_held
             turn.draft, turn.draft_wall = draft, draft.wall_seconds
@@ -296,7 +300,7 @@ class SpeculativeLoop:
         decodes the tokens after this one in the same exchange."""
         draft = turn.draft
         if draft.tokens and draft.parents is None and state.ahead.should_run_ahead():
-            turn.runahead = self._run_ahead(state.sequence_id, state.tokens, draft, turn.planned, turn.min_prob, spec)
+            turn.runahead = self._run_ahead(state.sequence_id, state.tokens, draft, turn.policy_draft_length, turn.min_prob, spec)
         if state.lookup:
             turn.lookup = self._lookup(state)
         # Not before a stream's first token: its client waits on it, and would wait for the tokens
@@ -411,7 +415,7 @@ class SpeculativeLoop:
         pass, the target cuts a lookup draft by what each position adds to that pass against the
         row's share of it (target_service/engine.py, PassCosts), which this loop cannot time. The
         cap left a full batch no draft at all, where a long match in a grounded answer still pays."""
-        most = state.lengths.max_length
+        most = state.lengths.draft_length
         if not state.lengths.adaptive:
             return most, ()
         costs = self.cost_model.costs() if self.cost_model is not None else self.prior
@@ -421,7 +425,7 @@ class SpeculativeLoop:
             self._lookup_memo = (costs, most, relative)
         return most, relative
 
-    def _run_ahead(self, sequence_id: str, tokens: list[int], draft: DraftOutcome, planned: int, min_prob: float,
+    def _run_ahead(self, sequence_id: str, tokens: list[int], draft: DraftOutcome, draft_length: int, min_prob: float,
                    spec: GenerationSpec) -> RunAhead | None:
         """Starts drafting the step after this one, assuming the target accepts all of `draft`.
 
@@ -431,7 +435,7 @@ class SpeculativeLoop:
         the request's remaining tokens and context).
         """
         after = len(tokens) + len(draft.tokens) + 1  # canonical length if the bet wins
-        room = min(planned, spec.max_new_tokens - (after - len(spec.prompt_ids)) - 1)
+        room = min(draft_length, spec.max_new_tokens - (after - len(spec.prompt_ids)) - 1)
         if spec.max_context:
             room = min(room, spec.max_context - after - 1)
         if room < 1:
@@ -441,33 +445,28 @@ class SpeculativeLoop:
         # this same position, and re-using the draws that decided the bet would bias its tokens.
         seed = derive_seed(spec.sampling.seed, after, "runahead")
         progress = Progress(asyncio.get_running_loop().create_future())
-        task = asyncio.get_running_loop().create_task(self.proposer.propose(
-            sequence_id, known, [], room + 1, min_prob, spec.sampling.temperature, seed, progress=progress))
+        call = ProposeCall(sequence_id, known, [], room + 1, min_prob, spec.sampling.temperature, seed)
+        task = asyncio.get_running_loop().create_task(self.proposer.propose(call, progress=progress))
         return RunAhead(task, progress)
 
-    async def _propose(self, sequence_id, tokens, known, gamma, min_prob, sampling: SamplingConfig,
-                       feature_log: FeatureLog | None = None, features_known: int = 0) -> DraftOutcome:
-        seed = derive_seed(sampling.seed, len(tokens), "draft")
-        extra = {} if feature_log is None else {"features": feature_log.since(features_known)}
+    async def _propose(self, call: ProposeCall, tokens: list[int], feature_log: FeatureLog | None = None) -> DraftOutcome:
+        """Asks the draft for `call`; a draft that lost the sequence is sent the canonical `tokens`
+        whole (with every feature, for a feature draft) and asked again."""
         try:
-            return await self.proposer.propose(sequence_id, known, tokens[known:], gamma, min_prob, sampling.temperature, seed, **extra)
+            return await self.proposer.propose(call)
         except SequenceNotFound:
-            _refilled("draft", sequence_id)
-            extra = {} if feature_log is None else {"features": feature_log.since(0)}
-            return await self.proposer.propose(sequence_id, 0, list(tokens), gamma, min_prob, sampling.temperature, seed, **extra)
+            _refilled("draft", call.sequence_id)
+            features = feature_log.since(0) if feature_log is not None else None
+            return await self.proposer.propose(dataclasses.replace(call, known_len=0, append=list(tokens), features=features))
 
-    async def _propose_tree(self, sequence_id, tokens, known, tree: TreeSpec, max_depth: int, sampling: SamplingConfig,
-                            seeded: bool = False) -> DraftOutcome:
-        seed = derive_seed(sampling.seed, len(tokens), "draft")
-        if not seeded and self.cost_model is not None and self.cost_model.draft_cap is not None:
-            # Under load a tree's nodes count against the verify token budget as a chain's tokens do
-            # (not for seeded requests: the load must not change their draws, as for chains).
+    def _tree(self, spec: GenerationSpec) -> TreeSettings:
+        """The request's tree settings for this step. Under load a tree's nodes count against the
+        verify token budget as a chain's tokens do (not for seeded requests: the load must not
+        change their draws, as for chains)."""
+        tree = spec.tree
+        if not spec.seeded and self.cost_model is not None and self.cost_model.draft_cap is not None:
             tree = dataclasses.replace(tree, budget=max(1, min(tree.budget, self.cost_model.draft_cap())))
-        try:
-            return await self.proposer.propose_tree(sequence_id, known, tokens[known:], tree, max_depth, sampling.temperature, seed)
-        except SequenceNotFound:
-            _refilled("draft", sequence_id)
-            return await self.proposer.propose_tree(sequence_id, 0, list(tokens), tree, max_depth, sampling.temperature, seed)
+        return tree
 
     async def _verify(self, sequence_id, tokens, known, draft: DraftOutcome, spec: GenerationSpec,
                       decode_ahead: int = 0, lookup: tuple[int, tuple[float, ...]] = (0, ())) -> VerifyResult:
@@ -486,7 +485,7 @@ class SpeculativeLoop:
             sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [], spec.sampling,
             return_features=self.features, decode_ahead=decode_ahead, logprobs=spec.logprobs,
             eos_banned_until=len(spec.prompt_ids) + spec.min_tokens if spec.min_tokens else 0,
-            lookup_max_tokens=lookup[0], lookup_costs=lookup[1], decode_ahead_passes=self._burst(spec) if lookup[0] else 0,
+            lookup_draft_length=lookup[0], lookup_costs=lookup[1], decode_ahead_passes=self._burst(spec) if lookup[0] else 0,
             # the call that creates the target's sequence (or re-fills it) seeds its lookup
             lookup_source=spec.prediction_ids if self.lookup and not known else ()))
 

@@ -4,8 +4,8 @@ The proposer and verifier are protocols: gRPC clients (coordinator/clients.py) i
 in-process engines (coordinator/local.py) in benchmarks and tests, so the same loop runs with or
 without the network. The outcomes they return, a request as the loop runs it (GenerationSpec) and
 what a run reports (Stats) are plain data, here so that every module of the coordinator can name
-them without importing the loop; a Verify's call and result are the target engine's own types
-(specdec/spec/request.py), which the loop passes as they are.
+them without importing the loop; a Propose's call, a Verify's call and its result are the engines'
+own types (specdec/spec/request.py), which the loop passes as they are.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from specdec.model.features import FeatureRows
-from specdec.spec.request import VerifyCall, VerifyResult
+from specdec.spec.request import ProposeCall, TreeSettings, VerifyCall, VerifyResult
 from specdec.spec.sampling import SamplingConfig, TokenLogprob
 from specdec.spec.tree import SparseDist, tree_depth
 
@@ -37,16 +36,6 @@ class DraftOutcome:
         return len(self.tokens) if self.parents is None else tree_depth(self.parents)
 
 
-@dataclasses.dataclass(frozen=True)
-class TreeSpec:
-    """How a request drafts trees: at most `budget` nodes, `top_k` children per expanded node
-    (dynamic), or `shape[d]` children per node at depth d (static)."""
-
-    budget: int
-    top_k: int = 4
-    shape: tuple[int, ...] = ()
-
-
 @dataclasses.dataclass
 class Progress:
     """A Propose in flight, as far as it got: a run-ahead's first token (its bonus guess) decides
@@ -62,15 +51,10 @@ class Progress:
 
 
 class Proposer(Protocol):
-    async def propose(self, sequence_id: str, known_len: int, append: list[int], max_tokens: int,
-                      min_cumulative_prob: float, temperature: float, seed: int,
-                      progress: Progress | None = None, features: FeatureRows | None = None) -> DraftOutcome:
-        """`progress`, if given, is kept up to date as tokens arrive (see Progress). `features`: the
-        target hidden states a feature draft does not hold yet."""
+    async def propose(self, call: ProposeCall, progress: Progress | None = None) -> DraftOutcome:
+        """A chain, or a tree (call.tree): the one request type the draft engine takes too.
+        `progress`, if given, is kept up to date as a chain's tokens arrive (see Progress)."""
         ...
-
-    async def propose_tree(self, sequence_id: str, known_len: int, append: list[int], tree: TreeSpec,
-                           max_depth: int, temperature: float, seed: int) -> DraftOutcome: ...
 
     async def release(self, sequence_id: str) -> None: ...
 
@@ -95,7 +79,7 @@ class DecodeRun:
     stop_token_ids: frozenset[int]
     eos_banned_until: int = 0
     logprobs: int | None = None
-    lookup_max_tokens: int = 0
+    lookup_draft_length: int = 0  # as VerifyCall's
     lookup_costs: tuple[float, ...] = ()
     lookup_source: tuple[int, ...] = ()
     draft_length: int = 0  # draft with the target's own draft service, up to this many tokens a step
@@ -145,7 +129,7 @@ class GenerationSpec:
     eos_token_ids: frozenset[int]
     seeded: bool = False  # the client chose the seed: keep the run reproducible (specdec/spec/draft_length.py)
     max_context: int = 0  # 0: unbounded
-    tree: TreeSpec | None = None  # draft trees instead of chains (the draft length caps their depth)
+    tree: TreeSettings | None = None  # draft trees instead of chains (the draft length caps their depth)
     logprobs: int | None = None  # report the target's log-probabilities, with this many alternatives (chains only)
     min_tokens: int = 0  # no end-of-sequence token among the first min_tokens (the target bans them: chains only)
     prediction_ids: tuple[int, ...] = ()  # a predicted output: the target's prompt lookup drafts from it too

@@ -37,7 +37,7 @@ class SequenceState:
     draft_features: int = 0  # leading target features the draft holds (feature drafts)
     skip_draft_until: int = 0  # after a draft failure, the step at which the draft is asked again
     ready: DraftOutcome | None = None  # the next step's draft, drafted ahead during the last Verify
-    lookup: bool = False  # the target drafts for this request itself, by prompt lookup (VerifyCall.lookup_max_tokens)
+    lookup: bool = False  # the target drafts for this request itself, by prompt lookup (VerifyCall.lookup_draft_length)
 
     @property
     def generated(self) -> int:

@@ -17,11 +17,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from coordinator.config import CoordinatorConfig
-from coordinator.protocol import GenerationSpec, TreeSpec
+from coordinator.protocol import GenerationSpec
 from protos import specdec_pb2 as pb
 from specdec.errors import InvalidArgument
 from specdec.limits import MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_LOOKUP_SOURCE, MAX_REQUEST_ID
 from specdec.spec.checks import check_token_ids
+from specdec.spec.request import TreeSettings
 from specdec.spec.tree import check_tree_bounds
 from specdec.spec.sampling import SamplingConfig, check_sampling
 
@@ -168,22 +169,22 @@ def sampling_config(s: pb.SamplingParams) -> tuple[SamplingConfig, bool]:
     return check_sampling(SamplingConfig(temperature, top_k, top_p, seed)), seeded
 
 
-def speculation(sp: pb.SpeculationParams, config: CoordinatorConfig) -> tuple[int, bool, TreeSpec | None]:
+def speculation(sp: pb.SpeculationParams, config: CoordinatorConfig) -> tuple[int, bool, TreeSettings | None]:
     """(draft length, adaptive, tree settings or None for chains); unset fields take the config's defaults."""
     draft_length = sp.draft_length if sp.HasField("draft_length") else config.draft_length
     if not 0 <= draft_length <= MAX_DRAFT_TOKENS:
         raise InvalidArgument("speculation.draft_length", f"must be in [0, {MAX_DRAFT_TOKENS}], got {draft_length}")
     adaptive = sp.adaptive if sp.HasField("adaptive") else config.adaptive
-    return draft_length, adaptive, tree_spec(sp, config, draft_length)
+    return draft_length, adaptive, tree_settings(sp, config, draft_length)
 
 
-def tree_spec(sp: pb.SpeculationParams, config: CoordinatorConfig, draft_length: int) -> TreeSpec | None:
+def tree_settings(sp: pb.SpeculationParams, config: CoordinatorConfig, draft_length: int) -> TreeSettings | None:
     """Draft trees when the budget and the draft length are both non-zero; None drafts chains."""
     budget = sp.tree_budget if sp.HasField("tree_budget") else config.tree_budget
     top_k = sp.tree_top_k if sp.HasField("tree_top_k") else config.tree_top_k
     shape = tuple(sp.tree_shape) or config.parsed_tree_shape()
     check_tree_bounds(budget, top_k, shape, TREE_FIELDS, min_budget=0)  # budget 0: chains
-    return TreeSpec(budget, top_k, shape) if budget and draft_length else None
+    return TreeSettings(budget, top_k, shape) if budget and draft_length else None
 
 
 # --- what ends generation, what the response reports, and what names the request ---

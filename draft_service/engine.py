@@ -1,8 +1,9 @@
 """The draft engine: keeps each sequence's tokens (and KV cache) and has its drafter propose after them.
 
-A thin scheduler over the Drafter protocol (draft_service/drafters/base.py): it validates a call,
-syncs the sequence (rollback + catch-up, in the store), hands the drafter the call's target features,
-and lets the drafter draft. Every drafter yields its proposals one token at a time, so the servicer
+A thin scheduler over the Drafter protocol (draft_service/drafters/base.py): it validates a call
+(a ProposeCall, specdec/spec/request.py; its checks are specdec/spec/checks.py's), syncs the
+sequence (rollback + catch-up, in the store), hands the drafter the call's target features, and
+lets the drafter draft. Every drafter yields its proposals one token at a time, so the servicer
 can stream each token the moment it exists. Which drafter to load is draft_service/loading.py's
 business. No gRPC here.
 """
@@ -15,16 +16,16 @@ from collections.abc import Iterator
 
 import torch
 
-from draft_service.drafters.base import DraftSettings, Drafter, Proposal
-from draft_service.tree import TreeDraft, TreeSettings, check_tree_settings
+from draft_service.drafters.base import Drafter, Proposal
+from draft_service.tree import TreeDraft
 from specdec.errors import InvalidArgument
 from specdec.forward.batching import forward_batch, pass_groups
 from specdec.kv.store import Sequence, SequenceStore
-from specdec.limits import MAX_DRAFT_TOKENS
 from specdec.model.features import FeatureRows
 from specdec.model.lm import feed
 from specdec.serving.batcher import Requeue
-from specdec.spec.sampling import check_temperature
+from specdec.spec.checks import check_propose_call
+from specdec.spec.request import ProposeCall
 
 # Catch-up tokens an n-gram Propose may bring and still be answered on the event loop (answers_inline):
 # a step's catch-up is the accepted tokens plus one (at most MAX_DRAFT_TOKENS + 1); a few hundred
@@ -44,19 +45,20 @@ class DraftEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.store = SequenceStore(max_sequences, idle_timeout_s)
 
-    def propose(self, sequence_id: str, known_len: int, append: list[int], settings: DraftSettings,
-                features: FeatureRows | None = None) -> Iterator[Proposal]:
-        """Syncs the sequence (rollback + catch-up), then yields proposals lazily.
+    def propose(self, call: ProposeCall) -> Iterator[Proposal]:
+        """Syncs the sequence (rollback + catch-up), then yields the chain's proposals lazily.
 
         Validation and the sync happen eagerly, before the first token is asked for, so bad input
         fails the call at once. Drafted tokens are appended to the sequence's own token list; the
         next call's known_len crops the ones the target rejected.
         """
         start = time.perf_counter()
-        seq = self.open(sequence_id, known_len, append, settings, features)
-        if settings.max_tokens == 0:
+        if call.tree is not None:
+            raise InvalidArgument("tree", "a chain's Propose takes no tree settings (ProposeTree)")
+        seq = self.open(call)
+        if call.draft_length == 0:
             return iter(())
-        return self.drafter.propose(seq, settings, start)
+        return self.drafter.propose(seq, call, start)
 
     def answers_inline(self, append: int) -> bool:
         """Whether a Propose is cheaper to answer on the event loop than to hand to the worker: an
@@ -67,23 +69,17 @@ class DraftEngine:
         index build never stalls the other calls."""
         return self.drafter.inline and append <= INLINE_APPEND
 
-    def batches(self, settings: DraftSettings) -> bool:
+    def batches(self, call: ProposeCall) -> bool:
         """Whether this chain can draft in forwards shared with other sequences (draft_service/
         batcher.py), through forward_rows and the drafter's begin/choose (Drafter.batches)."""
-        return self.drafter.batches(settings)
+        return self.drafter.batches(call)
 
-    def open(self, sequence_id: str, known_len: int, append: list[int], settings: DraftSettings,
-             features: FeatureRows | None = None) -> Sequence:
+    def open(self, call: ProposeCall) -> Sequence:
         """Validates a Propose and syncs its sequence (rollback + catch-up, and for a feature draft
         the target features that came with it; other drafters ignore features)."""
-        if not 0 <= settings.max_tokens <= MAX_DRAFT_TOKENS:
-            raise InvalidArgument("max_tokens", f"must be in [0, {MAX_DRAFT_TOKENS}], got {settings.max_tokens}")
-        check_temperature(settings.temperature)
-        vocab = self.drafter.vocab_size
-        if vocab and any(not 0 <= t < vocab for t in append):
-            raise InvalidArgument("append_tokens", f"token ids must be in the draft's vocabulary [0, {vocab})")
-        seq = self.store.sync(sequence_id, known_len, append)
-        self.drafter.receive(seq, features)
+        check_propose_call(call, self.drafter.vocab_size)
+        seq = self.store.sync(call.sequence_id, call.known_len, call.append)
+        self.drafter.receive(seq, call.features)
         return seq
 
     def forward_rows(self, seqs: list[Sequence]) -> list[torch.Tensor | Requeue]:
@@ -115,20 +111,20 @@ class DraftEngine:
                 out[i] = logits[row][0]
         return out
 
-    def propose_tree(self, sequence_id: str, known_len: int, append: list[int], settings: TreeSettings) -> TreeDraft:
-        """Syncs the sequence, then drafts a tree (draft_service/tree.py). The sequence keeps only
+    def propose_tree(self, call: ProposeCall) -> TreeDraft:
+        """Syncs the sequence, then drafts the tree `call.tree` asks for (draft_service/tree.py),
+        at most call.draft_length deep. The sequence keeps only
         its canonical tokens afterwards: the next call's known_len is len(canonical) at this call.
 
         A drafter that cannot branch (n-gram, another vocabulary, a feature draft) sends its chain as
         a one-branch tree (drafters/base.py's chain_tree).
         """
         start = time.perf_counter()
-        check_tree_settings(settings)
-        vocab = self.drafter.vocab_size
-        if vocab and any(not 0 <= t < vocab for t in append):
-            raise InvalidArgument("append_tokens", f"token ids must be in the draft's vocabulary [0, {vocab})")
-        seq = self.store.sync(sequence_id, known_len, append)
-        tree = self.drafter.propose_tree(seq, settings, start)
+        if call.tree is None:
+            raise InvalidArgument("tree", "a ProposeTree needs tree settings")
+        check_propose_call(call, self.drafter.vocab_size)
+        seq = self.store.sync(call.sequence_id, call.known_len, call.append)
+        tree = self.drafter.propose_tree(seq, call, start)
         return dataclasses.replace(tree, compute_seconds=time.perf_counter() - start)
 
     def release(self, sequence_id: str) -> bool:
@@ -138,6 +134,6 @@ class DraftEngine:
         features = None
         if self.drafter.needs_features:  # without features a feature draft drafts nothing
             features = FeatureRows(0, torch.zeros(5, self.drafter.feature_dim))
-        for _ in self.propose("__warmup__", 0, [0, 1, 2, 3, 0, 1], DraftSettings(2, 0.0, 0.0, 0), features):
+        for _ in self.propose(ProposeCall("__warmup__", 0, [0, 1, 2, 3, 0, 1], 2, features=features)):
             pass
         self.store.release("__warmup__", retire=False)  # warm-ups may run again

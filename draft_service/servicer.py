@@ -14,15 +14,14 @@ import structlog
 from draft_service.batcher import DraftBatcher
 from draft_service import loading
 from draft_service.config import DraftConfig
-from draft_service.drafters.base import DraftSettings
 from draft_service.engine import DraftEngine
-from draft_service.tree import TreeSettings
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
 from specdec.serving import tls
 from specdec.serving.carriers import Carriers
-from specdec.model.features import FeatureRows
+from specdec.serving.wire import propose_call_from_proto
+from specdec.spec.request import ProposeCall
 from specdec.spec.sampling import check_temperature
 from specdec.errors import SpecdecError
 from specdec.serving.rpc import EngineHost, Server, rpc_method
@@ -97,13 +96,13 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         message's compute_seconds is the time up to its own token, so none covers a chain's last
         forward when that forward's token fell under the threshold and was not sent."""
         spent = [] if spent is None else spent
-        check_temperature(request.temperature)  # before the batched path too, which skips the engine's own check
-        settings = DraftSettings(request.max_tokens, request.min_cumulative_prob, request.temperature, request.seed)
-        async with self._one_at_a_time(request.sequence_id):
-            if self.batcher.max_batch_size > 1 and self.engine.batches(settings):
-                proposals = self._propose_batched(request, settings, spent)
+        check_temperature(request.temperature)  # before the batched path too, which looks at it (engine.batches)
+        call = propose_call_from_proto(request)
+        async with self._one_at_a_time(call.sequence_id):
+            if self.batcher.max_batch_size > 1 and self.engine.batches(call):
+                proposals = self._propose_batched(call, spent)
             else:
-                proposals = self._propose_alone(request, settings, spent)
+                proposals = self._propose_alone(call, spent)
             m = metrics.draft()
             async for proposal in proposals:
                 m.proposed_tokens.inc()
@@ -119,7 +118,7 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
                 yield message
             m.propose_seconds.observe(spent[0])
 
-    async def _propose_alone(self, request, settings: DraftSettings, spent: list[float]):
+    async def _propose_alone(self, call: ProposeCall, spent: list[float]):
         """The drafter's own loop runs on the worker thread and hands each token to the event loop the
         moment it exists, without waiting for it to be sent: one thread hop per token instead of a
         round trip per token. The round trips (the loop asking the worker for the next token) cost
@@ -132,14 +131,10 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         An n-gram draft with a short catch-up is the exception (DraftEngine.answers_inline): with
         the worker idle it is answered right here, since two thread hops cost more than drafting.
         """
-        features = None
-        if request.HasField("features"):
-            f = request.features
-            features = FeatureRows.from_wire(f.start, f.rows, f.dim, f.data)
         def draft():
-            return self.engine.propose(request.sequence_id, request.known_len, list(request.append_tokens), settings, features)
+            return self.engine.propose(call)
 
-        if self.host.idle and self.engine.answers_inline(len(request.append_tokens)):
+        if self.host.idle and self.engine.answers_inline(len(call.append)):
             # Drafted whole before the first yield: the messages' sends may let other calls run,
             # and those must find the worker's engine as this call left it.
             started = time.perf_counter()
@@ -171,13 +166,13 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
             stop.set()
             await asyncio.wait([worker])
 
-    async def _propose_batched(self, request, settings: DraftSettings, spent: list[float]):
+    async def _propose_batched(self, call: ProposeCall, spent: list[float]):
         """The same chain, its forwards shared with the other streams drafting at the same time
         (draft_service/batcher.py); the token choices are the drafter's own (ModelDrafter.choose)."""
         start = time.perf_counter()
-        seq = await self.host.run(self.engine.open, request.sequence_id, request.known_len, list(request.append_tokens), settings)
+        seq = await self.host.run(self.engine.open, call)
         drafter = self.engine.drafter
-        state = drafter.begin(settings, start)
+        state = drafter.begin(call, start)
         self.batcher.opened()
         try:
             while not state.done:
@@ -193,14 +188,11 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
 
     @rpc_method
     async def ProposeTree(self, request: pb.ProposeTreeRequest, context):
-        t = request.tree
-        settings = TreeSettings(t.budget, t.top_k, tuple(t.shape), t.max_depth, request.temperature, request.seed)
-        self.carriers.forget(request.sequence_id)
+        call = propose_call_from_proto(request)
+        self.carriers.forget(call.sequence_id)
         self.engine  # noqa: B018 - raises UNAVAILABLE while loading
-        async with self._one_at_a_time(request.sequence_id):
-            tree = await self.host.run(
-                self.engine.propose_tree, request.sequence_id, request.known_len, list(request.append_tokens), settings
-            )
+        async with self._one_at_a_time(call.sequence_id):
+            tree = await self.host.run(self.engine.propose_tree, call)
         m = metrics.draft()
         m.proposed_tokens.inc(len(tree.tokens))
         m.propose_seconds.observe(tree.compute_seconds)

@@ -26,25 +26,12 @@ import math
 
 import torch
 
-from specdec.limits import MAX_TREE_DEPTH, MAX_TREE_TOP_K
-from specdec.errors import InvalidArgument
+from specdec.limits import MAX_TREE_TOP_K
 from specdec.kv.store import Sequence
-from specdec.spec.sampling import check_temperature, truncated_probs
+from specdec.spec.request import ProposeCall
+from specdec.spec.sampling import truncated_probs
 from specdec.forward.tree import forward_masked
-from specdec.spec.tree import EMPTY_DIST, DraftTree, SparseDist, check_tree_bounds
-
-TREE_FIELDS = {"budget": "tree.budget", "top_k": "tree.top_k", "shape": "tree.shape"}
-
-
-
-@dataclasses.dataclass(frozen=True)
-class TreeSettings:
-    budget: int
-    top_k: int
-    shape: tuple[int, ...]  # empty: dynamic
-    max_depth: int
-    temperature: float
-    seed: int
+from specdec.spec.tree import EMPTY_DIST, DraftTree, SparseDist
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +39,6 @@ class TreeDraft(DraftTree):
     """The one tree type (specdec/spec/tree.py: DraftTree) with the draft's compute time for it."""
 
     compute_seconds: float = 0.0
-
-
-def check_tree_settings(settings: TreeSettings) -> None:
-    check_tree_bounds(settings.budget, settings.top_k, settings.shape, TREE_FIELDS, check_top_k=not settings.shape)
-    if not 1 <= settings.max_depth <= MAX_TREE_DEPTH:
-        raise InvalidArgument("tree.max_depth", f"must be in [1, {MAX_TREE_DEPTH}], got {settings.max_depth}")
-    check_temperature(settings.temperature)
 
 
 @dataclasses.dataclass
@@ -71,11 +51,14 @@ class _Node:
 
 
 class TreeBuilder:
-    """Builds one tree over a sequence whose pending canonical tokens are not yet fed."""
+    """Builds one tree over a sequence whose pending canonical tokens are not yet fed: shaped by
+    `call.tree`, at most `call.draft_length` deep, drawn at `call.temperature` (0: the most
+    probable children)."""
 
-    def __init__(self, lm, seq: Sequence, settings: TreeSettings, dist_top_k: int):
-        self.lm, self.seq, self.settings, self.dist_top_k = lm, seq, settings, dist_top_k
-        self.generator = torch.Generator().manual_seed(settings.seed)
+    def __init__(self, lm, seq: Sequence, call: ProposeCall, dist_top_k: int):
+        self.lm, self.seq, self.call, self.dist_top_k = lm, seq, call, dist_top_k
+        self.tree = call.tree  # the shape: budget, top_k, shape
+        self.generator = torch.Generator().manual_seed(call.seed)
         self.nodes: list[_Node] = []
         self.logits: dict[int, torch.Tensor] = {}  # position (-1: root) -> draft logits [V]
         self.child_dists: dict[int, SparseDist] = {}  # position -> drawn from
@@ -83,10 +66,9 @@ class TreeBuilder:
 
     @property
     def sampling(self) -> bool:
-        return self.settings.temperature > 0
+        return self.call.temperature > 0
 
     def build(self) -> TreeDraft:
-        s = self.settings
         self.logits[-1] = self.lm.forward(self.seq, keep=1)[0]  # catch-up; the cache now covers [0, L)
         try:
             frontier, depth = [(-1, self._width(0, 0))], 0
@@ -95,7 +77,7 @@ class TreeBuilder:
                 for position, count in frontier:
                     new += self._expand(position, min(count, self._room_for()))
                 depth += 1
-                if depth >= s.max_depth or not new or not self._room():
+                if depth >= self.call.draft_length or not new or not self._room():
                     break
                 frontier = self._next_frontier(new, depth)
                 if not frontier:
@@ -108,23 +90,23 @@ class TreeBuilder:
     # --- shape policy ---
 
     def _room(self) -> bool:
-        return not self.sampling and not self.settings.shape or len(self.nodes) < self.settings.budget
+        return not self.sampling and not self.tree.shape or len(self.nodes) < self.tree.budget
 
     def _room_for(self) -> int:
         """Children still allowed. Greedy dynamic trees over-draft and keep the best `budget` at the end."""
-        if not self.sampling and not self.settings.shape:
+        if not self.sampling and not self.tree.shape:
             return MAX_TREE_TOP_K
-        return self.settings.budget - len(self.nodes)
+        return self.tree.budget - len(self.nodes)
 
     def _width(self, depth: int, rank: int) -> int:
-        s = self.settings
+        s = self.tree
         if s.shape:
             return s.shape[depth] if depth < len(s.shape) else 0
         return max(1, s.top_k // (rank + 1)) if self.sampling else s.top_k
 
     def _next_frontier(self, new: list[int], depth: int) -> list[tuple[int, int]]:
         """(node, children) to expand at the next level, decided before any of them is drawn."""
-        s = self.settings
+        s = self.tree
         if s.shape:
             if depth >= len(s.shape):
                 return []
@@ -150,7 +132,7 @@ class TreeBuilder:
         parent_logp = self.nodes[position].logp if position >= 0 else 0.0
         depth = self.nodes[position].depth + 1 if position >= 0 else 1
         if self.sampling:
-            ids, probs = truncated_probs(logits, self.settings.temperature, self.dist_top_k)
+            ids, probs = truncated_probs(logits, self.call.temperature, self.dist_top_k)
             self.child_dists[position] = (ids.tolist(), probs.tolist())
             weights = probs.double().clone()
             picks = []
@@ -189,13 +171,13 @@ class TreeBuilder:
 
     def _result(self) -> TreeDraft:
         keep = list(range(len(self.nodes)))
-        if not self.sampling and not self.settings.shape and len(keep) > self.settings.budget:
+        if not self.sampling and not self.tree.shape and len(keep) > self.tree.budget:
             # Best `budget` by cumulative probability; ties go to the shallower, earlier node, so
             # a kept node's parent (never less probable) is kept too.
             ranked = sorted(keep, key=lambda i: (-self.nodes[i].logp, self.nodes[i].depth, i))
             chosen: set[int] = set()
             for i in ranked:
-                if len(chosen) == self.settings.budget:
+                if len(chosen) == self.tree.budget:
                     break
                 if self.nodes[i].parent < 0 or self.nodes[i].parent in chosen:
                     chosen.add(i)

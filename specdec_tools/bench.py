@@ -153,9 +153,8 @@ def curve_context(items: list[tuple[str, list[int]]], max_new: int, room: int | 
 
 def measure_draft_cost(engine, context: list[int], tokens: int = 8, repeats: int = 5) -> float:
     """Seconds per drafted token with a warm cache (the draft's prefill is not a per-token cost)."""
-    from draft_service.drafters.base import DraftSettings
-
     from specdec.model.features import FeatureRows
+    from specdec.spec.request import ProposeCall
 
     times = []
     # A feature draft drafts nothing without the target's features; their values do not change the cost.
@@ -163,9 +162,9 @@ def measure_draft_cost(engine, context: list[int], tokens: int = 8, repeats: int
                 if engine.drafter.needs_features else None)
     for rep in range(repeats + 1):
         sid = f"draft-cost-{rep}-{uuid.uuid4().hex[:6]}"
-        list(engine.propose(sid, 0, list(context), DraftSettings(1, 0.0, 0.0, 0), features))  # prefill
+        list(engine.propose(ProposeCall(sid, 0, list(context), 1, features=features)))  # prefill
         start = time.perf_counter()
-        made = list(engine.propose(sid, len(context), [], DraftSettings(tokens, 0.0, 0.0, 0)))
+        made = list(engine.propose(ProposeCall(sid, len(context), [], tokens)))
         elapsed = time.perf_counter() - start
         engine.release(sid)
         if made:
@@ -312,7 +311,7 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
     from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
     from coordinator.local import LocalProposer, LocalVerifier
     from coordinator.loop import SpeculativeLoop
-    from coordinator.protocol import TreeSpec
+    from specdec.spec.request import TreeSettings
     from draft_service.drafters.model import ModelDrafter
     from draft_service.servicer import load_engine_with_model_info
     from specdec.model.loading import load_model, pruned_draft_folder
@@ -379,7 +378,7 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
                 fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior)
                 configs.append(Configuration(f"tree[{name},n={budget},g={opts.max_draft}]", "tree", drafter, opts.max_draft, False,
                                              runner=local_runner(fixed, opts.max_new_tokens, eos, opts.max_draft, False,
-                                                                 TreeSpec(budget, opts.tree_top_k)),
+                                                                 TreeSettings(budget, opts.tree_top_k)),
                                              note=f"dynamic tree: {budget} nodes, top-{opts.tree_top_k}, depth <= {opts.max_draft}"))
             if opts.staged and isinstance(engine.drafter, ModelDrafter):  # not another vocabulary's
                 staged_engine, _ = load_engine_with_model_info(dataclasses.replace(config, staged=True))

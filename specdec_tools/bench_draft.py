@@ -20,10 +20,13 @@ import time
 
 
 async def _one_stream(stub, pb, seq_id: str, prompt: list[int], tokens: int, steps: int) -> list[int]:
+    from specdec.serving.wire import propose_call_to_proto
+    from specdec.spec.request import ProposeCall
+
     out: list[int] = []
     known, append = 0, list(prompt)
     for _ in range(steps):
-        request = pb.ProposeRequest(sequence_id=seq_id, known_len=known, append_tokens=append, max_tokens=tokens)
+        request = propose_call_to_proto(ProposeCall(seq_id, known, append, tokens))
         drafted = [m.token_id async for m in stub.Propose(request, timeout=600)]
         out += drafted
         keep = drafted[: len(drafted) // 2]  # half accepted, then the target's own token (here: 0)

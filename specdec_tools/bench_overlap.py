@@ -83,12 +83,12 @@ def summarise(samples_by_rep: list[list], reference: list[list[int]]) -> dict:
     }
 
 
-def predict(sequential: dict, gamma: int, costs: tuple[float, float]) -> planlib.OverlapPrediction:
+def predict(sequential: dict, draft_length: int, costs: tuple[float, float]) -> planlib.OverlapPrediction:
     """From the sequential run alone: its acceptance and step times, and the draft's catch-up and
     per-token costs fitted over every draft length of the prompt set (`costs`)."""
-    acceptance = planlib.acceptance_from_steps(sequential["tokens_per_step"], gamma)
+    acceptance = planlib.acceptance_from_steps(sequential["tokens_per_step"], draft_length)
     catch_up, per_token = costs
-    return planlib.predict_overlap(acceptance, gamma, per_token, sequential["verify_seconds_per_step"],
+    return planlib.predict_overlap(acceptance, draft_length, per_token, sequential["verify_seconds_per_step"],
                                    sequential["wire_seconds_per_step"], catch_up)
 
 

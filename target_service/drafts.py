@@ -23,6 +23,8 @@ from specdec.errors import SequenceNotFound, Unavailable
 from specdec.serving.backend_auth import authorized
 from specdec.serving.outbox import StreamClient
 from specdec.serving.rpc import CHANNEL_OPTIONS
+from specdec.serving.wire import propose_call_to_proto
+from specdec.spec.request import ProposeCall
 
 log = structlog.get_logger(__name__)
 
@@ -45,9 +47,11 @@ class DraftLink(StreamClient):
         self._waiting: dict[str, collections.deque[asyncio.Future]] = {}
         self.asks = 0  # ProposeRequests sent in them
 
-    async def propose(self, request: pb.ProposeRequest, timeout: float) -> pb.ProposeSessionResponse:
-        """The proposal for `request`. Raises SequenceNotFound where the draft lost the sequence
-        (ask again with known_len 0), Unavailable where the draft or the stream failed."""
+    async def propose(self, call: ProposeCall, timeout: float) -> pb.ProposeSessionResponse:
+        """The proposal for `call` (a chain), as a ProposeSession would answer it. Raises
+        SequenceNotFound where the draft lost the sequence (ask again with known_len 0),
+        Unavailable where the draft or the stream failed."""
+        request = propose_call_to_proto(call)
         self._ensure()
         future = asyncio.get_running_loop().create_future()
         self._waiting.setdefault(request.sequence_id, collections.deque()).append(future)

@@ -145,7 +145,7 @@ class TargetEngine:
         self.batchable = batchable(lm)
         self.trees = supports_trees(lm)
         # The chance that each token of a prompt-lookup draft is right, per match length, learned from
-        # this engine's own verdicts: the target's lookup drafts are cut by it (VerifyCall.lookup_max_tokens).
+        # this engine's own verdicts: the target's lookup drafts are cut by it (VerifyCall.lookup_draft_length).
         # Matches in a predicted output (lookup_source) count as n + LOOKUP_MAX_N: learned apart.
         self.calibration = MatchCalibration(2 * LOOKUP_MAX_N)
         # Called on the worker after each pass decoded ahead with [(sequence, index, tokens, logprobs)]
@@ -167,7 +167,7 @@ class TargetEngine:
 
         Why: the coordinator asks for this only for steps it would not draft anyway (an n-gram
         drafter resting after empty asks, speculation off), or whose draft the target can make
-        itself (prompt lookup, call.lookup_max_tokens), and each of those steps otherwise costs a
+        itself (prompt lookup, call.lookup_draft_length), and each of those steps otherwise costs a
         whole exchange with the target, gRPC on top of the forward.
         Each pass verifies its lookup draft, if any, as a Verify at its position would (`_verdict`:
         greedy, or rejection sampling against a one-hot draft with the position-keyed generator),
@@ -210,7 +210,7 @@ class TargetEngine:
         if budget <= 0 or any(t in self.lm.eos_token_ids for t in own):
             return None
         plain = dataclasses.replace(call, append=[], draft_tokens=[], draft_dists=[], lookup_match=None)
-        return _RowAhead(index, seq, plain, self._lookup_index(call, seq) if call.lookup_max_tokens else None, budget,
+        return _RowAhead(index, seq, plain, self._lookup_index(call, seq) if call.lookup_draft_length else None, budget,
                          call.decode_ahead_passes or budget, result.next_token, logprobs=list(result.logprobs),
                          first=(*call.draft_tokens[:result.accepted], result.next_token))
 
@@ -230,7 +230,7 @@ class TargetEngine:
             room = row.budget - len(row.decoded) - 1  # the pass's own token comes on top
             if self.lm.max_context:
                 room = min(room, self.lm.max_context - len(row.seq.tokens) - 1)
-            row.proposal = lookup_draft(row.lookup, self.calibration, row.call.lookup_max_tokens,
+            row.proposal = lookup_draft(row.lookup, self.calibration, row.call.lookup_draft_length,
                                         self._lookup_costs(row.call, rows), room)
         draft = row.proposal[0]
         return dataclasses.replace(row.call, draft_tokens=draft) if draft else row.call
@@ -373,7 +373,7 @@ class TargetEngine:
                 if pending > max(full, self.MIN_CHUNK):
                     prompts.append((index, seq, full))
                     continue
-            if call.lookup_max_tokens and not call.draft_tokens and call.tree is None:
+            if call.lookup_draft_length and not call.draft_tokens and call.tree is None:
                 calls[index] = self._with_lookup(call, seq, decoding)
             rows.append((index, seq))
         # The oldest prompt: the first in the pass was, but prompts arriving during a pass queue
@@ -481,7 +481,7 @@ class TargetEngine:
         room = MAX_DRAFT_TOKENS
         if self.lm.max_context:
             room = min(room, self.lm.max_context - len(seq.tokens))
-        draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_max_tokens, self._lookup_costs(call, rows), room)
+        draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_draft_length, self._lookup_costs(call, rows), room)
         return dataclasses.replace(call, draft_tokens=draft, draft_dists=[], lookup_match=(n, tuple(proposal))) if n else call
 
     def _as_decoded(self, call: VerifyCall, result: VerifyResult) -> VerifyResult:

@@ -33,12 +33,12 @@ import structlog
 from protos import specdec_pb2 as pb
 from specdec.errors import SequenceNotFound, SpecdecError, Unavailable
 from specdec.limits import MAX_DECODE_AHEAD
-from specdec.model.features import FeatureLog
+from specdec.model.features import FeatureLog, FeatureRows
 from specdec.serving import metrics
-from specdec.serving.wire import dists_from_proto, logprobs_to_proto, sampling_from_proto
+from specdec.serving.wire import decode_run_call_from_proto, dists_from_proto, logprobs_to_proto
 from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from specdec.spec.draft_length import AcceptanceMemory, DraftLengthPolicy
-from specdec.spec.request import VerifyCall, VerifyResult
+from specdec.spec.request import ProposeCall, VerifyCall, VerifyResult
 from specdec.spec.sampling import TokenLogprob, derive_seed
 from target_service.drafts import DraftLink
 
@@ -116,7 +116,7 @@ class Drafted:
     log: FeatureLog | None = None  # a feature draft's: the target's hidden states of the canonical positions
     features_known: int = 0  # leading features the draft holds
     overlap: bool = False  # the draft drafts the next step while the target verifies this one
-    plan: tuple[int, float] = (0, 0.0)  # this step's (planned length, min cumulative probability)
+    plan: tuple[int, float] = (0, 0.0)  # this step's (the policy's draft length, min cumulative probability)
     ready: tuple[list[int], list] | None = None  # the next step's draft, drafted ahead: (tokens, dists)
     hits: int = 0  # steps whose draft was drafted ahead (counted for the tests and the log)
     steps: int = 0  # target passes so far
@@ -244,16 +244,13 @@ class DecodeStreams:
         if message.draft_length and message.known_len:  # the draft is sent the canonical tokens: all of them
             stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT, "known_len: a drafted run starts from the whole sequence (0)")
             return
-        template = VerifyCall(sequence_id, 0, [], [], [], sampling_from_proto(message.sampling),
-                              logprobs=message.logprobs if message.HasField("logprobs") else None,
-                              eos_banned_until=message.eos_banned_until, lookup_max_tokens=message.lookup_max_tokens,
-                              lookup_costs=tuple(message.lookup_costs))
+        template = decode_run_call_from_proto(message)
         run = Run(sequence_id, template, message.max_new_tokens, frozenset(message.stop_token_ids),
                   length=message.known_len + len(message.append_tokens), append=list(message.append_tokens),
                   lookup_source=tuple(message.lookup_source), in_call=-1)
         run.stream = stream
         if message.draft_length:
-            policy = DraftLengthPolicy(max_length=message.draft_length, cost_model=None if message.seeded else self.cost_model,
+            policy = DraftLengthPolicy(draft_length=message.draft_length, cost_model=None if message.seeded else self.cost_model,
                                        prior=MODEL_DRAFT_PRIOR, adaptive=message.adaptive,
                                        memory=None if message.seeded else self.acceptance)
             run.drafted = Drafted(list(message.append_tokens), policy, message.seeded,
@@ -337,30 +334,27 @@ class DecodeStreams:
         coordinator's loop would ask for it (planned by the same policy, the same seeds); None
         where this step drafts nothing (then the call decodes ahead through the quiet steps)."""
         d, remaining = run.drafted, run.max_new - run.made
-        planned, min_prob = d.plan = d.policy.plan()
-        gamma = min(planned, remaining - 1)
+        policy_length, min_prob = d.plan = d.policy.plan()
+        draft_length = min(policy_length, remaining - 1)
         ready, d.ready = d.ready, None  # drafted for this step only
-        if gamma <= 0 or d.steps < d.skip_until:
+        if draft_length <= 0 or d.steps < d.skip_until:
             return None
         if ready is not None and ready[0]:  # drafted during the last pass: no wait for the draft
             d.hits += 1
             self.hits += 1
             run.ask = (0.0, 0.0)
             call = run.next_call(ahead=0)
-            return dataclasses.replace(call, draft_tokens=ready[0][:gamma], draft_dists=ready[1][:gamma])
+            return dataclasses.replace(call, draft_tokens=ready[0][:draft_length], draft_dists=ready[1][:draft_length])
         sampling = run.template.sampling
-        request = pb.ProposeRequest(sequence_id=run.sequence_id, known_len=d.known, append_tokens=d.tokens[d.known:], max_tokens=gamma,
-                                    min_cumulative_prob=min_prob, temperature=sampling.temperature,
-                                    seed=derive_seed(sampling.seed, run.length, "draft"))
+        ask = ProposeCall(run.sequence_id, d.known, d.tokens[d.known:], draft_length, min_prob, sampling.temperature,
+                          derive_seed(sampling.seed, run.length, "draft"), self._features(d, d.features_known))
         started = time.perf_counter()
-        self._features(request, d, d.features_known)
         try:
             try:
-                answer = await self.link.propose(request, PROPOSE_TIMEOUT_S)
+                answer = await self.link.propose(ask, PROPOSE_TIMEOUT_S)
             except SequenceNotFound:  # the draft restarted or evicted it: re-send it whole
-                request.known_len, request.append_tokens[:] = 0, d.tokens
-                self._features(request, d, 0)
-                answer = await self.link.propose(request, PROPOSE_TIMEOUT_S)
+                ask = dataclasses.replace(ask, known_len=0, append=list(d.tokens), features=self._features(d, 0))
+                answer = await self.link.propose(ask, PROPOSE_TIMEOUT_S)
         except (Unavailable, SequenceNotFound) as exc:  # a failing draft only costs speed
             d.skip_until, d.known, d.features_known = d.steps + DRAFT_RETRY_STEPS, 0, 0
             log.warning("draft failed; decoding with the target alone for a while", sequence_id=run.sequence_id, error=str(exc))
@@ -396,16 +390,15 @@ class DecodeStreams:
         bet's draws must not be the ones a fresh ask at that position would make). Lossless: these
         are proposals like any other, used only after the very prefix they were drafted from."""
         d = run.drafted
-        planned, min_prob = d.plan
+        policy_length, min_prob = d.plan
         after = call.known_len + len(call.append) + len(call.draft_tokens) + 1  # canonical length if the bet wins
-        room = min(planned, run.max_new - (run.made + len(call.draft_tokens) + 1) - 1)
+        room = min(policy_length, run.max_new - (run.made + len(call.draft_tokens) + 1) - 1)
         if room < 1:
             return None
         sampling = run.template.sampling
-        request = pb.ProposeRequest(sequence_id=run.sequence_id, known_len=after - 1, max_tokens=room + 1,
-                                    min_cumulative_prob=min_prob, temperature=sampling.temperature,
-                                    seed=derive_seed(sampling.seed, after, "runahead"))
-        task = asyncio.get_running_loop().create_task(self.link.propose(request, PROPOSE_TIMEOUT_S))
+        ask = ProposeCall(run.sequence_id, after - 1, [], room + 1, min_prob, sampling.temperature,
+                          derive_seed(sampling.seed, after, "runahead"))
+        task = asyncio.get_running_loop().create_task(self.link.propose(ask, PROPOSE_TIMEOUT_S))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a lost bet's failure is nobody's
         return task
 
@@ -438,12 +431,9 @@ class DecodeStreams:
         return d.policy.quiet_steps()
 
     @staticmethod
-    def _features(request: pb.ProposeRequest, d: Drafted, start: int) -> None:
-        """Puts the features from `start` on that a feature draft lacks into its request."""
-        rows = d.log.since(start) if d.log is not None else None
-        if rows is not None:
-            request.features.CopyFrom(pb.Features(start=rows.start, rows=rows.rows, dim=int(rows.values.shape[1]),
-                                                  data=rows.to_bytes()))
+    def _features(d: Drafted, start: int) -> FeatureRows | None:
+        """The features from `start` on that a feature draft lacks (None: not a feature draft)."""
+        return d.log.since(start) if d.log is not None else None
 
     def _drafted(self, run: Run, call: VerifyCall, result: VerifyResult) -> None:
         """What a drafted run's pass leaves the policy, the costs and the draft's copy knowing."""

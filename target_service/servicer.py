@@ -14,10 +14,9 @@ from specdec.serving import tls
 from specdec.serving.carriers import Carriers
 from specdec.serving.rpc import EngineHost, Server, rpc_method
 from specdec.serving.threads import loop_computes_alike
-from specdec.serving.wire import sampling_from_proto, verify_result_to_proto
+from specdec.serving.wire import verify_call_from_proto, verify_result_to_proto
 from target_service.config import TargetConfig
 from target_service.batcher import VerifyBatcher
-from specdec.spec.tree import DraftTree
 from specdec.spec.request import VerifyCall
 from target_service.engine import TargetEngine
 from target_service.runs import DecodeStreams
@@ -92,29 +91,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     async def _verify(self, request: pb.VerifyRequest, response: pb.VerifyResponse) -> None:
         """Verifies `request` and writes the answer into `response`."""
-        dists = [(list(d.token_ids), list(d.probs)) for d in request.draft_dists]
-        tree = None
-        if request.HasField("draft_tree"):
-            t = request.draft_tree
-            tree = DraftTree(list(t.parents), list(t.tokens), [(list(d.token_ids), list(d.probs)) for d in t.child_dists])
+        call = verify_call_from_proto(request)
         self.engine  # noqa: B018 - raises UNAVAILABLE while loading
-        result = await self.batcher.submit(VerifyCall(
-            request.sequence_id,
-            request.known_len,
-            list(request.append_tokens),
-            list(request.draft_tokens),
-            dists,
-            sampling_from_proto(request.sampling),
-            tree,
-            request.return_features,
-            request.decode_ahead,
-            request.logprobs if request.HasField("logprobs") else None,
-            request.eos_banned_until,
-            lookup_max_tokens=request.lookup_max_tokens,
-            lookup_costs=tuple(request.lookup_costs),
-            decode_ahead_passes=request.decode_ahead_passes,
-            lookup_source=tuple(request.lookup_source),
-        ))
+        result = await self.batcher.submit(call)
         m = metrics.target()
         m.verify_seconds.observe(result.compute_seconds)
         m.batch_size.observe(result.batch_size)

@@ -116,7 +116,7 @@ def test_draft_length_shrinks_as_the_batch_fills():
     assert caps == [15, 7, 3, 1, 0]
     model = CostModel(NGRAM_DRAFT_PRIOR)
     model.draft_cap = admission.draft_cap
-    policy = DraftLengthPolicy(max_length=8, cost_model=model, prior=NGRAM_DRAFT_PRIOR, accepted_weight=50.0)
+    policy = DraftLengthPolicy(draft_length=8, cost_model=model, prior=NGRAM_DRAFT_PRIOR, accepted_weight=50.0)
     admission.running = 1
     assert policy.plan()[0] == 8 and not policy.capped  # high acceptance, alone: the full draft length
     admission.running = 4

@@ -17,7 +17,7 @@ import pytest
 from coordinator.clients import DraftClient, TargetClient
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec.spec.request import VerifyCall
+from specdec.spec.request import ProposeCall, VerifyCall
 from specdec.spec.sampling import SamplingConfig
 from tests import tiny
 from tests.services import Service
@@ -81,13 +81,13 @@ def test_a_stream_closed_and_reopened_keeps_its_sequence(backends):
         target_client, draft_client = TargetClient(target, 10.0), DraftClient(draft, 10.0)
         try:
             first = await target_client.verify(VerifyCall("kept", 0, list(prompt), [], [], SamplingConfig()))
-            await draft_client.propose("kept", 0, list(prompt), 3, 0.0, 0.0, 0)
+            await draft_client.propose(ProposeCall("kept", 0, list(prompt), 3, 0.0, 0.0, 0))
             target_client.sessions.close("kept")  # as a failed step or a dropped run-ahead closes it
             draft_client.sessions.close("kept")
             await asyncio.sleep(GRACE_S / 4)
             tokens = [*prompt, first.next_token]
             second = await target_client.verify(VerifyCall("kept", len(prompt), tokens[len(prompt):], [], [], SamplingConfig()))
-            await draft_client.propose("kept", len(prompt), tokens[len(prompt):], 3, 0.0, 0.0, 0)
+            await draft_client.propose(ProposeCall("kept", len(prompt), tokens[len(prompt):], 3, 0.0, 0.0, 0))
             await asyncio.sleep(GRACE_S * 2)  # past the first stream's grace: the new streams carry it
             held = [len(store) for store in stores(stack)]
             await target_client.release("kept")

@@ -106,7 +106,7 @@ def test_the_rows_of_a_pass_decode_ahead_with_their_own_lookup_drafts(pair):
     # Prompts that repeat themselves, so prompt lookup finds matches to draft from.
     prompts = [(p * 3)[:30] for p in tiny.prompts(3, seed=31)]
     expected = [tiny.reference_greedy(pair[0], p, 16) for p in prompts]
-    calls = [VerifyCall(f"r{i}", 0, p, [], [], GREEDY, decode_ahead=12, lookup_max_tokens=4, decode_ahead_passes=6)
+    calls = [VerifyCall(f"r{i}", 0, p, [], [], GREEDY, decode_ahead=12, lookup_draft_length=4, decode_ahead_passes=6)
              for i, p in enumerate(prompts)]
     results = target.verify_batch(calls)
     for result, want in zip(results, expected):
@@ -242,19 +242,19 @@ def test_seeded_sampling_replays_with_decoding_ahead(pair):
 
 
 def test_quiet_steps_cover_rests_and_idle_steps_and_skip_matches_plan():
-    policy = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True)
+    policy = DraftLengthPolicy(draft_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True)
     policy.plan()
     policy.asked(0)
     policy.asked(0)  # two empty asks in a row: rest 2
     assert policy.quiet_steps() == 2
     policy.skip(2)
     assert policy.rest == 0 and policy.plan()[0] > 0
-    assert DraftLengthPolicy(max_length=0).quiet_steps() is None
-    assert DraftLengthPolicy(max_length=4, adaptive=False).quiet_steps() == 0
-    idle = DraftLengthPolicy(max_length=8, accepted_weight=0.01, rejected_weight=10.0)  # drafting does not pay
+    assert DraftLengthPolicy(draft_length=0).quiet_steps() is None
+    assert DraftLengthPolicy(draft_length=4, adaptive=False).quiet_steps() == 0
+    idle = DraftLengthPolicy(draft_length=8, accepted_weight=0.01, rejected_weight=10.0)  # drafting does not pay
     assert idle.plan()[0] == 0 and idle.idle
     quiet = idle.quiet_steps()
-    twin = DraftLengthPolicy(max_length=8, accepted_weight=0.01, rejected_weight=10.0)
+    twin = DraftLengthPolicy(draft_length=8, accepted_weight=0.01, rejected_weight=10.0)
     twin.plan()
     idle.skip(quiet)
     for _ in range(quiet):

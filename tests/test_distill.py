@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draft_service.drafters.base import DraftSettings
+from specdec.spec.request import ProposeCall
 from draft_service.drafters.model import load_pruned_drafter
 from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
@@ -117,7 +117,7 @@ def test_out_of_vocabulary_tokens_get_probability_zero(run):
     kept = set(json.loads((run["draft"] / "kept_vocab.json").read_text()))
     engine = DraftEngine(drafter)
     for i, prompt in enumerate(tiny.prompts(8)):
-        for proposal in engine.propose(f"s{i}", 0, prompt, DraftSettings(6, 0.0, 1.0, seed=i)):
+        for proposal in engine.propose(ProposeCall(f"s{i}", 0, prompt, 6, 0.0, 1.0, seed=i)):
             assert proposal.token in kept
             ids, probs = proposal.dist
             for token, p in zip(ids, probs):

@@ -44,11 +44,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from coordinator.config import CoordinatorConfig
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
-from coordinator.protocol import GenerationSpec, Stats, TreeSpec
+from coordinator.protocol import GenerationSpec, Stats
 from coordinator.policy.admission import Admission
 from coordinator.servicer import make_loop
 from specdec.spec.costs import Costs, cost_curve
-from draft_service.drafters.base import DraftSettings, Proposal
+from draft_service.drafters.base import Proposal
+from specdec.spec.request import ProposeCall, TreeSettings
 from draft_service.drafters.model import ChainState, ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.engine import DraftEngine
@@ -322,7 +323,7 @@ def test_top_p(models):
 
 @pytest.mark.parametrize("shape", [(), (2, 2, 1)], ids=["dynamic", "static"])
 def test_tree_draft(models, shape):
-    tree = TreeSpec(budget=8, top_k=DEFAULTS.tree_top_k, shape=shape)
+    tree = TreeSettings(budget=8, top_k=DEFAULTS.tree_top_k, shape=shape)
     check_case(f"tree {shape or 'dynamic'}", models, ModelDrafter(CausalLM(models["draft"], CPU)), tree=tree)
 
 
@@ -425,13 +426,13 @@ class CutByOwnProbability(ModelDrafter):
     its own included, falls under the threshold (the rule this suite was written to catch)."""
 
     def choose(self, logits: torch.Tensor, state: ChainState) -> Proposal | None:
-        settings = state.settings
-        if state.drafted >= settings.max_tokens:
+        call = state.call
+        if state.drafted >= call.draft_length:
             return None
-        ids, probs = truncated_probs(logits, settings.temperature, self.top_k)
+        ids, probs = truncated_probs(logits, call.temperature, self.top_k)
         choice = int(torch.multinomial(probs, 1, generator=state.generator))
         state.cumulative *= float(probs[choice])
-        if state.cumulative < settings.min_cumulative_prob:
+        if state.cumulative < call.min_cumulative_prob:
             return None
         state.drafted += 1
         return Proposal(int(ids[choice]), (ids.tolist(), probs.tolist()), state.cumulative, 0.0)
@@ -460,7 +461,7 @@ def test_threshold_stop_keeps_the_drawn_token(rule, expected):
     accept_u = torch.rand(n, 1, generator=torch.Generator().manual_seed(1))
     sample_u = torch.rand(n, generator=torch.Generator().manual_seed(2))
     for i in range(n):
-        proposal = drafter.choose(logits, drafter.begin(DraftSettings(1, 0.5, 1.0, i), 0.0))
+        proposal = drafter.choose(logits, drafter.begin(ProposeCall("s", 0, [], 1, 0.5, 1.0, i), 0.0))
         if proposal is None:  # nothing to verify: the target samples alone
             zeros += int(sample_u[i] < 0.5)
             continue

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 
 import grpc
 import pytest
 import torch
 
-from draft_service.drafters.base import DraftSettings
+from specdec.spec.request import ProposeCall
 from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
@@ -39,10 +40,10 @@ def test_a_long_catch_up_is_fed_in_chunks_between_the_other_rows():
     chunked = DraftEngine(ModelDrafter(CausalLM(target, torch.device("cpu"))), max_prefill_tokens=16)
     whole = _engine(CausalLM(target, torch.device("cpu")))
     long_prompt, short = (tiny.prompts(1, seed=8)[0] * 20)[:120], tiny.prompts(2, seed=9)[1][:5]
-    greedy = DraftSettings(8, 0.0, 0.0, 0)
+    greedy = ProposeCall("", 0, [], 8)
     for engine in (chunked, whole):
-        engine.open("long", 0, long_prompt, greedy)
-        engine.open("short", 0, short, greedy)
+        engine.open(dataclasses.replace(greedy, sequence_id="long", append=long_prompt))
+        engine.open(dataclasses.replace(greedy, sequence_id="short", append=short))
     seqs = [chunked.store.sync("long", len(long_prompt), []), chunked.store.sync("short", len(short), [])]
     passes = 0
     while True:
@@ -62,10 +63,10 @@ def _check_rows_match(make_lm):
     """Four sequences of different lengths, stepped together and alone, with a rollback between."""
     batched, alone = _engine(make_lm()), _engine(make_lm())
     prompts = tiny.prompts(4, seed=5)
-    greedy = DraftSettings(8, 0.0, 0.0, 0)
+    greedy = ProposeCall("", 0, [], 8)
     for engine in (batched, alone):
         for i, prompt in enumerate(prompts):
-            engine.open(f"s{i}", 0, prompt, greedy)
+            engine.open(dataclasses.replace(greedy, sequence_id=f"s{i}", append=prompt))
     seqs_b = [batched.store.sync(f"s{i}", len(p), []) for i, p in enumerate(prompts)]
     seqs_a = [alone.store.sync(f"s{i}", len(p), []) for i, p in enumerate(prompts)]
     for step in range(6):
@@ -103,10 +104,10 @@ def test_pruned_draft_rows_match_and_stay_in_the_target_vocabulary():
 def test_engine_says_which_chains_batch():
     target, draft = tiny.tiny_pair(seed=0)
     engine = _engine(CausalLM(draft, torch.device("cpu")))
-    assert engine.batches(DraftSettings(4, 0.0, 0.0, 0))
+    assert engine.batches(ProposeCall("s", 0, [], 4))
     engine.drafter.staged = True  # staged greedy speculates its own forwards: it drafts alone
-    assert not engine.batches(DraftSettings(4, 0.0, 0.0, 0))
-    assert engine.batches(DraftSettings(4, 0.0, 0.8, 0))
+    assert not engine.batches(ProposeCall("s", 0, [], 4))
+    assert engine.batches(ProposeCall("s", 0, [], 4, 0.0, 0.8, 0))
 
 
 # --- through gRPC ---------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def test_a_costly_second_position_turns_drafting_off_at_low_acceptance():
 
 
 def test_policy_probes_now_and_then_when_not_drafting():
-    policy = DraftLengthPolicy(max_length=8, prior=Costs(0.002, cost_curve(1.0, 1.6, 0.02), 0.0))
+    policy = DraftLengthPolicy(draft_length=8, prior=Costs(0.002, cost_curve(1.0, 1.6, 0.02), 0.0))
     for _ in range(40):
         policy.observe(drafted=4, accepted=0)
     plans = [policy.plan()[0] for _ in range(16)]
@@ -60,7 +60,7 @@ def test_a_step_that_will_not_draft_weighs_no_costs():
     model = CountingCosts(NGRAM_DRAFT_PRIOR)
     cap = [0]
     model.draft_cap = lambda: cap[0]
-    policy = DraftLengthPolicy(max_length=8, cost_model=model, prior=NGRAM_DRAFT_PRIOR)
+    policy = DraftLengthPolicy(draft_length=8, cost_model=model, prior=NGRAM_DRAFT_PRIOR)
     for _ in range(40):  # a full batch: no draft, no probe, nothing weighed
         assert policy.plan()[0] == 0 and policy.capped and not policy.probing
         policy.observe(0, 0)
@@ -69,7 +69,7 @@ def test_a_step_that_will_not_draft_weighs_no_costs():
     cap[0] = 7  # the batch thinned: drafting resumes at the next step
     assert policy.plan()[0] > 0 and model.weighed == 1
 
-    idle = DraftLengthPolicy(max_length=8, cost_model=CountingCosts(NGRAM_DRAFT_PRIOR), prior=NGRAM_DRAFT_PRIOR,
+    idle = DraftLengthPolicy(draft_length=8, cost_model=CountingCosts(NGRAM_DRAFT_PRIOR), prior=NGRAM_DRAFT_PRIOR,
                              accepted_weight=0.01, rejected_weight=10.0)  # drafting does not pay
     plans = []
     for _ in range(40):
@@ -84,7 +84,7 @@ def test_a_step_that_will_not_draft_weighs_no_costs():
 def test_only_the_probe_step_backs_the_probes_off():
     """A probe that found nothing doubles the wait for the next one, once: the steps after it (a
     rest after its empty ask, a step the load cap left without a draft) are no probes."""
-    policy = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True, accepted_weight=0.01, rejected_weight=10.0)
+    policy = DraftLengthPolicy(draft_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True, accepted_weight=0.01, rejected_weight=10.0)
     while policy.plan()[0] == 0:
         policy.observe(0, 0)
     assert policy.probing
@@ -98,7 +98,7 @@ def test_only_the_probe_step_backs_the_probes_off():
 
 
 def test_threshold_rises_after_rejections_and_falls_after_full_accepts():
-    policy = DraftLengthPolicy(max_length=8)
+    policy = DraftLengthPolicy(draft_length=8)
     start = policy.threshold
     policy.observe(drafted=4, accepted=1)
     assert policy.threshold > start
@@ -109,7 +109,7 @@ def test_threshold_rises_after_rejections_and_falls_after_full_accepts():
 
 
 def test_an_empty_draft_lowers_the_threshold_so_a_shy_draft_gets_back_in():
-    policy = DraftLengthPolicy(max_length=8)
+    policy = DraftLengthPolicy(draft_length=8)
     for _ in range(20):
         policy.observe(drafted=2, accepted=0)
     assert policy.threshold == policy.threshold_bounds[1]  # rejections alone pin it at the top
@@ -122,7 +122,7 @@ def test_an_empty_draft_lowers_the_threshold_so_a_shy_draft_gets_back_in():
 
 
 def test_acceptance_estimate_follows_observations():
-    policy = DraftLengthPolicy(max_length=8)
+    policy = DraftLengthPolicy(draft_length=8)
     for _ in range(30):
         policy.observe(drafted=8, accepted=8)
     high = policy.plan()[0]
@@ -133,7 +133,7 @@ def test_acceptance_estimate_follows_observations():
 
 
 def test_non_adaptive_policy_uses_the_fixed_length():
-    assert DraftLengthPolicy(max_length=5, adaptive=False).plan() == (5, 0.0)
+    assert DraftLengthPolicy(draft_length=5, adaptive=False).plan() == (5, 0.0)
 
 
 def test_cost_model_learns_seconds_from_steps():
@@ -157,20 +157,20 @@ def test_a_calibrated_proposal_is_cut_where_expected_tokens_per_second_peak():
 
 
 def test_a_calibrated_policy_keeps_the_per_request_cap_and_cuts_only_when_adaptive():
-    policy = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True)
-    uncalibrated = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR)
+    policy = DraftLengthPolicy(draft_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True)
+    uncalibrated = DraftLengthPolicy(draft_length=8, prior=NGRAM_DRAFT_PRIOR)
     for _ in range(6):  # a request whose drafts keep failing drafts less, or not at all, either way
         assert policy.plan() == uncalibrated.plan()
         policy.observe(4, 0)
         uncalibrated.observe(4, 0)
     assert policy.cut([0.1, 0.05]) == 0  # at V(2) = 1.2 V(1) plus an ask, 1.15 tokens do not pay
     assert policy.cut(None) is None
-    assert DraftLengthPolicy(max_length=8, calibrated=True, adaptive=False).cut([0.2]) is None
-    assert DraftLengthPolicy(max_length=8).cut([0.2]) is None  # uncalibrated drafts keep the threshold
+    assert DraftLengthPolicy(draft_length=8, calibrated=True, adaptive=False).cut([0.2]) is None
+    assert DraftLengthPolicy(draft_length=8).cut([0.2]) is None  # uncalibrated drafts keep the threshold
 
 
 def test_a_calibrated_draft_that_comes_back_empty_is_asked_ever_less_often():
-    policy = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True)
+    policy = DraftLengthPolicy(draft_length=8, prior=NGRAM_DRAFT_PRIOR, calibrated=True)
     waits = []
     assert policy.plan()[0] > 0
     for _ in range(5):  # five empty asks in a row: the waits between asks grow 1, 2, 4, 8, 8
@@ -184,7 +184,7 @@ def test_a_calibrated_draft_that_comes_back_empty_is_asked_ever_less_often():
     assert policy.plan()[0] > 0
     policy.asked(0)  # ...and the waits start over
     assert policy.rest == 1
-    uncalibrated = DraftLengthPolicy(max_length=8, prior=NGRAM_DRAFT_PRIOR)
+    uncalibrated = DraftLengthPolicy(draft_length=8, prior=NGRAM_DRAFT_PRIOR)
     uncalibrated.asked(0)  # a model draft's empty proposal is the threshold's business (nothing_drafted)
     assert uncalibrated.plan()[0] > 0
 
@@ -295,18 +295,18 @@ def test_a_new_request_starts_from_the_acceptance_recent_requests_saw():
     not draft, while a memory of a draft that accepts nearly everything starts them drafting long."""
     cpu = Costs(0.25, cost_curve(1.0, 1.15, 0.02), 0.0)  # a model draft a quarter of a target token a token
     memory = AcceptanceMemory()
-    first = DraftLengthPolicy(max_length=8, prior=cpu, memory=memory)
+    first = DraftLengthPolicy(draft_length=8, prior=cpu, memory=memory)
     assert memory.acceptance is None and first.plan()[0] > 0  # nothing seen yet: the fixed prior drafts
     for step in range(24):
         first.observe(drafted=4, accepted=0 if step % 3 else 1)
     assert memory.acceptance == pytest.approx(0.25, abs=0.05)
-    assert DraftLengthPolicy(max_length=8, prior=cpu, memory=memory).plan()[0] == 0
-    assert DraftLengthPolicy(max_length=8, prior=cpu).plan()[0] > 0  # without it: drafts, and pays to learn
+    assert DraftLengthPolicy(draft_length=8, prior=cpu, memory=memory).plan()[0] == 0
+    assert DraftLengthPolicy(draft_length=8, prior=cpu).plan()[0] > 0  # without it: drafts, and pays to learn
 
     good = AcceptanceMemory()
     for _ in range(8):
         good.observe(drafted=4, accepted=4)
-    assert good.acceptance == 1.0 and DraftLengthPolicy(max_length=8, prior=cpu, memory=good).plan()[0] >= 4
+    assert good.acceptance == 1.0 and DraftLengthPolicy(draft_length=8, prior=cpu, memory=good).plan()[0] >= 4
     # Seeded requests pass no memory (their lengths must not depend on earlier requests), and a
     # fixed-length request ignores it.
-    assert DraftLengthPolicy(max_length=8, prior=cpu, memory=memory, adaptive=False).plan()[0] == 8
+    assert DraftLengthPolicy(draft_length=8, prior=cpu, memory=memory, adaptive=False).plan()[0] == 8

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_service.drafters.base import Drafter, DraftSettings
+from draft_service.drafters.base import Drafter
+from specdec.spec.request import ProposeCall
 from draft_service.drafters.feature import FeatureDrafter
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter
@@ -39,7 +40,7 @@ def test_each_drafter_implements_the_protocol(kind):
 
 
 def test_only_the_plain_model_drafter_shares_forwards():
-    greedy, sampled = DraftSettings(4, 0.0, 0.0, 0), DraftSettings(4, 0.0, 0.8, 0)
+    greedy, sampled = ProposeCall("s", 0, [], 4), ProposeCall("s", 0, [], 4, temperature=0.8)
     found = {kind: (d.batches(greedy), d.batches(sampled)) for kind, d in drafters().items()}
     assert found == {"model": (True, True), "ngram": (False, False), "feature": (False, False)}
     staged = ModelDrafter(CausalLM(tiny.one_layer_target(seed=3), CPU), staged=True)

@@ -13,7 +13,7 @@ from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from coordinator.protocol import Stats
-from draft_service.drafters.base import DraftSettings
+from specdec.spec.request import ProposeCall
 from draft_service.engine import DraftEngine
 from draft_service.drafters.feature import FeatureDrafter
 from protos import specdec_pb2 as pb
@@ -201,15 +201,14 @@ def test_seeded_sampling_repeats_exactly(target):
 
 def test_draft_validates_the_features_it_is_sent(target):
     _, draft_engine = engines(target)
-    settings = DraftSettings(2, 0.0, 0.0, 0)
     dim = target.config.hidden_size
-    list(draft_engine.propose("a", 0, [1, 2, 3], settings, FeatureRows(0, torch.zeros(2, dim))))
+    list(draft_engine.propose(ProposeCall("a", 0, [1, 2, 3], 2, features=FeatureRows(0, torch.zeros(2, dim)))))
     with pytest.raises(Exception, match="features.start"):
-        draft_engine.propose("a", 3, [4], settings, FeatureRows(3, torch.zeros(1, dim)))  # it holds 2
+        draft_engine.propose(ProposeCall("a", 3, [4], 2, features=FeatureRows(3, torch.zeros(1, dim))))  # it holds 2
     with pytest.raises(Exception, match="features.dim"):
-        draft_engine.propose("a", 3, [4], settings, FeatureRows(2, torch.zeros(1, dim + 1)))
+        draft_engine.propose(ProposeCall("a", 3, [4], 2, features=FeatureRows(2, torch.zeros(1, dim + 1))))
     with pytest.raises(Exception, match="past the sequence"):
-        draft_engine.propose("a", 3, [4], settings, FeatureRows(2, torch.zeros(3, dim)))
+        draft_engine.propose(ProposeCall("a", 3, [4], 2, features=FeatureRows(2, torch.zeros(3, dim))))
     with pytest.raises(Exception, match="float16 need"):
         FeatureRows.from_wire(0, 2, dim, b"\0" * 10)
 

@@ -9,7 +9,7 @@ import asyncio
 import threading
 import time
 
-from draft_service.drafters.base import DraftSettings
+from specdec.spec.request import ProposeCall
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.engine import INLINE_APPEND, DraftEngine
 from draft_service.servicer import DraftServicer
@@ -41,7 +41,7 @@ async def ask(servicer, known: int, append: list[int], max_tokens: int = 4) -> l
 
 def reference(steps: list[tuple[int, list[int]]]) -> list[list[int]]:
     engine = DraftEngine(NgramDrafter())
-    return [[p.token for p in engine.propose("s", known, append, DraftSettings(4, 0.0, 0.0, 0))] for known, append in steps]
+    return [[p.token for p in engine.propose(ProposeCall("s", known, append, 4))] for known, append in steps]
 
 
 def test_short_ngram_catch_up_runs_on_the_loop_a_prompt_on_the_worker():

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from draft_service.drafters.base import DraftSettings
+from specdec.spec.request import ProposeCall
 from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
 from specdec.errors import SequenceNotFound, SequenceReleased
@@ -42,7 +42,7 @@ def test_random_propose_verify_rollback_keeps_caches_exact(models):
     draft_known = target_known = 0
     for step in range(40):
         gamma = rng.randrange(0, 6)
-        proposals = [p.token for p in draft.propose("s", draft_known, canonical[draft_known:], DraftSettings(gamma, 0.0, 0.0, step))]
+        proposals = [p.token for p in draft.propose(ProposeCall("s", draft_known, canonical[draft_known:], gamma, 0.0, 0.0, step))]
         result = target.verify(VerifyCall("s", target_known, canonical[target_known:], proposals, [], SamplingConfig()))
         target_known = len(canonical) + result.accepted
         draft_known = len(canonical) + result.accepted if proposals else len(canonical)

@@ -94,7 +94,7 @@ def test_a_lookup_draft_beside_other_rows_pays_for_what_its_positions_add_to_the
     position costs about a row's share of the pass, the same draft is not worth verifying."""
     target = engine(pair)
     prompt = echoing_prompts(pair, 1)[0]
-    call = VerifyCall("x", 0, prompt, [], [], GREEDY, lookup_max_tokens=4, lookup_costs=(1.0,) * 5)
+    call = VerifyCall("x", 0, prompt, [], [], GREEDY, lookup_draft_length=4, lookup_costs=(1.0,) * 5)
     seq = target._prepare(call)  # the prompt ends as it began: its start's continuation is proposed
     alone = target._with_lookup(call, seq, rows=1).draft_tokens
     for _ in range(3):  # a fixed cost of 1 ms, 5 ms a position: a full pass is all positions
@@ -113,7 +113,7 @@ def test_greedy_tokens_are_the_targets_own_and_accepted_drafts_save_passes(pair)
     target = engine(pair)
     accepted = saved = 0
     for n, prompt in enumerate(echoing_prompts(pair, 6)):
-        out = target.verify(VerifyCall(f"s{n}", 0, prompt, [], [], GREEDY, decode_ahead=12, lookup_max_tokens=MOST))
+        out = target.verify(VerifyCall(f"s{n}", 0, prompt, [], [], GREEDY, decode_ahead=12, lookup_draft_length=MOST))
         got = [out.next_token, *out.decoded]
         assert got == tiny.reference_greedy(pair[0], prompt, len(got))
         assert out.cached_len == len(prompt) + len(out.decoded)  # it holds all but the last token
@@ -122,7 +122,7 @@ def test_greedy_tokens_are_the_targets_own_and_accepted_drafts_save_passes(pair)
         saved += len(out.decoded) - out.ahead_passes
         if tiny.EOS not in got:  # and goes on from there, its index following the sequence
             more = target.verify(VerifyCall(f"s{n}", out.cached_len, [got[-1]], [], [], GREEDY, decode_ahead=6,
-                                            lookup_max_tokens=MOST))
+                                            lookup_draft_length=MOST))
             reference = tiny.reference_greedy(pair[0], prompt, len(got) + 7)
             assert [more.next_token, *more.decoded] == reference[len(got):len(got) + 1 + len(more.decoded)]
             seq = target.store._sequences[f"s{n}"]
@@ -138,17 +138,17 @@ def test_a_call_without_a_draft_gets_the_targets_own_and_so_does_each_row_of_a_b
     prompts = echoing_prompts(pair, 6)
     drafted = 0
     for n, prompt in enumerate(prompts):
-        out = target.verify(VerifyCall(f"m{n}", 0, prompt, [], [], GREEDY, lookup_max_tokens=MOST))
+        out = target.verify(VerifyCall(f"m{n}", 0, prompt, [], [], GREEDY, lookup_draft_length=MOST))
         got = [out.next_token, *out.decoded]
         assert out.accepted == 0 and got == tiny.reference_greedy(pair[0], prompt, len(got))
         assert out.ahead_passes == 0 and len(out.decoded) == out.ahead_accepted
         drafted += out.ahead_drafted
     assert drafted > 0
     batch = target.verify_batch([VerifyCall(f"b{n}", 0, p, [], [], GREEDY, decode_ahead=4, decode_ahead_passes=2,
-                                            lookup_max_tokens=MOST) for n, p in enumerate(prompts)])
+                                            lookup_draft_length=MOST) for n, p in enumerate(prompts)])
     for n, (prompt, out) in enumerate(zip(prompts, batch)):
         alone = target.verify(VerifyCall(f"a{n}", 0, prompt, [], [], GREEDY, decode_ahead=4, decode_ahead_passes=2,
-                                         lookup_max_tokens=MOST))
+                                         lookup_draft_length=MOST))
         assert (out.next_token, out.decoded, out.ahead_drafted) == (alone.next_token, alone.decoded, alone.ahead_drafted)
 
 
@@ -156,7 +156,7 @@ def test_the_passes_decoded_ahead_stop_at_decode_ahead_passes(pair):
     target = engine(pair)
     for n, prompt in enumerate(echoing_prompts(pair, 3)):
         out = target.verify(VerifyCall(f"p{n}", 0, prompt, [], [], GREEDY, decode_ahead=40, decode_ahead_passes=3,
-                                       lookup_max_tokens=MOST))
+                                       lookup_draft_length=MOST))
         got = [out.next_token, *out.decoded]
         assert got == tiny.reference_greedy(pair[0], prompt, len(got))
         assert out.ahead_passes == 3 or tiny.EOS in got
@@ -167,12 +167,12 @@ def test_a_sequence_rolled_back_and_regrown_drafts_from_its_new_tokens(pair):
     keep the n-grams of the tokens that are gone."""
     target = engine(pair)
     prompt = echoing_prompts(pair, 1)[0]
-    first = target.verify(VerifyCall("r", 0, prompt, [], [], GREEDY, decode_ahead=8, lookup_max_tokens=MOST))
+    first = target.verify(VerifyCall("r", 0, prompt, [], [], GREEDY, decode_ahead=8, lookup_draft_length=MOST))
     other = tiny.prompts(1, seed=99)[0][:5]
     known = len(prompt) - 3
     target.verify(VerifyCall("r", known, other, [], [], GREEDY))  # a rollback past the indexed tokens
     regrown = prompt[:known] + other
-    out = target.verify(VerifyCall("r", len(regrown), [], [], [], GREEDY, decode_ahead=8, lookup_max_tokens=MOST))
+    out = target.verify(VerifyCall("r", len(regrown), [], [], [], GREEDY, decode_ahead=8, lookup_draft_length=MOST))
     seq = target.store._sequences["r"]
     assert seq.side.tokens == seq.tokens[: len(seq.side.tokens)] and first.cached_len > known
     # the store keeps one pending token: the call re-scores the last one, as any plain Verify would
@@ -181,11 +181,11 @@ def test_a_sequence_rolled_back_and_regrown_drafts_from_its_new_tokens(pair):
 
 
 @pytest.mark.parametrize("fields, name", [
-    (dict(lookup_max_tokens=-1), "lookup_max_tokens"), (dict(lookup_max_tokens=33), "lookup_max_tokens"),
-    (dict(lookup_max_tokens=4, return_features=True), "lookup_max_tokens"),
-    (dict(lookup_max_tokens=4, lookup_costs=(1.0, 0.0)), "lookup_costs"),
-    (dict(lookup_max_tokens=4, lookup_costs=(1.0, float("nan"))), "lookup_costs"),
-    (dict(lookup_max_tokens=4, lookup_costs=(1.0,) * 34), "lookup_costs"),
+    (dict(lookup_draft_length=-1), "lookup_max_tokens"), (dict(lookup_draft_length=33), "lookup_max_tokens"),
+    (dict(lookup_draft_length=4, return_features=True), "lookup_max_tokens"),
+    (dict(lookup_draft_length=4, lookup_costs=(1.0, 0.0)), "lookup_costs"),
+    (dict(lookup_draft_length=4, lookup_costs=(1.0, float("nan"))), "lookup_costs"),
+    (dict(lookup_draft_length=4, lookup_costs=(1.0,) * 34), "lookup_costs"),
     (dict(decode_ahead_passes=-1), "decode_ahead_passes"), (dict(decode_ahead_passes=MAX_DECODE_AHEAD + 1), "decode_ahead_passes"),
 ])
 def test_bad_lookup_fields_are_invalid_argument(pair, fields, name):
@@ -228,7 +228,7 @@ def test_the_loop_with_lookup_gives_the_targets_tokens_in_fewer_exchanges(pair):
             verifier, proposer = RecordingVerifier(target), CountingProposer(DraftEngine(NgramDrafter(4, 1)))
             tokens, stats = run(ngram_loop(verifier, lookup, proposer), prompt, draft_length=8)
             assert tokens == reference
-            assert all(bool(call.lookup_max_tokens) == lookup for call in verifier.calls)
+            assert all(bool(call.lookup_draft_length) == lookup for call in verifier.calls)
             assert (proposer.asks == 0) == lookup  # with lookup the target drafts: the draft is never asked
             exchanges[lookup] += len(verifier.calls)
             assert stats.accepted_tokens <= stats.draft_tokens and stats.steps <= len(tokens)
@@ -240,13 +240,13 @@ def test_seeded_sampling_and_a_loop_without_ngram_never_ask_for_lookup(pair):
     prompt = echoing_prompts(pair, 1)[0]
     verifier = RecordingVerifier(target)
     run(ngram_loop(verifier, True), prompt, draft_length=8, sampling=SamplingConfig(temperature=1.0, seed=3), seeded=True)
-    assert not any(call.lookup_max_tokens for call in verifier.calls)
+    assert not any(call.lookup_draft_length for call in verifier.calls)
     unseeded = RecordingVerifier(target)
     run(ngram_loop(unseeded, True), prompt, draft_length=8, sampling=SamplingConfig(temperature=1.0, seed=3))
-    assert any(call.lookup_max_tokens for call in unseeded.calls)
+    assert any(call.lookup_draft_length for call in unseeded.calls)
     plain = RecordingVerifier(target)
     run(SpeculativeLoop(plain, None, None, NGRAM_DRAFT_PRIOR, lookup=True), prompt, draft_length=0)
-    assert not any(call.lookup_max_tokens for call in plain.calls)
+    assert not any(call.lookup_draft_length for call in plain.calls)
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +262,7 @@ def test_lookup_crosses_the_wire_and_a_bad_value_names_its_field(pair, service):
     async def main():
         client = TargetClient(service, timeout_s=30)
         try:
-            return await client.verify(VerifyCall("wire", 0, prompt, [], [], GREEDY, decode_ahead=12, lookup_max_tokens=MOST))
+            return await client.verify(VerifyCall("wire", 0, prompt, [], [], GREEDY, decode_ahead=12, lookup_draft_length=MOST))
         finally:
             await client.close()
 

@@ -166,9 +166,9 @@ class CountingProposer(LocalProposer):
         super().__init__(engine)
         self.calls: list[tuple[int, int, int]] = []
 
-    async def propose(self, sequence_id, known_len, append, max_tokens, *args, **kwargs):
-        self.calls.append((known_len, len(append), max_tokens))
-        return await super().propose(sequence_id, known_len, append, max_tokens, *args, **kwargs)
+    async def propose(self, call, *args, **kwargs):
+        self.calls.append((call.known_len, len(call.append), call.draft_length))
+        return await super().propose(call, *args, **kwargs)
 
 
 def test_steps_that_will_not_draft_never_ask_the_draft(pair):

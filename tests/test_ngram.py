@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from draft_service.drafters.base import DraftSettings
+from specdec.spec.request import ProposeCall
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.engine import DraftEngine
 from draft_service.drafters.ngram import MatchCalibration, NgramIndex, ngram_propose
@@ -79,16 +79,15 @@ def test_bad_n_range_is_refused():
 
 def test_engine_rolls_the_index_back_with_the_sequence():
     engine = DraftEngine(NgramDrafter(max_n=3, min_n=1))
-    settings = DraftSettings(4, 0.0, 0.0, 0)
     prompt = [1, 2, 3, 4, 9, 1, 2, 3]
-    assert [p.token for p in engine.propose("s", 0, prompt, settings)] == [4, 9, 1, 2]
+    assert [p.token for p in engine.propose(ProposeCall("s", 0, prompt, 4))] == [4, 9, 1, 2]
     # The target accepted 1 draft token (4) and corrected the next to 7: known_len = 9, append [7].
-    got = [p.token for p in engine.propose("s", 9, [7], settings)]
+    got = [p.token for p in engine.propose(ProposeCall("s", 9, [7], 4))]
     assert got == brute_force(prompt + [4, 7], 4, 3, 1)
     seq = engine.store._sequences["s"]
     assert seq.cache.tokens == prompt + [4, 7]  # the index holds the canonical tokens, no draft tokens
     # A restart of the sequence from scratch re-indexes from nothing.
-    assert [p.token for p in engine.propose("s", 0, [8, 8], settings)] == [8, 8, 8, 8]
+    assert [p.token for p in engine.propose(ProposeCall("s", 0, [8, 8], 4))] == [8, 8, 8, 8]
 
 
 
@@ -112,14 +111,13 @@ def test_calibration_starts_at_the_prior_and_learns_each_match_length_apart():
 def test_engine_learns_from_what_the_sequence_turned_out_to_be():
     drafter = NgramDrafter(max_n=3, min_n=1)
     engine = DraftEngine(drafter)
-    settings = DraftSettings(4, 0.0, 0.0, 0)
     prompt = [1, 2, 3, 4, 9, 1, 2, 3]
-    proposals = list(engine.propose("s", 0, prompt, settings))
+    proposals = list(engine.propose(ProposeCall("s", 0, prompt, 4)))
     assert [p.token for p in proposals] == [4, 9, 1, 2]
     assert [p.cumulative_prob for p in proposals] == pytest.approx(drafter.calibration.survival(3, 4))
     before = list(drafter.calibration._trials[3][:3]), list(drafter.calibration._hits[3][:3])
     # 4 accepted, then 7 instead of 9: one hit at k=1, one miss at k=2, nothing counted after
-    list(engine.propose("s", 9, [7], settings))
+    list(engine.propose(ProposeCall("s", 9, [7], 4)))
     trials, hits = drafter.calibration._trials[3], drafter.calibration._hits[3]
     assert [t - b for t, b in zip(trials[:3], before[0])] == [1, 1, 0]
     assert [h - b for h, b in zip(hits[:3], before[1])] == [1, 0, 0]

@@ -21,7 +21,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from draft_service.drafters.other_vocab import CrossVocabDrafter, build_cross_drafter
-from draft_service.drafters.base import Drafter, DraftSettings
+from draft_service.drafters.base import Drafter
+from specdec.spec.request import ProposeCall
 from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
 from specdec.model.lm import CausalLM
@@ -184,7 +185,7 @@ def test_it_is_a_drafter_that_neither_reads_features_nor_branches(pair):
     drafter = cross_engine(pair).drafter
     assert isinstance(drafter, Drafter)
     assert (drafter.kind, drafter.vocab_size, drafter.needs_features, drafter.inline, drafter.source) == ("model", 0, False, False, None)
-    assert not drafter.batches(DraftSettings(4, 0.0, 0.0, 0))
+    assert not drafter.batches(ProposeCall("s", 0, [], 4))
 
 
 def test_draft_state_is_the_draft_tokenization_and_keeps_its_cache(pair):
@@ -194,14 +195,14 @@ def test_draft_state_is_the_draft_tokenization_and_keeps_its_cache(pair):
     drafter = engine.drafter
     byte_tok, bpe = tiny.byte_tokenizer(), pair["bpe"]
     canonical = byte_tok("The quick brown fox 😀 def f(x):", add_special_tokens=False)["input_ids"]
-    list(engine.propose("s", 0, canonical, DraftSettings(6, 0.0, 0.0, 0)))
+    list(engine.propose(ProposeCall("s", 0, canonical, 6)))
     rng = torch.Generator().manual_seed(3)
     for step in range(12):
         known = len(canonical) - int(torch.randint(0, 4, (1,), generator=rng))
         canonical = canonical[:known] + torch.randint(0, 256, (3,), generator=rng).tolist()
         if step % 4 == 0:  # sometimes text the BPE merges ("the ")
             canonical += byte_tok(" the fox", add_special_tokens=False)["input_ids"]
-        proposals = list(engine.propose("s", known, canonical[known:], DraftSettings(5, 0.0, 0.0, 0)))
+        proposals = list(engine.propose(ProposeCall("s", known, canonical[known:], 5)))
         seq = engine.store._sequences["s"]
         state = drafter.state(seq)
         text = drafter.vocab.target.join(canonical + [p.token for p in proposals])
@@ -221,8 +222,8 @@ def test_target_ids_without_text_add_nothing_to_the_draft_context(pair):
     """Padding rows past the target's tokenizer (and ids no tokenizer knows) are valid target output."""
     engine = cross_engine(pair)
     a, b, c = (tiny.byte_tokenizer().convert_tokens_to_ids(ch) for ch in "ABC")
-    list(engine.propose("z", 0, [a, b], DraftSettings(3, 0.0, 0.0, 0)))
-    list(engine.propose("z", 2, [tiny.VOCAB - 1, -5, 10**6, c], DraftSettings(3, 0.0, 1.0, 1)))
+    list(engine.propose(ProposeCall("z", 0, [a, b], 3)))
+    list(engine.propose(ProposeCall("z", 2, [tiny.VOCAB - 1, -5, 10**6, c], 3, 0.0, 1.0, 1)))
     state = engine.drafter.state(engine.store._sequences["z"])
     assert bytes(state.text).startswith(b"AB") and bytes(state.text)[2:3] == b"C"
 
@@ -315,8 +316,7 @@ def test_intersection_rule_samples_exactly_the_target_distribution(pair):
     first, second, accepted_total, drafted_total = [], [], 0, 0
     for seed in range(SAMPLES):
         sampling = SamplingConfig(seed=seed, **sampling_base)
-        settings = DraftSettings(2, 0.0, sampling.temperature, derive_seed(seed, len(prompt), "draft"))
-        proposals = list(draft.propose("s", 0, prompt, settings))
+        proposals = list(draft.propose(ProposeCall("s", 0, prompt, 2, 0.0, sampling.temperature, derive_seed(seed, len(prompt), "draft"))))
         for p in proposals:
             ids, probs = p.dist
             assert len(ids) == len(probs) and abs(sum(probs) - 1) < 1e-5 and p.token in ids

@@ -86,7 +86,7 @@ def test_a_wrong_bonus_guess_after_full_acceptance_is_a_miss(pair):
         async def propose(self, *args, progress=None, **kwargs):
             outcome = await super().propose(*args, progress=None, **kwargs)
             if progress is not None and outcome.tokens:  # a run-ahead: make its guess wrong
-                self.engine.store.release(args[0], retire=False)  # and its state unusable
+                self.engine.store.release(args[0].sequence_id, retire=False)  # and its state unusable
                 bad = (outcome.tokens[0] + 1) % tiny.VOCAB
                 progress.arrived(bad)
                 return type(outcome)([bad, *outcome.tokens[1:]], outcome.dists, outcome.compute_seconds, outcome.wall_seconds)

@@ -60,7 +60,7 @@ def test_a_prediction_of_the_target_s_own_output_saves_passes_and_changes_no_tok
         reference = tiny.reference_greedy(pair[0], prompt, AHEAD + 1)
         wrong = tiny.prompts(1, seed=100 + n)[0] * 3
         for name, source in (("none", ()), ("own", tuple(reference)), ("wrong", tuple(wrong))):
-            out = target.verify(VerifyCall(f"{name}{n}", 0, prompt, [], [], GREEDY, decode_ahead=AHEAD, lookup_max_tokens=8,
+            out = target.verify(VerifyCall(f"{name}{n}", 0, prompt, [], [], GREEDY, decode_ahead=AHEAD, lookup_draft_length=8,
                                            lookup_source=source))
             got = [out.next_token, *out.decoded]
             assert got == reference[:len(got)] and len(got) == AHEAD + 1 or tiny.EOS in got
@@ -99,7 +99,7 @@ def test_the_loop_sends_the_prediction_once_and_again_to_a_target_that_lost_the_
 @pytest.mark.parametrize("source", [(1, 10**6), (0,) * (MAX_LOOKUP_SOURCE + 1)])
 def test_a_bad_source_is_invalid_argument_naming_it(pair, source):
     with pytest.raises(InvalidArgument) as info:
-        engine(pair)._prepare(VerifyCall("x", 0, [1, 2], [], [], GREEDY, lookup_max_tokens=4, lookup_source=source))
+        engine(pair)._prepare(VerifyCall("x", 0, [1, 2], [], [], GREEDY, lookup_draft_length=4, lookup_source=source))
     assert info.value.field == "lookup_source"
 
 

@@ -13,7 +13,7 @@ import torch
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draft_service.drafters.base import DraftSettings
+from specdec.spec.request import ProposeCall
 from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
 from specdec.model.lm import CausalLM
@@ -49,7 +49,7 @@ def test_engines_sample_exactly_the_target_distribution():
     accepted_total = 0
     for seed in range(SAMPLES):
         sampling = SamplingConfig(seed=seed, **sampling_base)
-        proposals = list(draft.propose("s", 0, prompt, DraftSettings(2, 0.0, sampling.temperature, derive_seed(seed, 3, "draft"))))
+        proposals = list(draft.propose(ProposeCall("s", 0, prompt, 2, 0.0, sampling.temperature, derive_seed(seed, 3, "draft"))))
         tokens = [p.token for p in proposals]
         dists = [p.dist for p in proposals]
         result = target.verify(VerifyCall("s", 0, prompt, tokens, dists, sampling))

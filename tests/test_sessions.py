@@ -13,7 +13,7 @@ from coordinator.clients import DraftClient, TargetClient
 from specdec.errors import SequenceNotFound
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.tree import EMPTY_DIST
-from specdec.spec.request import VerifyCall
+from specdec.spec.request import ProposeCall, VerifyCall
 from tests import tiny
 from tests.stack import Stack
 
@@ -90,8 +90,8 @@ def test_a_propose_session_answers_as_the_stream_does(services):
 
     async def calls(client: DraftClient, sequence_id: str, temperature: float) -> list:
         out = []
-        first = await client.propose(sequence_id, 0, prompt, 6, 0.0, temperature, 9)
-        second = await client.propose(sequence_id, len(prompt), first.tokens[:2] + [4], 6, 0.0, temperature, 10)
+        first = await client.propose(ProposeCall(sequence_id, 0, prompt, 6, 0.0, temperature, 9))
+        second = await client.propose(ProposeCall(sequence_id, len(prompt), first.tokens[:2] + [4], 6, 0.0, temperature, 10))
         for outcome in (first, second):
             out.append((outcome.tokens, outcome.confidence, outcome.dists))
         opened = sequence_id in client.sessions
@@ -129,7 +129,7 @@ def test_a_propose_session_counts_the_forward_that_proposed_nothing(services):
                 client.sessions.enabled = enabled
                 sequence_id = f"shy-{enabled}"
                 # min_cumulative_prob 1: any token the draft is not certain of is not sent
-                outcomes.append(await client.propose(sequence_id, 0, prompt, 4, 1.0, 0.0, 0))
+                outcomes.append(await client.propose(ProposeCall(sequence_id, 0, prompt, 4, 1.0, 0.0, 0)))
                 await client.release(sequence_id)
             return outcomes
         finally:

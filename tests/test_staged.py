@@ -8,6 +8,7 @@ the whole loop, in process and through gRPC, must give the target's own greedy o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -17,7 +18,7 @@ from specdec.spec.costs import MODEL_DRAFT_PRIOR
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from coordinator.protocol import GenerationSpec, Stats
-from draft_service.drafters.base import DraftSettings
+from specdec.spec.request import ProposeCall
 from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
@@ -46,11 +47,11 @@ def test_staged_proposals_are_the_plain_greedy_proposals(pair):
     for index, prompt in enumerate(tiny.prompts(6, seed=8)):
         name, tokens, known = f"s{index}", list(prompt), 0
         for step in range(14):
-            settings = DraftSettings(rng.choice([1, 3, 6, 12, 20]), rng.choice([0.0, 0.0, 0.01]), 0.0, 0)
+            settings = ProposeCall("", 0, [], rng.choice([1, 3, 6, 12, 20]), rng.choice([0.0, 0.0, 0.01]), 0.0, 0)
             if step == 7:
                 known = 0  # the coordinator re-sends the sequence whole (a lost cache)
-            a = [p.token for p in plain.propose(name, known, tokens[known:], settings)]
-            b = [p.token for p in staged.propose(name, known, tokens[known:], settings)]
+            a = [p.token for p in plain.propose(dataclasses.replace(settings, sequence_id=name, known_len=known, append=tokens[known:]))]
+            b = [p.token for p in staged.propose(dataclasses.replace(settings, sequence_id=name, known_len=known, append=tokens[known:]))]
             assert a == b, f"prompt {index} step {step}"
             # the "target" keeps a random prefix of the proposal and adds a token of its own
             kept = rng.randint(0, len(a))
@@ -63,12 +64,12 @@ def test_staging_saves_draft_forwards_where_the_text_repeats(pair):
     draft = pair[1]
     plain_drafter, staged_drafter = ModelDrafter(CausalLM(draft, CPU)), ModelDrafter(CausalLM(draft, CPU), staged=True)
     plain, staged = DraftEngine(plain_drafter), DraftEngine(staged_drafter)
-    settings = DraftSettings(16, 0.0, 0.0, 0)
+    settings = ProposeCall("", 0, [], 16)
     for index, prompt in enumerate(tiny.prompts(6, seed=2)):
         tokens, known = list(prompt), 0
         for _ in range(6):  # accept everything: the draft generates freely, as an agreeing target would
-            a = [p.token for p in plain.propose(f"s{index}", known, tokens[known:], settings)]
-            b = [p.token for p in staged.propose(f"s{index}", known, tokens[known:], settings)]
+            a = [p.token for p in plain.propose(dataclasses.replace(settings, sequence_id=f"s{index}", known_len=known, append=tokens[known:]))]
+            b = [p.token for p in staged.propose(dataclasses.replace(settings, sequence_id=f"s{index}", known_len=known, append=tokens[known:]))]
             assert a == b
             known = len(tokens) + len(a)
             tokens += a + [7]

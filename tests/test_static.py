@@ -182,7 +182,7 @@ def test_greedy_speculation_equals_decoding_alone(device, dtype, mode):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
 def test_the_targets_own_lookup_drafts_and_passes_ahead_give_the_tokens_decoded_alone(device, batched):
-    """The target drafting for itself by prompt lookup (VerifyCall.lookup_max_tokens) on every pass
+    """The target drafting for itself by prompt lookup (VerifyCall.lookup_draft_length) on every pass
     without a draft, alone with passes decoded ahead or as rows of a batch, on fixed-shape passes:
     the tokens are the engine's own decoded one at a time, and lookup drafts were made and accepted."""
     lm = lm_on(small_model(seed=3), device, torch.float32)
@@ -195,7 +195,7 @@ def test_the_targets_own_lookup_drafts_and_passes_ahead_give_the_tokens_decoded_
     drafted = accepted = 0
     while any(len(t) - len(p) < n for (t, _), p in zip(states, prompts)):
         active = [i for i, ((t, _), p) in enumerate(zip(states, prompts)) if len(t) - len(p) < n]
-        calls = [VerifyCall(f"l{i}", states[i][1], states[i][0][states[i][1]:], [], [], GREEDY, lookup_max_tokens=8,
+        calls = [VerifyCall(f"l{i}", states[i][1], states[i][0][states[i][1]:], [], [], GREEDY, lookup_draft_length=8,
                             decode_ahead=0 if batched else 16) for i in active]
         results = engine.verify_batch(calls, decode_ahead=not batched)
         for i, result in zip(active, results):

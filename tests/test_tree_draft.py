@@ -18,17 +18,17 @@ import torch
 from specdec.spec.costs import MODEL_DRAFT_PRIOR
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
-from coordinator.protocol import GenerationSpec, Stats, TreeSpec
+from coordinator.protocol import GenerationSpec, Stats
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.engine import DraftEngine
-from draft_service.tree import TreeBuilder, TreeSettings
+from draft_service.tree import TreeBuilder
 from specdec.errors import InvalidArgument
 from specdec.kv.store import Sequence
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
 from specdec.spec.tree import DraftTree
-from specdec.spec.request import VerifyCall
+from specdec.spec.request import ProposeCall, TreeSettings, VerifyCall
 from target_service.engine import TargetEngine
 from specdec.spec.tree import depths, path_to
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
@@ -42,11 +42,13 @@ def pair():
     return tiny_pair(seed=0)
 
 
-def settings(budget=16, top_k=4, shape=(), max_depth=6, temperature=0.0, seed=0) -> TreeSettings:
-    return TreeSettings(budget, top_k, tuple(shape), max_depth, temperature, seed)
+def settings(budget=16, top_k=4, shape=(), max_depth=6, temperature=0.0, seed=0, known_len=0, append=()) -> ProposeCall:
+    """A tree Propose of sequence "s": its tree settings, its draft length (the depth), its sampling."""
+    return ProposeCall("s", known_len, list(append), max_depth, temperature=temperature, seed=seed,
+                       tree=TreeSettings(budget, top_k, tuple(shape)))
 
 
-def build(lm, prompt, s: TreeSettings):
+def build(lm, prompt, s: ProposeCall):
     seq = Sequence("x", list(prompt))
     builder = TreeBuilder(lm, seq, s, dist_top_k=32)
     return builder, builder.build(), seq
@@ -124,17 +126,17 @@ def test_sampling_tree_is_drawn_without_replacement_and_accepted_by_the_target(p
 def test_bad_tree_settings_are_invalid_arguments(pair, bad, field):
     engine = DraftEngine(ModelDrafter(CausalLM(pair[1], CPU)))
     with pytest.raises(InvalidArgument) as info:
-        engine.propose_tree("s", 0, [1, 2, 3], settings(**bad))
+        engine.propose_tree(settings(**bad, append=[1, 2, 3]))
     assert info.value.field == field
 
 
 def test_ngram_drafter_sends_its_chain_as_a_tree():
     engine = DraftEngine(NgramDrafter())
-    tree = engine.propose_tree("s", 0, [1, 2, 3, 1, 2, 3, 1, 2], settings(budget=4, max_depth=3))
+    tree = engine.propose_tree(settings(budget=4, max_depth=3, append=[1, 2, 3, 1, 2, 3, 1, 2]))
     assert tree.parents == [-1, 0, 1] and tree.tokens == [3, 1, 2]
 
 
-def run_loop(pair, prompt, tree: TreeSpec | None, draft_length: int, adaptive: bool = False, sampling=GREEDY):
+def run_loop(pair, prompt, tree: TreeSettings | None, draft_length: int, adaptive: bool = False, sampling=GREEDY):
     target, draft = pair
     loop = SpeculativeLoop(LocalVerifier(TargetEngine(CausalLM(target, CPU))),
                            LocalProposer(DraftEngine(ModelDrafter(CausalLM(draft, CPU)))), None, MODEL_DRAFT_PRIOR)
@@ -148,8 +150,8 @@ def run_loop(pair, prompt, tree: TreeSpec | None, draft_length: int, adaptive: b
 
 
 @pytest.mark.parametrize("tree,draft_length,adaptive", [
-    (TreeSpec(4, 2), 4, False), (TreeSpec(12, 4), 6, False), (TreeSpec(32, 6), 8, True),
-    (TreeSpec(10, 4, (3, 2, 1, 1)), 5, False), (TreeSpec(64, 16, (4, 2, 2, 2, 1)), 8, False), (TreeSpec(1, 1), 3, False),
+    (TreeSettings(4, 2), 4, False), (TreeSettings(12, 4), 6, False), (TreeSettings(32, 6), 8, True),
+    (TreeSettings(10, 4, (3, 2, 1, 1)), 5, False), (TreeSettings(64, 16, (4, 2, 2, 2, 1)), 8, False), (TreeSettings(1, 1), 3, False),
 ])
 def test_greedy_tree_loop_matches_the_target_alone(pair, tree, draft_length, adaptive):
     accepted = drafted = 0
@@ -164,15 +166,15 @@ def test_trees_accept_more_per_target_pass_than_the_chain(pair):
     chain = tree = 0.0
     for prompt in prompts(6, seed=12):
         chain += run_loop(pair, prompt, None, 4)[1].mean_accepted_length
-        tree += run_loop(pair, prompt, TreeSpec(16, 4), 4)[1].mean_accepted_length
+        tree += run_loop(pair, prompt, TreeSettings(16, 4), 4)[1].mean_accepted_length
     assert tree > chain
 
 
 def test_sampling_tree_loop_runs_and_repeats_with_a_seed(pair):
     sampling = SamplingConfig(temperature=1.0, top_k=40, seed=21)
     prompt = prompts(2, seed=13)[1]
-    first, stats = run_loop(pair, prompt, TreeSpec(10, 3), 5, sampling=sampling)
-    second, _ = run_loop(pair, prompt, TreeSpec(10, 3), 5, sampling=sampling)
+    first, stats = run_loop(pair, prompt, TreeSettings(10, 3), 5, sampling=sampling)
+    second, _ = run_loop(pair, prompt, TreeSettings(10, 3), 5, sampling=sampling)
     assert first == second and len(first) == 24 or EOS in first
     assert stats.draft_tokens > 0
 
@@ -195,8 +197,8 @@ def test_sampled_trees_through_both_engines_follow_the_target_distribution(pair)
     counts = torch.zeros_like(q)
     trials = 2500
     for trial in range(trials):
-        tree = d_engine.propose_tree("s", len(prompt) if trial else 0, [] if trial else prompt,
-                                     settings(budget=6, top_k=3, max_depth=2, temperature=0.5, seed=trial))
+        tree = d_engine.propose_tree(settings(budget=6, top_k=3, max_depth=2, temperature=0.5, seed=trial,
+                                              known_len=len(prompt) if trial else 0, append=[] if trial else prompt))
         call = VerifyCall("s", len(prompt) if trial else 0, [] if trial else prompt, [], [],
                           dataclasses.replace(sampling, seed=trial), DraftTree(tree.parents, tree.tokens, tree.child_dists))
         result = t_engine.verify_tree(call)
@@ -218,7 +220,7 @@ def test_the_load_cap_bounds_tree_nodes_except_for_seeded_requests(pair, seeded)
     loop = SpeculativeLoop(LocalVerifier(TargetEngine(CausalLM(target, CPU))),
                            LocalProposer(DraftEngine(ModelDrafter(CausalLM(draft, CPU)))), cost_model, MODEL_DRAFT_PRIOR)
     prompt = prompts(1, seed=15)[0]
-    spec = GenerationSpec("r", list(prompt), 12, GREEDY, 4, False, frozenset({EOS}), seeded=seeded, tree=TreeSpec(12, 4))
+    spec = GenerationSpec("r", list(prompt), 12, GREEDY, 4, False, frozenset({EOS}), seeded=seeded, tree=TreeSettings(12, 4))
     stats = Stats()
 
     async def collect():

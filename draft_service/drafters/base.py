@@ -1,4 +1,4 @@
-"""What every drafter is to the draft engine: the `Drafter` protocol, and the values it trades in.
+"""What every drafter is to the draft engine: the `Drafter` protocol, and the proposals it makes.
 
 A drafter turns a synced sequence (the store's Sequence: canonical tokens, rolled back and caught
 up by the engine) into proposals, one token at a time, so the servicer can stream each token the
@@ -17,9 +17,10 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
-from draft_service.tree import TreeDraft, TreeSettings
+from draft_service.tree import TreeDraft
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
+from specdec.spec.request import ProposeCall
 from specdec.spec.tree import EMPTY_DIST, SparseDist
 
 
@@ -31,17 +32,6 @@ class Proposal:
     dist: SparseDist
     cumulative_prob: float
     compute_seconds: float
-
-
-@dataclasses.dataclass(frozen=True)
-class DraftSettings:
-    """One Propose call's asks: at most max_tokens, stopping where the chain's cumulative
-    probability falls under min_cumulative_prob; temperature 0 is greedy."""
-
-    max_tokens: int
-    min_cumulative_prob: float
-    temperature: float
-    seed: int
 
 
 @runtime_checkable
@@ -62,27 +52,29 @@ class Drafter(Protocol):
         canonical sequence). Drafters without features ignore them."""
         ...
 
-    def propose(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
-        """Drafts after seq.tokens, appending each token to it as it yields it (the next call's
-        known_len crops the ones the target rejected). `start`: the call's perf_counter() start."""
+    def propose(self, seq: Sequence, call: ProposeCall, start: float) -> Iterator[Proposal]:
+        """Drafts a chain after seq.tokens (at most call.draft_length tokens, stopping under
+        call.min_cumulative_prob), appending each token to it as it yields it (the next call's
+        known_len crops the ones the target rejected). The engine has synced the sequence and
+        handed over call.features (receive). `start`: the call's perf_counter() start."""
         ...
 
-    def propose_tree(self, seq: Sequence, settings: TreeSettings, start: float) -> TreeDraft:
-        """A tree of candidates after seq.tokens; a drafter that cannot branch sends its chain as a
-        one-branch tree (chain_tree)."""
+    def propose_tree(self, seq: Sequence, call: ProposeCall, start: float) -> TreeDraft:
+        """A tree of candidates after seq.tokens, shaped by call.tree, at most call.draft_length
+        deep; a drafter that cannot branch sends its chain as a one-branch tree (chain_tree)."""
         ...
 
-    def batches(self, settings: DraftSettings) -> bool:
+    def batches(self, call: ProposeCall) -> bool:
         """Whether this call can draft in forwards shared with other sequences (draft_service/
         batcher.py): only a drafter with ModelDrafter's begin/choose over an `lm` that batches."""
         ...
 
 
-def chain_tree(drafter: Drafter, seq: Sequence, settings: TreeSettings, start: float) -> TreeDraft:
+def chain_tree(drafter: Drafter, seq: Sequence, call: ProposeCall, start: float) -> TreeDraft:
     """The drafter's chain as a one-branch tree, for drafters that cannot branch. The drafted
     tokens stay in the sequence until the next call's known_len crops them, exactly as after a
     chain the target rejected."""
-    chain = DraftSettings(min(settings.budget, settings.max_depth), 0.0, settings.temperature, settings.seed)
+    chain = dataclasses.replace(call, draft_length=min(call.tree.budget, call.draft_length), min_cumulative_prob=0.0, tree=None)
     proposals = list(drafter.propose(seq, chain, start))
     dists = [p.dist for p in proposals]
     # every token drawn: each one's p, and none after the leaf; a chosen token anywhere: none at all (one-hot)

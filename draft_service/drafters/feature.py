@@ -20,13 +20,14 @@ from collections.abc import Iterator
 
 import torch
 
-from draft_service.drafters.base import DraftSettings, Proposal, chain_tree
+from draft_service.drafters.base import Proposal, chain_tree
 from draft_service.drafters.model import ModelDrafter
-from draft_service.tree import TreeDraft, TreeSettings
+from draft_service.tree import TreeDraft
 from specdec.model.feature_draft import FeatureDraft
 from specdec.errors import InvalidArgument
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, crop_to
+from specdec.spec.request import ProposeCall
 
 
 @dataclasses.dataclass
@@ -85,20 +86,20 @@ class FeatureDrafter(ModelDrafter):
         state.values[rows.start:rows.end] = rows.values.to(self.dtype)
         state.count = rows.end
 
-    def propose(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+    def propose(self, seq: Sequence, call: ProposeCall, start: float) -> Iterator[Proposal]:
         state = seq.side if isinstance(seq.side, FeatureState) else None
         if state is None or state.count == 0 or len(seq.tokens) < 2:
             return  # nothing to draft from yet: the first Verify brings the prompt's features
-        yield from self._draft(seq, state, settings, start)
+        yield from self._draft(seq, state, call, start)
 
-    def propose_tree(self, seq: Sequence, settings: TreeSettings, start: float) -> TreeDraft:
-        return chain_tree(self, seq, settings, start)
+    def propose_tree(self, seq: Sequence, call: ProposeCall, start: float) -> TreeDraft:
+        return chain_tree(self, seq, call, start)
 
-    def batches(self, settings: DraftSettings) -> bool:
+    def batches(self, call: ProposeCall) -> bool:
         return False  # its forwards are the feature draft's own, not the batcher's
 
     @torch.inference_mode()
-    def _draft(self, seq: Sequence, state: FeatureState, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+    def _draft(self, seq: Sequence, state: FeatureState, call: ProposeCall, start: float) -> Iterator[Proposal]:
         device = self.lm.device
         tokens = seq.tokens
         true_pairs = min(state.count, len(tokens) - 1)
@@ -119,7 +120,7 @@ class FeatureDrafter(ModelDrafter):
         try:
             for i in range(true_pairs, len(tokens) - 1):  # features lag the tokens: walk them with predictions
                 feature, logits = self.model(feature, torch.tensor([[tokens[i + 1]]], device=device), seq.cache, use_cache=True)
-            chain = self.begin(settings, start)
+            chain = self.begin(call, start)
             while True:
                 self.forwards += 1
                 proposal = self.choose(self.model.to_target_logits(logits[0, -1].float().cpu()), chain)

@@ -14,15 +14,16 @@ from collections.abc import Iterator
 
 import torch
 
-from draft_service.drafters.base import DraftSettings, Proposal
+from draft_service.drafters.base import Proposal
 from draft_service.drafters.staged import draft_staged
-from draft_service.tree import TreeBuilder, TreeDraft, TreeSettings
+from draft_service.tree import TreeBuilder, TreeDraft
 from specdec.forward.batching import batchable
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import truncated_probs
 from specdec.spec.tree import EMPTY_DIST
+from specdec.spec.request import ProposeCall
 
 
 class ModelDrafter:
@@ -52,23 +53,23 @@ class ModelDrafter:
     def receive(self, seq: Sequence, features: FeatureRows | None) -> None:
         """A plain model draft reads no target features."""
 
-    def propose(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
-        if self.staged and settings.temperature == 0:
-            return draft_staged(self, seq, settings, start)
-        return self._draft(seq, settings, start)
+    def propose(self, seq: Sequence, call: ProposeCall, start: float) -> Iterator[Proposal]:
+        if self.staged and call.temperature == 0:
+            return draft_staged(self, seq, call, start)
+        return self._draft(seq, call, start)
 
-    def propose_tree(self, seq: Sequence, settings: TreeSettings, start: float) -> TreeDraft:
-        return TreeBuilder(self.lm, seq, settings, self.top_k).build()
+    def propose_tree(self, seq: Sequence, call: ProposeCall, start: float) -> TreeDraft:
+        return TreeBuilder(self.lm, seq, call, self.top_k).build()
 
-    def batches(self, settings: DraftSettings) -> bool:
+    def batches(self, call: ProposeCall) -> bool:
         """A plain model draft over a model whose caches line up position by position, unless it
         is staged and greedy (staged drafting speculates its own forwards)."""
         if self._batchable is None:
             self._batchable = batchable(self.lm)
-        return self._batchable and not (self.staged and settings.temperature == 0)
+        return self._batchable and not (self.staged and call.temperature == 0)
 
-    def _draft(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
-        state = self.begin(settings, start)
+    def _draft(self, seq: Sequence, call: ProposeCall, start: float) -> Iterator[Proposal]:
+        state = self.begin(call, start)
         self.forwards += 1
         logits = self.lm.forward(seq, keep=1)[0]  # [V]; feeds the catch-up tokens
         while (proposal := self.choose(logits, state)) is not None:
@@ -79,8 +80,8 @@ class ModelDrafter:
             self.forwards += 1
             logits = self.lm.forward(seq, keep=1)[0]
 
-    def begin(self, settings: DraftSettings, start: float) -> ChainState:
-        return ChainState(settings, start, torch.Generator().manual_seed(settings.seed))
+    def begin(self, call: ProposeCall, start: float) -> ChainState:
+        return ChainState(call, start, torch.Generator().manual_seed(call.seed))
 
     def choose(self, logits: torch.Tensor, state: ChainState) -> Proposal | None:
         """The next draft token from the logits [V] that follow the chain so far; None: stop here.
@@ -96,24 +97,24 @@ class ModelDrafter:
         drawn depends only on tokens 1..i. Greedy tokens are no draw, so there the token that
         would fall under the threshold is left out, which is cheaper and harmless.
         """
-        settings = state.settings
+        call = state.call
         if state.done:
             return None
-        if settings.temperature == 0:
+        if call.temperature == 0:
             token = int(logits.argmax())
             prob = float(torch.softmax(logits.float(), dim=-1)[token])  # the draft's confidence
-            if state.cumulative * prob < settings.min_cumulative_prob:
+            if state.cumulative * prob < call.min_cumulative_prob:
                 state.stopped = True  # not confident enough: verifying it would likely waste the slot
                 return None
             dist = EMPTY_DIST
         else:
-            top_ids, top_probs = truncated_probs(logits, settings.temperature, self.top_k)
+            top_ids, top_probs = truncated_probs(logits, call.temperature, self.top_k)
             choice = int(torch.multinomial(top_probs, 1, generator=state.generator))
             token, prob = int(top_ids[choice]), float(top_probs[choice])
             dist = (top_ids.tolist(), top_probs.tolist())
         state.cumulative *= prob
         state.drafted += 1
-        if state.cumulative < settings.min_cumulative_prob:
+        if state.cumulative < call.min_cumulative_prob:
             state.stopped = True  # decided from tokens 1..i, before token i+1 is drawn
         return Proposal(token, dist, state.cumulative, time.perf_counter() - state.start)
 
@@ -122,7 +123,7 @@ class ModelDrafter:
 class ChainState:
     """One Propose call's drafting state between forwards."""
 
-    settings: DraftSettings
+    call: ProposeCall
     start: float
     generator: torch.Generator
     cumulative: float = 1.0
@@ -132,7 +133,7 @@ class ChainState:
     @property
     def done(self) -> bool:
         """No further token is to be drawn: the stop fired or the proposal is full."""
-        return self.stopped or self.drafted >= self.settings.max_tokens
+        return self.stopped or self.drafted >= self.call.draft_length
 
 
 def load_pruned_drafter(folder, device: str = "auto", dtype: str = "auto", top_k: int = 32, staged: bool = False) -> ModelDrafter:

@@ -22,12 +22,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from draft_service.drafters.base import DraftSettings, Proposal, chain_tree
-from draft_service.tree import TreeDraft, TreeSettings
+from draft_service.drafters.base import Proposal, chain_tree
+from draft_service.tree import TreeDraft
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
 from specdec.spec.lookup import MatchCalibration, NgramIndex
 from specdec.spec.tree import EMPTY_DIST
+from specdec.spec.request import ProposeCall
 
 
 class NgramDrafter:
@@ -54,14 +55,14 @@ class NgramDrafter:
     def receive(self, seq: Sequence, features: FeatureRows | None) -> None:
         """Prompt lookup reads no target features."""
 
-    def propose_tree(self, seq: Sequence, settings: TreeSettings, start: float) -> TreeDraft:
+    def propose_tree(self, seq: Sequence, call: ProposeCall, start: float) -> TreeDraft:
         """One guess per position: its tree is its chain."""
-        return chain_tree(self, seq, settings, start)
+        return chain_tree(self, seq, call, start)
 
-    def batches(self, settings: DraftSettings) -> bool:
+    def batches(self, call: ProposeCall) -> bool:
         return False  # no forwards to share
 
-    def propose(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+    def propose(self, seq: Sequence, call: ProposeCall, start: float) -> Iterator[Proposal]:
         """Each token's cumulative_prob is the calibrated chance that it and every token before it
         are right (MatchCalibration), which the coordinator weighs against the target's cost of
         checking them. The distribution sent for sampling stays one-hot: the token is certain."""
@@ -71,12 +72,12 @@ class NgramDrafter:
         self._learn(index, seq.tokens)
         index.extend(seq.tokens[seq.cached:])
         seq.cached = len(seq.tokens)  # drafted tokens below are not indexed; a rejection crops nothing
-        proposal, n = index.propose(settings.max_tokens)
+        proposal, n = index.propose(call.draft_length)
         if proposal:
             index.last = (len(seq.tokens), seq.tokens[-1], proposal, n)
         for token, cumulative in zip(proposal, self.calibration.survival(n, len(proposal))):
             seq.tokens.append(token)
-            one_hot = ([token], [1.0]) if settings.temperature > 0 else EMPTY_DIST
+            one_hot = ([token], [1.0]) if call.temperature > 0 else EMPTY_DIST
             yield Proposal(token, one_hot, cumulative, time.perf_counter() - start)
 
     def _learn(self, index: NgramIndex, tokens: list[int]) -> None:
@@ -91,11 +92,11 @@ class NgramDrafter:
             index.last = None
 
 
-def ngram_propose(tokens: list[int], max_tokens: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+def ngram_propose(tokens: list[int], draft_length: int, max_n: int = 4, min_n: int = 1) -> list[int]:
     """Continuation of the most recent earlier match of the longest suffix n-gram (n from max_n down).
 
-    Returns at most max_tokens tokens; [] when no suffix of length >= min_n occurred before.
+    Returns at most draft_length tokens; [] when no suffix of length >= min_n occurred before.
     """
     index = NgramIndex(max_n, min_n)
     index.extend(tokens)
-    return index.propose(max_tokens)[0]
+    return index.propose(draft_length)[0]

@@ -29,14 +29,15 @@ from collections.abc import Iterator
 
 import torch
 
-from draft_service.drafters.base import DraftSettings, Proposal, chain_tree
-from draft_service.tree import TreeDraft, TreeSettings
+from draft_service.drafters.base import Proposal, chain_tree
+from draft_service.tree import TreeDraft
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import truncated_probs
 from specdec.model.vocab import VocabMap, common_prefix, incomplete_tail, is_char_start
 from specdec.spec.tree import EMPTY_DIST
+from specdec.spec.request import ProposeCall
 
 # Draft tokens re-tokenized behind the first changed byte: a new token can merge with a few before it.
 LOOK_BEHIND = 3
@@ -142,32 +143,32 @@ class CrossVocabDrafter:
     def receive(self, seq: Sequence, features: FeatureRows | None) -> None:
         """A draft in another vocabulary reads no target features."""
 
-    def propose_tree(self, seq: Sequence, settings: TreeSettings, start: float) -> TreeDraft:
+    def propose_tree(self, seq: Sequence, call: ProposeCall, start: float) -> TreeDraft:
         """Its tokens come from re-tokenized text, not one draft position each: a chain only."""
-        return chain_tree(self, seq, settings, start)
+        return chain_tree(self, seq, call, start)
 
-    def batches(self, settings: DraftSettings) -> bool:
+    def batches(self, call: ProposeCall) -> bool:
         return False  # its forwards run over its own vocabulary's sequence, not the store's
 
-    def propose(self, seq: Sequence, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+    def propose(self, seq: Sequence, call: ProposeCall, start: float) -> Iterator[Proposal]:
         state = self.state(seq)
         if state.synced != len(state.text) or len(state.draft_text) != len(state.text) or not state.draft.tokens:
             return  # the draft cannot represent the canonical text exactly: nothing to build on
-        if settings.temperature == 0:
-            yield from self._greedy(seq, state, settings, start)
+        if call.temperature == 0:
+            yield from self._greedy(seq, state, call, start)
         else:
-            yield from self._sample(seq, state, settings, start)
+            yield from self._sample(seq, state, call, start)
 
-    def _sample(self, seq: Sequence, state: CrossState, settings: DraftSettings, start: float) -> Iterator[Proposal]:
-        generator = torch.Generator().manual_seed(settings.seed)
+    def _sample(self, seq: Sequence, state: CrossState, call: ProposeCall, start: float) -> Iterator[Proposal]:
+        generator = torch.Generator().manual_seed(call.seed)
         cumulative = 1.0
-        for _ in range(settings.max_tokens):
-            if cumulative < settings.min_cumulative_prob:
+        for _ in range(call.draft_length):
+            if cumulative < call.min_cumulative_prob:
                 return  # decided before the draw: a cut by the drawn token's own p would bias it (ModelDrafter.choose)
             logits = self.lm.forward(state.draft, keep=1)[0]  # [V_draft]
             masked = logits.masked_fill(~self.allowed[: logits.shape[-1]], float("-inf"))  # [V_draft]
             k = min(self.top_k, int(self.allowed[: logits.shape[-1]].sum()))
-            top_ids, top_probs = truncated_probs(masked, settings.temperature, k)  # [k], [k]
+            top_ids, top_probs = truncated_probs(masked, call.temperature, k)  # [k], [k]
             choice = int(torch.multinomial(top_probs, 1, generator=generator))
             token, prob = int(top_ids[choice]), float(top_probs[choice])
             cumulative *= prob
@@ -177,18 +178,18 @@ class CrossVocabDrafter:
             yield Proposal(target, (self.to_target[top_ids].tolist(), top_probs.tolist()), cumulative,
                            time.perf_counter() - start)
 
-    def _greedy(self, seq: Sequence, state: CrossState, settings: DraftSettings, start: float) -> Iterator[Proposal]:
+    def _greedy(self, seq: Sequence, state: CrossState, call: ProposeCall, start: float) -> Iterator[Proposal]:
         anchor = len(state.text)  # drafted text starts here
         context = self._target_context(state)
         proposed: list[int] = []
         cumulative = 1.0
         # A target token needs the text of the next one to be settled; the draft's tokens are about
         # as long as the target's, so twice as many draft steps plus a few is plenty.
-        for _ in range(2 * settings.max_tokens + 4):
+        for _ in range(2 * call.draft_length + 4):
             logits = self.lm.forward(state.draft, keep=1)[0]  # [V_draft]
             token = int(logits.argmax())
             cumulative *= float(torch.softmax(logits.float(), dim=-1)[token])
-            if cumulative < settings.min_cumulative_prob:
+            if cumulative < call.min_cumulative_prob:
                 break
             final = token in self.stop_ids  # the draft says its text ends here
             if not final or self.vocab.draft.piece(token) in self.shared_specials:
@@ -196,11 +197,11 @@ class CrossVocabDrafter:
             settled = self._settled(state, anchor, context, final)
             if settled is None or settled[: len(proposed)] != proposed:
                 return  # the text cannot be said in target tokens, or an earlier boundary moved
-            for target in settled[len(proposed): settings.max_tokens]:
+            for target in settled[len(proposed): call.draft_length]:
                 proposed.append(target)
                 seq.tokens.append(target)
                 yield Proposal(target, EMPTY_DIST, cumulative, time.perf_counter() - start)
-            if final or len(proposed) >= settings.max_tokens:
+            if final or len(proposed) >= call.draft_length:
                 return
 
     def _target_context(self, state: CrossState) -> int:

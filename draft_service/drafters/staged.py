@@ -20,10 +20,11 @@ from collections.abc import Iterator
 
 import torch
 
-from draft_service.drafters.base import DraftSettings, Proposal
+from draft_service.drafters.base import Proposal
 from specdec.spec.lookup import NgramIndex
 from specdec.kv.store import Sequence
 from specdec.spec.tree import EMPTY_DIST
+from specdec.spec.request import ProposeCall
 
 MAX_GUESS = 8  # guessed positions per draft forward: past a few, a wrong guess only costs compute
 
@@ -40,7 +41,7 @@ def _index(seq: Sequence, max_n: int) -> NgramIndex:
     return index
 
 
-def draft_staged(drafter, seq: Sequence, settings: DraftSettings, start: float, max_n: int = 4) -> Iterator[Proposal]:
+def draft_staged(drafter, seq: Sequence, call: ProposeCall, start: float, max_n: int = 4) -> Iterator[Proposal]:
     """The draft's greedy proposals (same tokens as ModelDrafter._draft at temperature 0)."""
     lm = drafter.lm
     index = _index(seq, max_n)
@@ -48,16 +49,16 @@ def draft_staged(drafter, seq: Sequence, settings: DraftSettings, start: float, 
     drafter.forwards += 1
     logits = lm.forward(seq, keep=1)[0]  # [V]; feeds the catch-up tokens
     queued: list[torch.Tensor] = []  # logits already computed for the next positions (accepted guesses)
-    for i in range(settings.max_tokens):
+    for i in range(call.draft_length):
         token = int(logits.argmax())
         prob = float(torch.softmax(logits.float(), dim=-1)[token])
         cumulative *= prob
-        if cumulative < settings.min_cumulative_prob:
+        if cumulative < call.min_cumulative_prob:
             return
         seq.tokens.append(token)
         index.append(token)
         yield Proposal(token, EMPTY_DIST, cumulative, time.perf_counter() - start)
-        left = settings.max_tokens - i - 1
+        left = call.draft_length - i - 1
         if not left:
             return
         if queued:

@@ -1,7 +1,9 @@
-"""Whether a Verify request may be computed: the one copy of its checks, run by the target engine on
-each row before any forward, and whose token check the coordinator's validator runs on a prompt, so
-a client sees the same refusal from either. Each check raises InvalidArgument naming the wire's field
-(`draft_dists[2]`, `draft_tree.parents[3]`); they run in field order, so the first bad one is named."""
+"""Whether a Propose or a Verify may be computed: the one copy of each call's checks. The target
+engine runs a Verify's on each row before any forward (and the coordinator's validator its token
+check on a prompt, so a client sees the same refusal from either); the draft engine runs a
+Propose's before it syncs the sequence. Each check raises InvalidArgument naming the wire's field
+(`draft_dists[2]`, `draft_tree.parents[3]`, `max_tokens` for a ProposeCall's draft_length); they run
+in field order, so the first bad one is named."""
 
 from __future__ import annotations
 
@@ -9,13 +11,14 @@ import math
 from collections.abc import Sequence
 
 from specdec.errors import InvalidArgument
-from specdec.limits import (MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_LOOKUP_SOURCE, MAX_TREE_NODES,
-                            MAX_VERIFY_POSITIONS)
-from specdec.spec.request import VerifyCall
-from specdec.spec.sampling import check_sampling
-from specdec.spec.tree import SparseDist, check_parents
+from specdec.limits import (MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_LOOKUP_SOURCE, MAX_TREE_DEPTH,
+                            MAX_TREE_NODES, MAX_VERIFY_POSITIONS)
+from specdec.spec.request import ProposeCall, VerifyCall
+from specdec.spec.sampling import check_sampling, check_temperature
+from specdec.spec.tree import SparseDist, check_parents, check_tree_bounds
 from specdec.spec.treeplan import draft_probs
 
+TREE_FIELDS = {"budget": "tree.budget", "top_k": "tree.top_k", "shape": "tree.shape"}  # ProposeTreeRequest's
 NOT_A_DISTRIBUTION = "needs distinct in-vocabulary ids, one prob each, in [0, 1], summing to 1"
 
 
@@ -42,6 +45,22 @@ def check_dist(field: str, dist: SparseDist, vocab: int) -> None:
         raise InvalidArgument(field, NOT_A_DISTRIBUTION)
 
 
+def check_propose_call(call: ProposeCall, vocab: int) -> None:
+    """Every check of one Propose against a draft of `vocab` tokens (0: it takes any id). The
+    draft length is the wire's `max_tokens` for a chain and `tree.max_depth` for a tree."""
+    if call.tree is None:
+        if not 0 <= call.draft_length <= MAX_DRAFT_TOKENS:
+            raise InvalidArgument("max_tokens", f"must be in [0, {MAX_DRAFT_TOKENS}], got {call.draft_length}")
+    else:
+        tree = call.tree
+        check_tree_bounds(tree.budget, tree.top_k, tree.shape, TREE_FIELDS, check_top_k=not tree.shape)
+        if not 1 <= call.draft_length <= MAX_TREE_DEPTH:
+            raise InvalidArgument("tree.max_depth", f"must be in [1, {MAX_TREE_DEPTH}], got {call.draft_length}")
+    check_temperature(call.temperature)
+    if vocab and any(not 0 <= t < vocab for t in call.append):
+        raise InvalidArgument("append_tokens", f"token ids must be in the draft's vocabulary [0, {vocab})")
+
+
 def check_verify_call(call: VerifyCall, vocab: int, has_features: bool = True) -> None:
     """Every check of one Verify against a target of `vocab` tokens; `has_features`: whether that
     target can return hidden states (return_features)."""
@@ -58,9 +77,9 @@ def check_verify_call(call: VerifyCall, vocab: int, has_features: bool = True) -
         raise InvalidArgument("decode_ahead", "is for chains: a draft_tree cannot decode ahead")
     if not 0 <= call.decode_ahead_passes <= MAX_DECODE_AHEAD:
         raise InvalidArgument("decode_ahead_passes", f"must be in [0, {MAX_DECODE_AHEAD}], got {call.decode_ahead_passes}")
-    if not 0 <= call.lookup_max_tokens <= MAX_DRAFT_TOKENS:
-        raise InvalidArgument("lookup_max_tokens", f"must be in [0, {MAX_DRAFT_TOKENS}], got {call.lookup_max_tokens}")
-    if call.lookup_max_tokens and (call.return_features or call.tree is not None):
+    if not 0 <= call.lookup_draft_length <= MAX_DRAFT_TOKENS:
+        raise InvalidArgument("lookup_max_tokens", f"must be in [0, {MAX_DRAFT_TOKENS}], got {call.lookup_draft_length}")
+    if call.lookup_draft_length and (call.return_features or call.tree is not None):
         raise InvalidArgument("lookup_max_tokens", "is for chains without return_features (a feature draft drafts for itself)")
     if len(call.lookup_costs) > MAX_VERIFY_POSITIONS or not all(0 < c < math.inf for c in call.lookup_costs):
         raise InvalidArgument("lookup_costs", f"at most {MAX_VERIFY_POSITIONS} values, each positive and finite")

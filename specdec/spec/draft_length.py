@@ -86,7 +86,7 @@ class AcceptanceMemory:
 class DraftLengthPolicy:
     """One request's adaptive state. `plan()` before a step, `observe()` after it."""
 
-    max_length: int
+    draft_length: int  # the request's: the most a step drafts (0: speculation off)
     cost_model: CostModel | None = None  # None: use static priors (seeded requests)
     prior: Costs = MODEL_DRAFT_PRIOR
     adaptive: bool = True
@@ -126,7 +126,7 @@ class DraftLengthPolicy:
         return self.accepted_weight / (self.accepted_weight + self.rejected_weight)
 
     def plan(self) -> tuple[int, float]:
-        """(max draft tokens, min cumulative probability) for the next step.
+        """(draft length, min cumulative probability) for the next step.
 
         Called for every step of every running request on the coordinator's one event loop, and
         a batched target pass waits for all of them: a step that will not draft must cost what a
@@ -140,16 +140,16 @@ class DraftLengthPolicy:
         """
         self.capped = False
         self.probing = False  # only the step a probe drafts may back the probes off (observe())
-        if not self.adaptive or self.max_length == 0:
-            return self.max_length, 0.0
+        if not self.adaptive or self.draft_length == 0:
+            return self.draft_length, 0.0
         if self.rest:
             self.rest -= 1
             self.idle = False
             return 0, self.threshold
-        max_length = self.max_length
+        cap = self.draft_length
         if self.cost_model is not None and self.cost_model.draft_cap is not None:
-            max_length = min(max_length, self.cost_model.draft_cap())  # speculation shrinks as the batch fills
-        if max_length == 0:
+            cap = min(cap, self.cost_model.draft_cap())  # speculation shrinks as the batch fills
+        if cap == 0:
             # Speculation off by load (said in the response statistics and metrics). Not a probe
             # either: one could not draft, and an empty probe would back the real ones off.
             self.capped, self.idle = True, False
@@ -159,8 +159,8 @@ class DraftLengthPolicy:
             return 0, self.threshold
         self.idle = False
         costs = self.cost_model.costs() if self.cost_model is not None else self.prior
-        gamma = best_length(self.acceptance, costs, max_length)
-        if gamma == 0:
+        draft_length = best_length(self.acceptance, costs, cap)
+        if draft_length == 0:
             # Not drafting is best at the acceptance seen so far; draft once in a while anyway, or
             # the estimate could never recover when the text turns predictable. Probes that find
             # nothing come ever more rarely (up to every 8 * 4 steps).
@@ -169,10 +169,10 @@ class DraftLengthPolicy:
                 self.idle = True
                 return 0, self.threshold
             self.probing = True
-            gamma = min(max_length, PROBE_LENGTH)
+            draft_length = min(cap, PROBE_LENGTH)
         else:
             self.probe_every = self.min_probe_every
-        return gamma, self.threshold
+        return draft_length, self.threshold
 
     def quiet_steps(self) -> int | None:
         """Steps after the one just planned that will not draft (None: as many as the coordinator
@@ -181,7 +181,7 @@ class DraftLengthPolicy:
         off, and when the load cap left no room: such a step is a step without speculation, and a
         target decodes ahead only for a sequence running alone, which the cap no longer holds back.
         The idle count assumes the acceptance stays where it is, which only a drafting step could change."""
-        if self.max_length == 0:
+        if self.draft_length == 0:
             return None
         if not self.adaptive:
             return 0

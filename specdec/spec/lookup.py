@@ -1,7 +1,7 @@
 """Prompt lookup over a sequence's own tokens, the part both services use.
 
 The draft service drafts with it (draft_service/drafters/ngram.py), and the target drafts with it
-itself on the passes that have no draft of their own (target_service/engine.py, VerifyCall.lookup_max_tokens): an
+itself on the passes that have no draft of their own (target_service/engine.py, VerifyCall.lookup_draft_length): an
 n-gram draft then costs no exchange with a draft service or with the coordinator, the round trip
 that dominates a step once the forward itself is fast. Pure Python over token ids: no model, no gRPC.
 """
@@ -74,7 +74,7 @@ class NgramIndex:
                 else:
                     self._next[key] = previous
 
-    def propose(self, max_tokens: int) -> tuple[list[int], int]:
+    def propose(self, draft_length: int) -> tuple[list[int], int]:
         """(continuation, n of the matched suffix): longest suffix first, its most recent occurrence;
         n + max_n where the match is in the source.
 
@@ -83,18 +83,18 @@ class NgramIndex:
         the output is drafted at full length.
         """
         length = len(self.tokens)
-        if max_tokens <= 0:
+        if draft_length <= 0:
             return [], 0
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             start = self._next.get(tuple(self.tokens[length - n:]))
             if start is not None and start < 0:  # in the source: its continuation, as far as it goes,
                 # and its match counted as n + max_n: a prediction's chances are learned apart
                 # (MatchCalibration) from the sequence's own repeats, which other requests draft by
-                return list(self.source[~start: ~start + max_tokens]), n + self.max_n
+                return list(self.source[~start: ~start + draft_length]), n + self.max_n
             if start is not None:
-                out = self.tokens[start: start + max_tokens]
+                out = self.tokens[start: start + draft_length]
                 period = length - start
-                while len(out) < max_tokens:
+                while len(out) < draft_length:
                     out.append(out[len(out) - period])
                 return out, n
         return [], 0
@@ -167,17 +167,17 @@ def best_cut(confidence: list[float], relative: list[float] | tuple[float, ...])
     return best
 
 
-def relative_costs(costs: Costs, max_tokens: int) -> tuple[float, ...]:
-    """V(n) / V(1) for n = 1..max_tokens + 1: what VerifyCall.lookup_costs carries."""
+def relative_costs(costs: Costs, draft_length: int) -> tuple[float, ...]:
+    """V(n) / V(1) for n = 1..draft_length + 1: what VerifyCall.lookup_costs carries."""
     v = costs.verify
-    return tuple(v[min(n, len(v)) - 1] / v[0] for n in range(1, max_tokens + 2))
+    return tuple(v[min(n, len(v)) - 1] / v[0] for n in range(1, draft_length + 2))
 
 
-def lookup_draft(index: NgramIndex, calibration: MatchCalibration, max_tokens: int, relative: tuple[float, ...],
+def lookup_draft(index: NgramIndex, calibration: MatchCalibration, draft_length: int, relative: tuple[float, ...],
                  room: int) -> tuple[list[int], list[int], int]:
     """(draft, the whole proposal, n of its match): what `index` proposes after its longest matched
     suffix, cut by `calibration`'s chances and the `relative` costs; ([], [], 0) without a match."""
-    proposal, n = index.propose(min(max_tokens, room))
+    proposal, n = index.propose(min(draft_length, room))
     if not n:
         return [], [], 0
     return proposal[: best_cut(calibration.survival(n, len(proposal)), relative)], proposal, n

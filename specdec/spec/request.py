@@ -1,7 +1,8 @@
-"""One Verify request and its result, the two types every layer passes: the coordinator's loop
-builds the call, its gRPC client translates it to the protobuf and the target's servicer back, and
-the in-process verifier (coordinator/local.py) hands it straight to the target engine; the result
-goes back the same way (its translations: specdec/serving/wire.py). No gRPC here."""
+"""The two calls of a step, Propose and Verify, and the Verify's result: the types every layer
+passes. The coordinator's loop (or a target's drafted run) builds a call, its gRPC client
+translates it to the protobuf and the service's servicer back, and the in-process proposer and
+verifier (coordinator/local.py) hand it straight to the engine; the result goes back the same way.
+Every translation sits in specdec/serving/wire.py. No gRPC here."""
 
 from __future__ import annotations
 
@@ -10,6 +11,42 @@ from typing import Any
 
 from specdec.spec.sampling import SamplingConfig, TokenLogprob
 from specdec.spec.tree import DraftTree, SparseDist
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSettings:
+    """How a request drafts trees, end to end (the request's validation, the coordinator's loop, the
+    wire's TreeParams, the draft's TreeBuilder): at most `budget` nodes, `top_k` children per
+    expanded node (dynamic), or `shape[d]` children per node at depth d (static). How deep a tree
+    goes is not here: the draft length caps it, as it caps a chain (ProposeCall.draft_length)."""
+
+    budget: int
+    top_k: int = 4
+    shape: tuple[int, ...] = ()  # empty: dynamic
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposeCall:
+    """One ask of the draft: the tokens it has not seen (`append`, past the `known_len` it holds),
+    then a chain of at most `draft_length` tokens, or a tree (`tree`) at most `draft_length` deep.
+
+    Why one type with an optional tree, not a second call type: a tree ask differs from a chain's
+    by its shape alone (its depth is the same draft length, its sampling the same temperature and
+    seed), as a Verify of a tree differs from a chain's by `VerifyCall.tree`. The wire keeps two
+    RPCs (Propose streams tokens, ProposeTree answers one tree); the translations pick by `tree`."""
+
+    sequence_id: str
+    known_len: int
+    append: list[int]
+    draft_length: int  # chains: most tokens; trees: deepest level (wire: max_tokens, TreeParams.max_depth)
+    # chains: stop once the product of the drafted tokens' probabilities falls under this (0: never)
+    min_cumulative_prob: float = 0.0
+    temperature: float = 0.0  # the draft's; 0 proposes its argmax with p = 1
+    seed: int = 0  # this call's draws (derived from the request's seed and position: specdec/spec/sampling.py)
+    # chains, for a feature draft: the target's hidden states it does not hold yet, a FeatureRows
+    # (specdec/model/features.py), which the maths may not import
+    features: Any = None
+    tree: TreeSettings | None = None  # a tree proposal instead of a chain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +68,7 @@ class VerifyCall:
     # on each pass without a draft of its own (this one's if draft_tokens is empty, each one decoded
     # ahead), the target drafts by prompt lookup over the sequence's own tokens, at most this many
     # tokens, cut where the expected tokens per unit of `lookup_costs` peak (specdec/spec/lookup.py)
-    lookup_max_tokens: int = 0
+    lookup_draft_length: int = 0  # wire: lookup_max_tokens
     lookup_costs: tuple[float, ...] = ()  # V(n) / V(1) for n = 1, 2, ...; empty: no cut
     decode_ahead_passes: int = 0  # with decode_ahead: at most this many passes after this one (0: decode_ahead's tokens bound them)
     lookup_source: tuple[int, ...] = ()  # tokens the lookup drafts from besides the sequence's (a predicted output)
@@ -66,7 +103,7 @@ class VerifyResult:
     decoded: tuple[int, ...] = ()  # decode_ahead: tokens decoded after next_token (the last one is pending)
     logprobs: tuple[TokenLogprob, ...] = ()  # asked for: one per token made canonical (accepted, next, decoded)
     ahead_passes: int = 0  # decode_ahead: the forwards it took (fewer than len(decoded) when lookup drafts were accepted)
-    ahead_drafted: int = 0  # lookup_max_tokens: tokens the target drafted for itself (this pass's too, when it drafted it)
+    ahead_drafted: int = 0  # lookup_draft_length: tokens the target drafted for itself (this pass's too, when it drafted it)
     ahead_accepted: int = 0  # of which it accepted
     predicted_drafted: int = 0  # of ahead_drafted, tokens from a predicted output (VerifyCall.lookup_source)
     predicted_accepted: int = 0  # of which it accepted
@@ -79,5 +116,5 @@ class VerifyResult:
     @property
     def passes(self) -> int:
         """Target forwards this Verify took."""
-        # A target that does not say (before lookup_max_tokens) took one per decoded token.
+        # A target that does not say (before lookup_draft_length) took one per decoded token.
         return 1 + (self.ahead_passes if self.ahead_passes or self.ahead_drafted else len(self.decoded))
