@@ -471,7 +471,7 @@ def run(args: argparse.Namespace) -> dict:
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="specdec-loadtest-"))
     if args.quick:
-        from specdec_tools.bench import quick_models
+        from specdec_tools.bench_runners import quick_models
 
         # A random model's logits are nearly flat, so the usual 8% noise flips most argmaxes and
         # n-gram drafting over 16 random tokens rarely matches: with either, the speculative runs
