@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from specdec_tools.distill import _progress, chat_ids, data_dir, load_corpus, make_prompts, target_eos, train_loop
+from specdec_tools.distill_prompts import chat_ids, load_corpus, make_prompts, target_eos
+from specdec_tools.distill_training import _progress, data_dir, train_loop
 from specdec.model.hfcache import cache_kwargs
 from specdec.kv.store import crop_to
 from specdec.model.feature_draft import FeatureDraft, init_from_target, save_feature_draft
