@@ -25,7 +25,9 @@ from specdec.serving.carriers import Carriers
 from specdec.model.features import FeatureRows
 from specdec.spec.sampling import check_temperature
 from specdec.errors import SpecdecError
-from specdec.serving.rpc import EngineHost, Server, rpc_method
+from specdec.serving.engine_host import EngineHost
+from specdec.serving.rpc import rpc_method
+from specdec.serving.server import Server
 
 log = structlog.get_logger(__name__)
 _DONE = object()
