@@ -14,7 +14,7 @@ import structlog
 
 from coordinator.clients import DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
-from coordinator.loop import releases_done
+from coordinator.releases import releases_done
 from coordinator.readiness import BackendHealth
 from coordinator.servicer import CoordinatorServicer
 from coordinator.validate import bearer, token_matches
