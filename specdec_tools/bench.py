@@ -97,6 +97,7 @@ class Result:
     curves: list[planlib.CostCurve] = dataclasses.field(default_factory=list)  # V(n) right before and after each pass
 
 
+# --- measurements the analytic model needs --------------------------------------------------------
 
 @torch.inference_mode()
 def measure_cost_curve(lm, context: list[int], ns: list[int], repeats: int = 5) -> planlib.CostCurve:

@@ -14,6 +14,7 @@ from specdec.errors import Unavailable
 log = structlog.get_logger(__name__)
 
 
+# The longest wait between two sweeps for idle sequences: a short --idle-timeout-s is swept every
 # quarter of itself, a long one (the default) at most this late.
 MAX_SWEEP_INTERVAL_S = 30.0
 

@@ -25,6 +25,7 @@ from specdec.serving.rpc import CHANNEL_OPTIONS, KEEPALIVE_OPTIONS
 log = structlog.get_logger(__name__)
 
 
+# A connection closed for its age keeps its calls this long: a sequence's session stream lives as long
 # as its generation, and is cut (then re-opened by the coordinator) only past this.
 CONNECTION_AGE_GRACE_S = 3600.0
 
