@@ -1,5 +1,5 @@
 """What one full garbage collection costs in a process holding the loaded target, before and after
-specdec.serving.rpc.settle_heap (what a `specdec serve` process does once serving).
+specdec.serving.server.settle_heap (what a `specdec serve` process does once serving).
 
     .venv/bin/python benchmarks/gc_pause.py [--weights gguf-a8]
 """
@@ -19,7 +19,7 @@ def main() -> None:
     from specdec.model import gemm
     from specdec.model.lm import CausalLM
     from specdec.model.loading import DEFAULT_TARGET, load_model
-    from specdec.serving.rpc import settle_heap
+    from specdec.serving.server import settle_heap
 
     loaded = load_model(DEFAULT_TARGET, "cpu")
     gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, args.weights, loaded.path)

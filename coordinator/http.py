@@ -14,181 +14,42 @@ queued or running, so abandoned requests hold no running slot and no sequence.
 The request id is the client's `X-Request-Id` header when it sends one (else a fresh one): it is
 the id in the logs, the response's `id` ("cmpl-<id>") and its `X-Request-Id` header, so one id
 follows a request from the client through the coordinator to both services' logs.
+
+The routes are here; the refusals in OpenAI's envelope are http_errors.py, the replies' shapes
+http_replies.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import time
 import uuid
-from collections.abc import Awaitable
-from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 import structlog
 
 from coordinator import bodies
 from coordinator import openai_schema as schema
-from coordinator.bodies import InvalidBody
+from coordinator.http_errors import REFUSALS, ClientGone, _location, error, failed, gone, read_body, refused, unless_gone
+from coordinator.http_replies import Logprobs, Reply, StallingStream
 from coordinator.policy.admission import client_key
 from coordinator.validate import bearer, check_request_id, token_matches
-from specdec.errors import InvalidArgument, Overloaded, SpecdecError, Unavailable
+from specdec.errors import InvalidArgument, SpecdecError, Unavailable
 from specdec.serving.logs import bind_request
 from specdec.spec.checks import check_token_ids
 from specdec.version import package_version as version
 
 log = structlog.get_logger(__name__)
 
-T = TypeVar("T")
-
-FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
-# status, OpenAI's error type, and the code when the error has none of its own
-KINDS: dict[type, tuple[int, str, str]] = {
-    InvalidArgument: (400, "invalid_request_error", "invalid_value"),
-    Overloaded: (429, "rate_limit_error", "rate_limit_exceeded"),
-    Unavailable: (503, "service_unavailable_error", "service_unavailable"),
-}
 REQUEST_ID_HEADER = "x-request-id"
-
-
-def error(status: int, message: str, kind: str, code: str, param: str | None = None,
-          headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status,
-                        headers=headers)
-
-
-def failed(exc: SpecdecError, headers: dict[str, str] | None = None) -> JSONResponse:
-    status, kind, code = KINDS.get(type(exc), (500, "server_error", "internal_error"))
-    headers = dict(headers or {})
-    if isinstance(exc, (Overloaded, Unavailable)):  # when to come back, in whole seconds (RFC 9110)
-        headers["Retry-After"] = str(max(1, math.ceil(getattr(exc, "retry_after_s", 1.0))))
-    if isinstance(exc, InvalidArgument):
-        param = schema.JSON_NAMES.get(exc.field, exc.field.split("[")[0])
-        return error(status, f"{param}: {exc.description}", kind, exc.reason, param, headers)
-    return error(status, str(exc), kind, code, headers=headers)
-
-
-def _location(loc: tuple) -> str:
-    """A pydantic error location as the request spells it: messages[0].content."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part in ("str", "list[str]", "list[int]", "list[list[int]]", "function-after") or "[" in str(part):
-            continue  # union branches and validators, not fields
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "body"
-
-
-def _telling(errors: list[dict]) -> dict:
-    """The error to report. Where a value fits no branch of a union (a prompt is text or token ids),
-    pydantic lists every branch's complaint, the first branch's first: token id -5 read "prompt:
-    Input should be a valid string". The branch whose type matched and whose constraint failed says
-    what is wrong ("prompt[0]: Input should be greater than or equal to 0")."""
-    return next((e for e in errors if not e["type"].endswith("_type")), errors[0])
-
-
-def invalid_body(errors: list[dict]) -> JSONResponse:
-    first = _telling(errors)
-    if first["type"] == "json_invalid":
-        return error(400, f"the body is not valid JSON: {first['msg']}", "invalid_request_error", "invalid_json", "body")
-    param = _location(first["loc"])
-    if first["type"] == "extra_forbidden":
-        return error(400, f"Unrecognized request argument supplied: {param}", "invalid_request_error", "unknown_parameter", param)
-    return error(400, f"{param}: {first['msg']}", "invalid_request_error", "invalid_value", param)
-
-
-class BodyTooLarge(Exception):
-    """The request body is past --max-body-bytes."""
-
-    def __init__(self, limit: int):
-        super().__init__(f"the request body is larger than {limit} bytes (--max-body-bytes)")
-
-
-async def read_body(raw: Request, limit: int) -> bytes:
-    """The body, at most `limit` bytes: refused from Content-Length before a byte is read, and for a
-    chunked body as soon as the bytes received pass the limit, so memory stays bounded either way."""
-    declared = raw.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge(limit)
-    chunks, size = [], 0
-    try:
-        async for chunk in raw.stream():
-            size += len(chunk)
-            if size > limit:
-                raise BodyTooLarge(limit)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone() from None
-    return b"".join(chunks)
-
-
-def too_large(exc: BodyTooLarge, headers: dict[str, str] | None = None) -> JSONResponse:
-    return error(413, str(exc), "invalid_request_error", "request_too_large", "body", headers)
-
-
-REFUSALS = (BodyTooLarge, ValidationError, InvalidBody, SpecdecError)  # what a request is refused for before it runs
-
-
-def refused(exc: Exception, headers: dict[str, str] | None = None) -> JSONResponse:
-    """One of REFUSALS as its response: 413, 400 for a body that is not the model, or its SpecdecError's status."""
-    if isinstance(exc, BodyTooLarge):
-        return too_large(exc, headers)
-    if isinstance(exc, ValidationError):
-        return invalid_body(exc.errors())
-    if isinstance(exc, InvalidBody):
-        return invalid_body(exc.errors)
-    return failed(exc, headers)
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its response was ready."""
-
-
-def gone(headers: dict[str, str]) -> JSONResponse:
-    """The answer to a client that left: nobody reads it. 499 is nginx's "client closed request",
-    which keeps abandoned requests out of the server-error counts of whatever logs statuses."""
-    return error(499, "the client closed the connection; the request was cancelled", "invalid_request_error",
-                 "client_closed_request", headers=headers)
-
-
-async def _disconnected(raw: Request) -> None:
-    """Returns once the client has disconnected. After the body, the next ASGI message is
-    http.disconnect, which the server sends when the connection closes."""
-    while (await raw.receive())["type"] != "http.disconnect":
-        await asyncio.sleep(0.1)  # nothing else is expected after the body; never spin on it
-
-
-async def unless_gone(raw: Request, work: Awaitable[T]) -> T:
-    """The result of `work`, run as a task that is cancelled if the client disconnects first (then
-    ClientGone). Cancelling unwinds the generation: it leaves the admission queue, or releases its
-    running slot and both services' sequences, so an abandoned request stops costing at once."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(raw))
-    try:
-        done, _ = await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
-        if task not in done and watch.exception() is not None:  # the server cannot tell us: just wait
-            await asyncio.wait((task,))
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait((task,))  # let it release what it holds before the handler returns
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
 
 
 async def _first(steps):
@@ -204,69 +65,6 @@ def _draining(servicer) -> bool:
     return bool(drain is not None and drain.draining)
 
 
-def speculation_json(s) -> dict:
-    """The loop's Stats as JSON: what speculation did for this request."""
-    return {
-        "steps": s.steps, "draft_steps": s.draft_steps, "load_capped_steps": s.load_capped_steps, "draft_tokens": s.draft_tokens,
-        "accepted_tokens": s.accepted_tokens,
-        "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
-        "accepted_per_position": list(s.accepted_per_position), "draft_seconds": round(s.draft_seconds, 6),
-        "verify_seconds": round(s.verify_seconds, 6), "wire_seconds": round(s.wire_seconds, 6),
-        "time_to_first_token_seconds": round(s.time_to_first_token_seconds, 6), "first_step_tokens": s.first_step_tokens,
-        "total_seconds": round(s.total_seconds, 6),
-        "runahead_steps": s.runahead_steps, "runahead_hits": s.runahead_hits, "runahead_tokens": s.runahead_tokens,
-        "runahead_used_tokens": s.runahead_used_tokens,
-        "prediction_tokens": s.prediction_tokens, "accepted_prediction_tokens": s.accepted_prediction_tokens,
-    }
-
-
-def usage_json(stats) -> dict:
-    """OpenAI's usage; with a prediction that drafted, its completion_tokens_details too: the
-    prediction's tokens the target accepted, and those it drafted and rejected."""
-    usage = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
-             "total_tokens": stats.prompt_tokens + stats.completion_tokens}
-    if stats.prediction_tokens:
-        usage["completion_tokens_details"] = {
-            "accepted_prediction_tokens": stats.accepted_prediction_tokens,
-            "rejected_prediction_tokens": stats.prediction_tokens - stats.accepted_prediction_tokens}
-    return usage
-
-
-# JSON has no -Infinity, the log-probability of an alternative that top-k or top-p removed: it is
-# written as this floor, as OpenAI's API and vLLM write it.
-LOGPROB_FLOOR = -9999.0
-
-
-def _logprob(value: float) -> float:
-    return max(value, LOGPROB_FLOOR)
-
-
-class Logprobs:
-    """Turns the target's TokenLogprobs into OpenAI's two shapes (completions and chat)."""
-
-    def __init__(self, tokenizer, chat: bool, offset: int = 0):
-        self.tokenizer, self.chat, self.offset = tokenizer, chat, offset
-
-    def _text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
-
-    def json(self, logprobs) -> dict | None:
-        if self.chat:
-            content = []
-            for lp in logprobs:
-                text = self._text(lp.token_id)
-                tops = [{"token": (t := self._text(i)), "logprob": _logprob(v), "bytes": list(t.encode("utf-8"))} for i, v in lp.top]
-                content.append({"token": text, "logprob": _logprob(lp.logprob), "bytes": list(text.encode("utf-8")),
-                                "top_logprobs": tops})
-            return {"content": content}
-        tokens, offsets = [], []
-        for lp in logprobs:
-            tokens.append(self._text(lp.token_id))
-            offsets.append(self.offset)
-            self.offset += len(tokens[-1])
-        tops = [{self._text(i): _logprob(v) for i, v in lp.top} for lp in logprobs]
-        return {"tokens": tokens, "token_logprobs": [_logprob(lp.logprob) for lp in logprobs], "top_logprobs": tops,
-                "text_offset": offsets}
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -483,94 +281,3 @@ async def _complete(servicer, raw: Request, model: type[BaseModel], model_names:
     except ClientGone:
         return gone(headers)
     return JSONResponse(reply.whole([first, *rest]), headers=headers)
-
-
-class StallingStream(StreamingResponse):
-    """Server-sent events that end when the client stops reading, as --stream-stall-timeout-s ends a
-    gRPC stream: a send that TCP flow control holds past `stall_timeout_s` closes the events' iterator
-    (which cancels the request, freeing its running slot and both services' sequences) and leaves the
-    response unfinished: uvicorn then closes the connection without the chunked body's last chunk, so
-    the client sees a broken response, not a whole one (no middleware may finish it: Authenticate).
-    0: wait as long as the client does."""
-
-    def __init__(self, content, stall_timeout_s: float, **kwargs):
-        super().__init__(content, **kwargs)
-        self.stall_timeout_s = stall_timeout_s
-
-    async def __call__(self, scope, receive, send) -> None:
-        if not self.stall_timeout_s:
-            return await super().__call__(scope, receive, send)
-        stalled = False
-
-        async def timed(message) -> None:
-            nonlocal stalled
-            if stalled:
-                return  # nothing more goes to a client that stopped reading
-            try:
-                await asyncio.wait_for(send(message), self.stall_timeout_s)
-            except TimeoutError:
-                stalled = True
-                log.warning("ending a stream whose client stopped reading", stall_timeout_s=self.stall_timeout_s)
-                await self.body_iterator.aclose()
-
-        await super().__call__(scope, receive, timed)
-
-
-class Reply:
-    """One response's ids and shapes: a whole completion, or its chunks as server-sent events."""
-
-    def __init__(self, ident: str, created: int, model: str, chat: bool, logprobs: Logprobs | None, echo: str):
-        self.ident, self.created, self.model, self.chat, self.logprobs, self.echo = ident, created, model, chat, logprobs, echo
-
-    def _envelope(self, kind: str, choices: list, **extra) -> dict:
-        return {"id": self.ident, "object": kind, "created": self.created, "model": self.model, "choices": choices, **extra}
-
-    def whole(self, chunks) -> dict:
-        last = chunks[-1]
-        text = self.echo + "".join(c.text for c in chunks)
-        lps = self.logprobs.json([lp for c in chunks for lp in c.logprobs]) if self.logprobs else None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH[last.finish], "logprobs": lps}
-        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
-        return self._envelope("chat.completion" if self.chat else "text_completion", [choice],
-                              usage=usage_json(last.stats), speculation=speculation_json(last.stats))
-
-    def _chunk(self, text: str | None, finish: str | None, logprobs=(), role: bool = False, **extra) -> str:
-        lps = self.logprobs.json(logprobs) if self.logprobs and logprobs else None
-        reason = FINISH.get(finish) if finish else None
-        if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": reason}
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return f"data: {json.dumps(self._envelope(kind, [choice], **extra))}\n\n"
-
-    async def events(self, first, steps, include_usage: bool):
-        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`. With
-        stream_options.include_usage, a last chunk with empty `choices` carries the usage."""
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        if self.chat:
-            yield self._chunk(None, None, role=True)
-        elif self.echo:
-            yield self._chunk(self.echo, None)
-        chunk = first
-        try:
-            while chunk is not None:
-                if chunk.text or chunk.logprobs:
-                    yield self._chunk(chunk.text, None, chunk.logprobs)
-                if chunk.finish:
-                    yield self._chunk(None, chunk.finish, speculation=speculation_json(chunk.stats))
-                    if include_usage:
-                        yield f"data: {json.dumps(self._envelope(kind, [], usage=usage_json(chunk.stats)))}\n\n"
-                    break
-                try:
-                    chunk = await steps.__anext__()
-                except StopAsyncIteration:
-                    chunk = None
-                except SpecdecError as exc:
-                    body = json.loads(failed(exc).body)
-                    yield f"data: {json.dumps(body)}\n\n"
-                    break
-        finally:
-            await steps.aclose()
-        yield "data: [DONE]\n\n"

@@ -6,6 +6,8 @@ Every call sends only the canonical tokens past that point; the service crops an
 (the rejected drafts) first.
 The proposer and verifier are protocols (coordinator/protocol.py): gRPC clients in production,
 in-process engines in benchmarks, so the same loop runs with or without the network.
+What a step leaves behind (accounting.py), the releases at a request's end (releases.py) and the
+next step's draft running during a Verify (runahead.py) are modules of their own.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ import structlog
 
 from specdec.spec.costs import CostModel, Costs
 from specdec.spec.draft_length import AcceptanceMemory, DraftLengthPolicy
+from coordinator.accounting import Accounting, _finish
 from coordinator.policy.overlap import RunAheadPolicy
 from coordinator.protocol import DecodeRun, Decoder, DraftOutcome, GenerationSpec, Progress, Proposer, Stats, Verifier
+from coordinator.releases import Releases
+from coordinator.runahead import RunAhead, _part
 from coordinator.state import SequenceState
 from specdec.errors import SequenceNotFound, Unavailable
 from specdec.limits import MAX_DECODE_AHEAD
@@ -75,7 +80,7 @@ DRAFT_RETRY_STEPS = 16
 DEFAULT_DECODE_AHEAD = 8
 
 
-class SpeculativeLoop:
+class SpeculativeLoop(Accounting, Releases):
     def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs,
                  overlap: str = "off", features: bool = False, calibrated: bool = False, decode_ahead: int = DEFAULT_DECODE_AHEAD,
                  lookup: bool = False, decoder: Decoder | None = None, target_drafts: bool = False):
@@ -488,128 +493,3 @@ class SpeculativeLoop:
             lookup_draft_length=lookup[0], lookup_costs=lookup[1], decode_ahead_passes=self._burst(spec) if lookup[0] else 0,
             # the call that creates the target's sequence (or re-fills it) seeds its lookup
             lookup_source=spec.prediction_ids if self.lookup and not known else ()))
-
-    def _account(self, stats: Stats, policy: DraftLengthPolicy, draft: DraftOutcome, verdict: VerifyResult, appended: int,
-                 asked: bool = False) -> None:
-        drafted, accepted = len(draft.tokens), verdict.accepted
-        depth = draft.depth  # a tree's deepest branch plays the chain's length in the policy
-        stats.steps += verdict.passes  # target passes: each token decoded ahead took one, or with lookup fewer
-        stats.draft_tokens += drafted + verdict.ahead_drafted
-        stats.draft_steps += 1 if drafted else 0
-        stats.accepted_tokens += accepted + verdict.ahead_accepted
-        stats.prediction_tokens += verdict.predicted_drafted
-        stats.accepted_prediction_tokens += verdict.predicted_accepted
-        stats.draft_seconds += draft.compute_seconds
-        stats.verify_seconds += verdict.compute_seconds
-        draft_wire = max(0.0, draft.wall_seconds - draft.compute_seconds)
-        verify_wire = max(0.0, verdict.wall_seconds - verdict.compute_seconds)
-        stats.wire_seconds += draft_wire + verify_wire
-        stats.wire_bytes += draft.wire_bytes + verdict.wire_bytes
-        if len(stats.accepted_per_position) < depth:
-            stats.accepted_per_position.extend([0] * (depth - len(stats.accepted_per_position)))
-        for i in range(accepted):
-            stats.accepted_per_position[i] += 1
-        policy.observe(depth, accepted)
-        # Only steady-state steps (one catch-up token) describe the per-step costs; a prefill does not.
-        # An exchange that decoded ahead (it drafted nothing) ran one single-position forward per
-        # token: it is a reading of V(1), and its wire is one exchange's. Leaving those out left
-        # V(1) unmeasured whenever every ask of an n-gram draft was cut to nothing, since each such
-        # step decodes ahead: the estimates that made the cut could then never change.
-        # Passes that verified lookup drafts are not readings of V(1): left out.
-        if self.cost_model is not None and appended <= 1 and not verdict.ahead_drafted:
-            forwards = verdict.passes
-            self.cost_model.observe(depth, draft.compute_seconds, drafted + 1, verdict.compute_seconds / forwards, verify_wire,
-                                    draft_wire if asked else None)
-
-    async def _release(self, sequence_id: str) -> None:
-        """Releases the sequence in both services, in a task a second cancellation cannot stop.
-
-        A cancelled request may be cancelled again while its `finally` awaits the releases (gRPC
-        cancels the handler on the client's cancel and again on the deadline); awaiting them
-        directly would then skip the remaining release and leak that service's cache.
-        """
-        task = asyncio.get_running_loop().create_task(self._release_all(sequence_id))
-        _RELEASES.add(task)
-        task.add_done_callback(_RELEASES.discard)
-        await asyncio.shield(task)
-
-    async def _release_all(self, sequence_id: str) -> None:
-        services = [s for s in (self.proposer, self.verifier) if s is not None]
-        results = await asyncio.gather(*(s.release(sequence_id) for s in services), return_exceptions=True)
-        for service, result in zip(services, results):
-            if isinstance(result, BaseException):  # the idle timeout frees it eventually
-                log.warning("release failed", service=type(service).__name__, error=str(result))
-
-
-def _part(draft: DraftOutcome, start: int, stop: int | None = None) -> DraftOutcome:
-    """tokens[start:stop] of a chain drafted ahead, its compute and bytes prorated. Its wall time
-    is its compute: it spent none on this step's critical path (it arrived during the last Verify)."""
-    tokens = draft.tokens[start:stop]
-    if len(tokens) == len(draft.tokens):
-        return draft
-    share = len(tokens) / len(draft.tokens)
-    compute = draft.compute_seconds * share
-    confidence = None
-    if draft.confidence:  # the first `start` tokens are canonical now: the rest's chances are conditional on them
-        known = draft.confidence[start - 1] if start else 1.0
-        confidence = [c / known for c in draft.confidence[start:stop]] if known > 0 else None
-    return DraftOutcome(tokens, draft.dists[start:stop], compute, compute, int(draft.wire_bytes * share), confidence=confidence)
-
-
-def _finish(new: list[int], eos_token_ids: frozenset[int], remaining: int) -> tuple[list[int], str | None]:
-    """`new` through its first end-of-sequence token and within the request's remaining tokens, and
-    the finish reason if the request ends with them."""
-    finish = None
-    for i, token in enumerate(new):
-        if token in eos_token_ids:
-            new, finish = new[: i + 1], "eos"
-            break
-    if len(new) >= remaining:
-        new, finish = new[:remaining], finish or "length"
-    return new, finish
-
-
-@dataclasses.dataclass
-class RunAhead:
-    """A Propose running during a Verify (coordinator/policy/overlap.py)."""
-
-    task: asyncio.Task
-    progress: Progress
-
-    @property
-    def drafted(self) -> int:
-        return self.progress.tokens
-
-    async def settle(self, full_accept: bool, next_token: int) -> tuple[DraftOutcome | None, float | None]:
-        """After the verdict: the next step's draft if the bet won (the target accepted the whole
-        chain and added the guessed token), else None and the seconds spent stopping it."""
-        started = time.perf_counter()
-        if full_accept:
-            first = self.progress.first
-            await asyncio.wait({first, self.task}, return_when=asyncio.FIRST_COMPLETED)
-            guess = first.result() if first.done() else None
-            if guess == next_token:
-                try:
-                    outcome = await self.task
-                except Exception as exc:  # noqa: BLE001 - the draft failed while running ahead: a miss
-                    log.info("run-ahead failed", error=str(exc))
-                else:
-                    return _part(outcome, 1), None  # the guess is canonical now: the rest is the next draft
-        await self.cancel()
-        return None, time.perf_counter() - started
-
-    async def cancel(self) -> None:
-        """Stops the run-ahead and waits until it has (its tokens are only ever proposals)."""
-        self.task.cancel()
-        await asyncio.gather(self.task, return_exceptions=True)
-
-
-# Release tasks in flight, held so the event loop does not garbage-collect them before they finish.
-_RELEASES: set[asyncio.Task] = set()
-
-
-async def releases_done(timeout: float) -> None:
-    """Waits (up to `timeout`) for the releases still running: a handler cancelled a second time
-    returns before its release does, so a coordinator shutting down must not stop its loop on it."""
-    if _RELEASES:
-        await asyncio.wait(set(_RELEASES), timeout=timeout)

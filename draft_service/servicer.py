@@ -24,7 +24,9 @@ from specdec.serving.wire import propose_call_from_proto
 from specdec.spec.request import ProposeCall
 from specdec.spec.sampling import check_temperature
 from specdec.errors import SpecdecError
-from specdec.serving.rpc import EngineHost, Server, rpc_method
+from specdec.serving.engine_host import EngineHost
+from specdec.serving.rpc import rpc_method
+from specdec.serving.server import Server
 
 log = structlog.get_logger(__name__)
 _DONE = object()

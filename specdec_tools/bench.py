@@ -31,11 +31,8 @@ measured / predicted.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import dataclasses
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -50,7 +47,8 @@ from specdec.model.formats import FORMATS
 from specdec_tools import flags
 from specdec_tools import plan as planlib
 from specdec_tools.stacks import Stack, draft_config
-from specdec_tools.workload import PROMPT_SETS, PROMPTS_DIR, greedy_generate, load_prompts, prompt_path
+from specdec_tools.bench_runners import Sample, grpc_runner, hf_runner, local_runner, machine, quick_models
+from specdec_tools.workload import PROMPT_SETS, PROMPTS_DIR, load_prompts, prompt_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +89,6 @@ class Configuration:
 
 
 @dataclasses.dataclass
-class Sample:
-    tokens: list[int]
-    seconds: float
-    ttft: float = 0.0
-    stats: dict | None = None
-
-
-@dataclasses.dataclass
 class Result:
     """One configuration on one prompt set: every repetition of every prompt."""
 
@@ -106,17 +96,6 @@ class Result:
     prompt_set: str
     samples: list[list[Sample]] = dataclasses.field(default_factory=list)  # [rep][prompt]
     curves: list[planlib.CostCurve] = dataclasses.field(default_factory=list)  # V(n) right before and after each pass
-
-
-# --- models ---------------------------------------------------------------------------------------
-
-def quick_models(folder: pathlib.Path, noise: float = 0.08) -> tuple[str, str]:
-    """Tiny random target and draft (byte tokenizer with a chat template) saved as model folders;
-    the draft is the target plus relative noise `noise`."""
-    from specdec_tools.tinymodels import save, tiny_pair
-
-    target, draft = tiny_pair(seed=0, noise=noise)
-    return save(target, folder / "target"), save(draft, folder / "draft")
 
 
 # --- measurements the analytic model needs --------------------------------------------------------
@@ -187,73 +166,6 @@ def measure_rtt(address: str, repeats: int = 50) -> float:
             stub.GetInfo(pb.TargetServiceGetInfoRequest(), timeout=10)
             times.append(time.perf_counter() - start)
     return statistics.median(times[5:])
-
-
-# --- runners --------------------------------------------------------------------------------------
-
-def hf_runner(model, max_new: int, eos: list[int], **generate_kwargs):
-    def run(prompt: list[int]) -> Sample:
-        start = time.perf_counter()
-        tokens = greedy_generate(model, prompt, max_new, eos, **generate_kwargs)
-        return Sample(tokens, time.perf_counter() - start)
-
-    return run
-
-
-def local_runner(loop, max_new: int, eos: list[int], draft_length: int, adaptive: bool, tree=None):
-    from coordinator.protocol import GenerationSpec, Stats
-    from specdec.spec.sampling import SamplingConfig
-
-    def run(prompt: list[int]) -> Sample:
-        spec = GenerationSpec(request_id=uuid.uuid4().hex[:12], prompt_ids=list(prompt), max_new_tokens=max_new,
-                              sampling=SamplingConfig(), draft_length=draft_length, adaptive=adaptive,
-                              eos_token_ids=frozenset(eos), tree=tree, answered_whole=True)  # as the gRPC rows' unary Generate
-        stats = Stats()
-
-        async def collect() -> list[int]:
-            out: list[int] = []
-            async with contextlib.aclosing(loop.run(spec, stats)) as steps:
-                async for step in steps:
-                    out.extend(step.tokens)
-            return out
-
-        start = time.perf_counter()
-        tokens = asyncio.run(collect())
-        seconds = time.perf_counter() - start
-        return Sample(tokens, seconds, stats.time_to_first_token_seconds, stats_dict(stats))
-
-    return run
-
-
-def grpc_runner(address: str, max_new: int, draft_length: int, adaptive: bool):
-    import grpc
-
-    from protos import specdec_pb2 as pb
-    from protos import specdec_pb2_grpc as pb_grpc
-
-    channel = grpc.insecure_channel(address)
-    stub = pb_grpc.CoordinatorServiceStub(channel)
-
-    def run(prompt: list[int]) -> Sample:
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new,
-                                     speculation=pb.SpeculationParams(draft_length=draft_length, adaptive=adaptive))
-        start = time.perf_counter()
-        response = stub.Generate(request, timeout=600)
-        seconds = time.perf_counter() - start
-        return Sample(list(response.token_ids), seconds, response.stats.time_to_first_token_seconds, stats_dict(response.stats))
-
-    return run
-
-
-def stats_dict(s) -> dict:
-    return {
-        "steps": s.steps, "draft_steps": s.draft_steps, "draft_tokens": s.draft_tokens, "accepted_tokens": s.accepted_tokens,
-        "accepted_per_position": list(s.accepted_per_position), "draft_seconds": s.draft_seconds,
-        "verify_seconds": s.verify_seconds, "wire_seconds": s.wire_seconds, "total_seconds": s.total_seconds,
-        "wire_bytes": s.wire_bytes, "completion_tokens": s.completion_tokens,
-        "runahead_steps": s.runahead_steps, "runahead_hits": s.runahead_hits, "runahead_tokens": s.runahead_tokens,
-        "runahead_used_tokens": s.runahead_used_tokens, "first_step_tokens": s.first_step_tokens,
-    }
 
 
 class GrpcStack(Stack):
@@ -435,20 +347,6 @@ def peer_configurations(opts: Options, target_spec: str, eos: list[int], notes: 
                                  runner=bench_llamacpp.llamacpp_runner(gguf, opts.max_new_tokens, eos, prompt_lookup=opts.prompt_lookup)))
     return configs
 
-
-def machine() -> dict:
-    import platform
-
-    import transformers
-
-    cpu = ""
-    with contextlib.suppress(OSError):
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__, "platform": platform.platform()}
 
 
 def run(opts: Options, argv: list[str]) -> dict:

@@ -79,15 +79,14 @@ def llamacpp_runner(gguf: pathlib.Path, max_new: int, eos: list[int], prompt_loo
     prompt_lookup > 0 drafts that many tokens a step by prompt lookup (n-grams of up to 2 tokens, as
     transformers' prompt_lookup_num_tokens does): the plain runner's tokens but at llama.cpp's near ties
     (module docstring). The model loads once here, not per prompt. `sample` builds the result (default:
-    specdec_tools.bench.Sample, imported here rather than at module level so bench.py can import this
-    module). n_ctx bounds prompt + max_new; with prompt lookup llama-cpp-python keeps n_ctx x vocabulary
+    specdec_tools.bench_runners.Sample). n_ctx bounds prompt + max_new; with prompt lookup llama-cpp-python keeps n_ctx x vocabulary
     float32 logits (about 400 MB for SmolLM2 at 2048), so a much larger default would cost memory for nothing.
     """
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     if sample is None:
-        from specdec_tools.bench import Sample as sample
+        from specdec_tools.bench_runners import Sample as sample
     draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup) if prompt_lookup > 0 else None
     llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=512, n_threads=threads, n_threads_batch=threads,
                 draft_model=draft, verbose=False)

@@ -27,7 +27,7 @@ import tempfile
 
 from specdec_tools import flags
 from specdec_tools import plan as planlib
-from specdec_tools.bench import grpc_runner, machine, quick_models
+from specdec_tools.bench_runners import grpc_runner, machine, quick_models
 from specdec_tools.stacks import Stack
 from specdec_tools.workload import PROMPT_SETS, PROMPTS_DIR, load_prompts, prompt_path
 

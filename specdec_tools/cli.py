@@ -41,7 +41,7 @@ def _service(name: str):
 
         return DraftConfig, ENV_PREFIX, serve
     from coordinator.config import ENV_PREFIX, CoordinatorConfig
-    from coordinator.servicer import serve
+    from coordinator.serve import serve
 
     return CoordinatorConfig, ENV_PREFIX, serve
 
@@ -63,7 +63,7 @@ def cmd_serve(argv: list[str]) -> int:
 
         confine(config.compute_threads)
     try:
-        from specdec.serving.rpc import own_process, run_service
+        from specdec.serving.server import own_process, run_service
 
         own_process()  # this process is the service's: its heap is frozen once it serves (settle_heap)
         run_service(serve(config), config.event_loop)

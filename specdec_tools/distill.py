@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import random
 import statistics
@@ -29,160 +28,8 @@ from specdec.model.hfcache import cache_kwargs
 from specdec.model.formats import FORMATS
 from specdec_tools import flags
 from specdec.model.pruned import PrunedDraft, save_draft
-
-FORTUNES = pathlib.Path("/usr/share/games/fortunes")
-# Instruction shapes for chat prompts built from corpus passages (train) - the held-out split uses
-# other passages, and the topic prompts below are split disjointly too.
-PASSAGE_TEMPLATES = (
-    "Explain what this means: {x}",
-    "Summarize this in one sentence: {x}",
-    "Write a short story inspired by this: {x}",
-    "Is this true? Answer briefly and explain why: {x}",
-    "Rewrite this in simpler words: {x}",
-    "What is funny or wise about this? {x}",
-)
-TOPIC_TEMPLATES = (
-    "Explain {x} to a child.",
-    "What are the benefits and drawbacks of {x}?",
-    "Write a short poem about {x}.",
-    "Give me three tips about {x}.",
-    "Why is {x} important?",
-    "Describe the history of {x} in a few sentences.",
-    # the shapes of an assistant's everyday questions (the project's chat prompts are of this kind)
-    "What are three tips for getting better at {x}?",
-    "Explain in simple terms how {x} works.",
-    "What is the difference between {x} and {y}?",
-    "Write a short story about {x}.",
-    "Give me a plan for learning about {x} in one week.",
-    "What are common mistakes people make with {x}?",
-    "Suggest a name for a club about {x} and explain why it fits.",
-    "What should I know before I start with {x}?",
-    "List five facts about {x}.",
-    "Write a haiku about {x}.",
-    "How would you describe {x} to someone who has never seen it?",
-    "Compare {x} and {y} in a short paragraph.",
-    "What questions should I ask an expert on {x}?",
-    "Write a friendly email inviting a colleague to a talk about {x}.",
-    "Summarize the main ideas behind {x} in three bullet points.",
-    "What is a surprising fact about {x}?",
-    "Give me a recipe or a routine that involves {x}.",
-    "How has {x} changed in the last hundred years?",
-)
-TOPICS = (
-    "the ocean", "photosynthesis", "the internet", "cooking pasta", "exercise", "sleep", "the moon", "music",
-    "gardening", "volcanoes", "recycling", "friendship", "computers", "rain", "electricity", "reading books",
-    "the stock market", "bees", "mountains", "coffee", "learning a language", "the solar system", "dogs",
-    "vaccines", "bicycles", "chess", "climate change", "the human heart", "democracy", "time management",
-    "airplanes", "the printing press", "water", "robots", "the Roman empire", "birds", "saving money",
-    "painting", "earthquakes", "trees", "mathematics", "smartphones", "the desert", "teamwork", "honey",
-    "the brain", "trains", "public speaking", "the Arctic", "writing an essay", "cats", "bread", "stars",
-
-    "volunteering", "the weather", "bridges", "the immune system", "chocolate", "soccer", "photography",
-    "the Renaissance", "batteries", "rainforests", "meditation", "cheese", "the piano", "glaciers",
-    "board games", "spiders", "solar panels", "libraries", "tea", "the Great Wall of China", "penguins",
-    "typing on a keyboard", "running a marathon", "the Olympics", "kindness", "a vegetable garden",
-    "the post office", "DNA", "wind turbines", "video games", "ancient Egypt", "camping", "owls",
-    "a budget", "job interviews", "the telescope", "salt", "rivers", "sharks", "knitting", "hiking",
-    "the compass", "pizza", "the violin", "sunflowers", "a refrigerator", "Python lists", "spreadsheets",
-    "passwords", "the moon landing", "dinosaurs", "maps", "elephants", "yoga", "clocks", "soap",
-    "a small bakery", "moving to a new city", "learning to swim", "snow", "the city bus", "origami",
-    "first aid", "the alphabet", "rice", "lighthouses", "frogs", "a podcast", "composting", "umbrellas",
-)
-
-
-def load_corpus(paths: list[str]) -> list[str]:
-    """Passages of the given text files or folders. Fortune files split on '%' lines, others on blank lines."""
-    if not paths:
-        if not FORTUNES.is_dir():
-            raise FileNotFoundError(f"no --corpus given and the default corpus {FORTUNES} is missing: "
-                                    "install it (Debian: apt-get install fortunes) or pass --corpus FILE_OR_DIR")
-        paths = [str(FORTUNES)]
-    files: list[pathlib.Path] = []
-    for p in map(pathlib.Path, paths):
-        if p.is_dir():
-            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix not in (".dat", ".u8") and not f.is_symlink())
-        elif p.is_file():
-            files.append(p)
-        else:
-            raise FileNotFoundError(f"corpus path {p} does not exist")
-    passages = []
-    for f in files:
-        try:
-            text = f.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            text = f.read_bytes().decode("latin-1")
-        sep = "\n%\n" if "\n%\n" in text else "\n\n"
-        passages += [" ".join(part.split()) for part in text.split(sep) if len(part.split()) >= 4]
-    if not passages:
-        raise ValueError(f"corpus {paths} holds no passage of 4 words or more")
-    return passages
-
-
-def split_passages(passages: list[str]) -> tuple[list[str], list[str]]:
-    """(train, held-out): a fixed 5% split, independent of --seed, so every run is judged alike."""
-    order = passages[:]
-    random.Random(1234).shuffle(order)
-    cut = max(1, len(order) // 20)
-    return order[cut:], order[:cut]
-
-
-def make_prompts(passages: list[str], count: int, seed: int, heldout: bool) -> list[str]:
-    """`count` distinct chat instructions; the held-out set uses passages and topics the training set
-    never sees, and neither holds a prompt of the bench's own prompt sets (those measure the draft).
-
-    Distinct because a greedy target continues a repeated prompt identically: a duplicate is a
-    wasted sequence. Fewer than `count` come back only when the pool runs dry.
-    """
-    rng = random.Random(seed)
-    pool = split_passages(passages)[1 if heldout else 0]
-    topics = list(TOPICS[: len(TOPICS) // 4]) if heldout else list(TOPICS[len(TOPICS) // 4:])
-    pool = [p for p in pool if len(p) <= 400] or pool
-    seen, out = _bench_prompts(), []
-    for i in range(count * 20):
-        if len(out) == count:
-            break
-        if i % 3 == 2:
-            x, y = rng.sample(topics, 2)
-            text = rng.choice(TOPIC_TEMPLATES).format(x=x, y=y)
-        else:
-            text = rng.choice(PASSAGE_TEMPLATES).format(x=rng.choice(pool))
-        if text not in seen:
-            seen.add(text)
-            out.append(text)
-    return out
-
-
-def _bench_prompts() -> set[str]:
-    """The user messages of specdec_tools/prompts/*.jsonl, which bench and loadtest measure with."""
-    texts = set()
-    for f in sorted((pathlib.Path(__file__).parent / "prompts").glob("*.jsonl")):
-        for line in f.read_text().splitlines():
-            if line.strip():
-                texts |= {m["content"] for m in json.loads(line).get("messages", []) if m.get("role") == "user"}
-    return texts
-
-
-def target_eos(model, tokenizer) -> set[int]:
-    """The target's end-of-sequence ids: its generation config's, else the tokenizer's."""
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    return set([eos] if isinstance(eos, int) else (eos or [tokenizer.eos_token_id]))
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    return [int(t) for t in ids]
-
-
-def _progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                    TimeElapsedColumn(), TimeRemainingColumn())
+from specdec_tools.distill_prompts import chat_ids, load_corpus, make_prompts, split_passages, target_eos
+from specdec_tools.distill_training import _progress, data_dir, train_loop
 
 
 def _topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,35 +67,6 @@ def prefill_batch(model, windows: list[list[int]], k: int) -> list[dict]:
     logits = model(input_ids=torch.tensor(windows)).logits[:, :-1]  # [B, T-1, V]
     ids, probs = _topk(logits, k)
     return [{"tokens": torch.tensor(w), "start": 0, "ids": ids[i], "probs": probs[i]} for i, w in enumerate(windows)]
-
-
-def data_dir(folder: pathlib.Path, settings: dict) -> pathlib.Path:
-    """`folder`, created, holding shards made with exactly `settings` (written to settings.json).
-
-    Shards are cached by batch index, so shards made with other settings (another --gen-tokens,
-    batch size, corpus or target) would be reused silently and mixed with new ones. A folder
-    with other settings is refused with the differences named, never overwritten: it may hold
-    hours of generation.
-    """
-    import hashlib
-
-    settings = {k: (hashlib.sha256("\n\n".join(v).encode()).hexdigest()[:16] if isinstance(v, list) else v)
-                for k, v in settings.items()}  # a corpus enters as the hash of its passages
-    folder.mkdir(parents=True, exist_ok=True)
-    record = folder / "settings.json"
-    if record.exists():
-        held = json.loads(record.read_text())
-        diff = {k: (held.get(k), settings.get(k)) for k in sorted(set(held) | set(settings)) if held.get(k) != settings.get(k)}
-        if diff:
-            named = ", ".join(f"{k}: {old!r} there, {new!r} now" for k, (old, new) in diff.items())
-            raise ValueError(f"{folder} holds data made with other settings ({named}); "
-                             "pass another --work-dir, or delete that folder to regenerate")
-    elif any(folder.glob("shard_*.pt")):
-        raise ValueError(f"{folder} holds shards with no record of their settings; "
-                         "pass another --work-dir, or delete that folder to regenerate")
-    else:
-        record.write_text(json.dumps(settings, indent=1, sort_keys=True))
-    return folder
 
 
 def _shards(folder: pathlib.Path) -> list[pathlib.Path]:
@@ -353,70 +171,6 @@ def distill_loss(draft: PrunedDraft, batch) -> torch.Tensor:
     logp = torch.log_softmax(draft(inputs).logits.float(), dim=-1)  # [B, T, N]
     per_pos = -(logp.gather(-1, idx) * probs).sum(-1)  # [B, T]
     return (per_pos * mask).sum() / mask.sum().clamp(min=1)
-
-
-def train_loop(args, model: torch.nn.Module, count: int, loss_of, ckpt: pathlib.Path, title: str, stored) -> list[float]:
-    """The training loop both methods share: seeded shuffled batches of `count` examples, AdamW with
-    warm-up and cosine decay, gradient clipping, a checkpoint every --checkpoint-every steps.
-
-    loss_of(indices, rng) -> (loss, progress note); it may draw from rng (the same generator as the
-    batch order, so an unbroken run is a function of --seed). stored(key): which state-dict entries
-    the checkpoint keeps (not the target's shared embedding). A run finds its checkpoint and goes
-    on from it, replaying the batch order so it trains on what an unbroken run would.
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    step, losses = 0, []
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["opt"])
-        step, losses = state["step"], state["losses"]
-    rng = random.Random(args.seed)
-    order: list[int] = []
-
-    def next_batch() -> list[int]:
-        nonlocal order
-        if len(order) < args.batch:
-            order = list(range(count))
-            rng.shuffle(order)
-        chosen, order = order[: args.batch], order[args.batch:]
-        return chosen
-
-    for _ in range(step):
-        next_batch()
-
-    def lr_at(s: int) -> float:
-        warm = max(1, args.steps // 20)
-        return args.lr * min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))
-
-    model.train()
-    budget, began, first = getattr(args, "train_budget_s", 0.0), time.perf_counter(), step
-    with _progress() as progress:
-        task = progress.add_task(title, total=args.steps, completed=step, info="")
-        while step < args.steps:
-            if budget and step - first == 20:
-                # Fit the run to the time given: fewer steps, with the schedule decaying over them.
-                rate = (time.perf_counter() - began) / 20
-                if rate * (args.steps - first) > budget:
-                    args.steps = max(step + 1, first + int(budget / rate))
-                    progress.update(task, total=args.steps)
-            loss, note = loss_of(next_batch(), rng)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            step += 1
-            losses.append(loss.item())
-            progress.update(task, advance=1, info=f"loss {statistics.fmean(losses[-20:]):.3f}{note}")
-            if step % args.checkpoint_every == 0 or step == args.steps:
-                kept = {k: v for k, v in model.state_dict().items() if stored(k)}
-                torch.save({"model": kept, "opt": opt.state_dict(), "step": step, "losses": losses}, ckpt.with_suffix(".tmp"))
-                ckpt.with_suffix(".tmp").rename(ckpt)
-    model.eval()
-    return losses
 
 
 def train(args, draft: PrunedDraft, data: list[dict], lookup: torch.Tensor) -> list[float]:

@@ -25,7 +25,8 @@ import time
 
 import torch
 
-from specdec_tools.distill import _progress, chat_ids, data_dir, load_corpus, make_prompts, target_eos, train_loop
+from specdec_tools.distill_prompts import chat_ids, load_corpus, make_prompts, target_eos
+from specdec_tools.distill_training import _progress, data_dir, train_loop
 from specdec.model.hfcache import cache_kwargs
 from specdec.kv.store import crop_to
 from specdec.model.feature_draft import FeatureDraft, init_from_target, save_feature_draft
@@ -197,7 +198,7 @@ def feature_loss(draft: FeatureDraft, head: torch.Tensor, batch, reg: float, unr
 
 
 def train(args, draft: FeatureDraft, head: torch.Tensor, data: list[dict]) -> list[float]:
-    """distill.train_loop over random windows of the data; the progress bar also shows agreement."""
+    """distill_training.train_loop over random windows of the data; the progress bar also shows agreement."""
     agreements: list[float] = []
 
     device = next(draft.fc.parameters()).device

@@ -18,20 +18,19 @@ drives `--address` (with --api-token and the --tls-* flags of specdec_tools/conn
 received, over HTTP counted from the `usage` the server sends last when asked with
 `stream_options.include_usage`.
 `--quick` runs tiny random models in well under a minute (CI).
+
+How one request is sent and timed is loadtest_clients.py; the summary, table and plots, loadtest_report.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
-import dataclasses
 import json
 import os
 import pathlib
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -39,259 +38,11 @@ import time
 from specdec_tools import connect, flags
 from specdec_tools.stacks import Stack
 from specdec.model.formats import FORMATS
+from specdec_tools.loadtest_clients import GrpcClient, HttpClient, RequestResult
+from specdec_tools.loadtest_report import format_report, headline, long_prompts, plot, summarise
 from specdec_tools.workload import load_prompt_ids, reference_outputs
 
 PARTIAL = "loadtest.partial.json"  # in --out while a run goes on; removed once loadtest.json is written
-
-
-@dataclasses.dataclass
-class RequestResult:
-    prompt_index: int
-    ok: bool
-    code: str = "OK"
-    details: str = ""
-    tokens: list[int] = dataclasses.field(default_factory=list)  # gRPC: the token ids; HTTP: none (text only)
-    text: str = ""  # HTTP: the completion's text
-    output_tokens: int = 0  # gRPC: len(tokens); HTTP: the server's usage.completion_tokens, else content chunks
-    exact_count: bool = False  # output_tokens counted exactly (token ids, or the server's usage), not as content chunks
-    ttft: float = 0.0
-    e2el: float = 0.0
-    itl: list[float] = dataclasses.field(default_factory=list)
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    steps: int = 0
-    retry_after_ms: int | None = None
-    request_index: int = 0
-    sent: float = 0.0  # seconds from the level's start to this request's send
-    prompt_tokens: int = 0
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), 0 for no values."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def summarise(results: list[RequestResult], duration: float) -> dict:
-    """vLLM's key names; latencies in milliseconds."""
-    done = [r for r in results if r.ok]
-    failures: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            failures[r.code] = failures.get(r.code, 0) + 1
-    out_tokens = sum(r.output_tokens for r in done)
-    series = {
-        "ttft": [r.ttft * 1e3 for r in done],
-        "tpot": [(r.e2el - r.ttft) * 1e3 / (r.output_tokens - 1) for r in done if r.output_tokens > 1],
-        "itl": [gap * 1e3 for r in done for gap in r.itl],
-        "e2el": [r.e2el * 1e3 for r in done],
-    }
-    in_order = sorted(done, key=lambda r: r.request_index)  # sending order
-    drafted = sum(r.draft_tokens for r in done)
-    refused = [r for r in results if r.code == "RESOURCE_EXHAUSTED"]
-    summary = {
-        "completed": len(done),
-        "failed": len(results) - len(done),
-        "failures": failures,
-        "duration": duration,
-        "total_output_tokens": out_tokens,
-        "request_throughput": len(done) / duration if duration else 0.0,
-        "output_throughput": out_tokens / duration if duration else 0.0,
-        "acceptance_rate": sum(r.accepted_tokens for r in done) / drafted if drafted else 0.0,
-        "mean_tokens_per_step": out_tokens / max(1, sum(r.steps for r in done)),
-        "max_refusal_latency_ms": max((r.e2el * 1e3 for r in refused), default=0.0),
-        "retry_after_ms": sorted({r.retry_after_ms for r in refused if r.retry_after_ms is not None}),
-        "output_lengths": [r.output_tokens for r in in_order],
-        "exact_lengths": sum(r.exact_count for r in done),  # the rest: content chunks counted (no usage came)
-        # Each finished request, in sending order: percentiles hide which requests waited (the prompt
-        # a request sent is prompts[index % len(prompts)]).
-        "requests": [{"index": r.request_index, "ttft_ms": r.ttft * 1e3, "e2el_ms": r.e2el * 1e3, "output_tokens": r.output_tokens,
-                      "steps": r.steps, "draft_tokens": r.draft_tokens, "accepted_tokens": r.accepted_tokens}
-                     for r in in_order],
-    }
-    for name, values in series.items():
-        summary[f"mean_{name}_ms"] = statistics.fmean(values) if values else 0.0
-        summary[f"median_{name}_ms"] = percentile(values, 50)
-        summary[f"p90_{name}_ms"] = percentile(values, 90)
-        summary[f"p99_{name}_ms"] = percentile(values, 99)
-    return summary
-
-
-# --- the clients ----------------------------------------------------------------------------------
-
-class GrpcClient:
-    """CoordinatorService.GenerateStream over one channel (its token and TLS from connect.Connection)."""
-
-    def __init__(self, conn: connect.Connection, timeout: float, ignore_eos: bool = False):
-        self.conn, self.timeout, self.ignore_eos = conn, timeout, ignore_eos
-
-    async def __aenter__(self) -> GrpcClient:
-        from protos import specdec_pb2_grpc as pb_grpc
-        from specdec.serving.rpc import CHANNEL_OPTIONS
-
-        self.channel = self.conn.aio_channel(options=CHANNEL_OPTIONS)
-        self.stub = pb_grpc.CoordinatorServiceStub(self.channel)
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.channel.close()
-
-    async def request(self, index: int, prompt: list[int], max_new: int, speculation: bool) -> RequestResult:
-        import grpc
-
-        from protos import specdec_pb2 as pb
-
-        spec = pb.SpeculationParams() if speculation else pb.SpeculationParams(draft_length=0)
-        request = pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=max_new, speculation=spec,
-                                           ignore_eos=self.ignore_eos)
-        result = RequestResult(index, ok=False, exact_count=True)
-        start = last = time.perf_counter()
-        call = self.stub.GenerateStream(request, timeout=self.timeout, metadata=self.conn.metadata)
-        try:
-            async for message in call:
-                now = time.perf_counter()
-                if message.token_ids:
-                    if not result.tokens:
-                        result.ttft = now - start
-                    else:
-                        result.itl.append(now - last)
-                    last = now
-                    result.tokens.extend(message.token_ids)
-                if message.HasField("stats"):
-                    s = message.stats
-                    result.draft_tokens, result.accepted_tokens, result.steps = s.draft_tokens, s.accepted_tokens, s.steps
-            result.ok = True
-        except grpc.aio.AioRpcError as exc:
-            result.code, result.details = exc.code().name, exc.details() or ""
-            for key, value in exc.trailing_metadata() or ():
-                if key == "retry-after-ms":
-                    result.retry_after_ms = int(value)
-        result.e2el = time.perf_counter() - start
-        result.output_tokens = len(result.tokens)
-        return result
-
-
-# HTTP statuses under the gRPC code names the report and refused_access use for the same refusals.
-HTTP_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 429: "RESOURCE_EXHAUSTED",
-              503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
-
-
-def _http_error(status: int, body: bytes) -> tuple[str, str]:
-    """(code, message) of a refused request: OpenAI's {"error": {"message": ...}} when the body has it."""
-    try:
-        message = json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        message = body.decode(errors="replace")[:200]
-    return HTTP_CODES.get(status, f"HTTP_{status}"), f"HTTP {status}: {message}"
-
-
-class HttpClient:
-    """POST /v1/completions with `stream: true` on the coordinator's OpenAI-compatible API, read as
-    server-sent events. The prompt goes as token ids, so both APIs get the same tokens; the token
-    goes as `Authorization: Bearer`. Usage is asked for (`stream_options.include_usage`): OpenAI
-    sends it in a last chunk of its own (empty `choices`); a server that sends none leaves the count
-    of content chunks, a lower bound when a chunk carries several tokens."""
-
-    def __init__(self, base_url: str, token: str, timeout: float, ignore_eos: bool, verify: object = True):
-        self.base_url, self.timeout, self.ignore_eos, self.verify = base_url.rstrip("/"), timeout, ignore_eos, verify
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.model = ""
-
-    async def __aenter__(self) -> HttpClient:
-        import httpx2
-
-        # No cap on connections: the load test's own concurrency is the only limit.
-        limits = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
-        self.client = httpx2.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=self.timeout, limits=limits,
-                                         verify=self.verify)
-        try:
-            self.model = await self.served_model()
-        except BaseException:
-            await self.client.aclose()  # __aexit__ does not run when __aenter__ fails
-            raise
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.client.aclose()
-
-    async def served_model(self) -> str:
-        """The model the server names in GET /v1/models (it checks the token as completions do):
-        ConnectError, in one line, when nothing answers there or the token is refused."""
-        import httpx2
-
-        try:
-            response = await self.client.get("/v1/models")
-        except httpx2.HTTPError as exc:
-            raise connect.ConnectError(f"cannot reach the HTTP API at {self.base_url}: {exc or type(exc).__name__}") from None
-        if response.status_code != 200:
-            code, message = _http_error(response.status_code, response.content)
-            advice = connect.hint(code, message, connect.Connection(self.base_url))
-            raise connect.ConnectError(f"{self.base_url}/v1/models: {message}" + (f" ({advice})" if advice else ""))
-        models = response.json().get("data") or [{}]
-        return models[0].get("id", "")
-
-    def body(self, prompt: list[int], max_new: int, speculation: bool) -> dict:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_new, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        if self.ignore_eos:
-            body["ignore_eos"] = True
-        if not speculation:
-            body["draft_length"] = 0  # specdec's extension: speculation off for this request
-        return body
-
-    async def request(self, index: int, prompt: list[int], max_new: int, speculation: bool) -> RequestResult:
-        import httpx2
-
-        result = RequestResult(index, ok=False)
-        chunks, done = 0, False
-        start = last = time.perf_counter()
-        try:
-            async with self.client.stream("POST", "/v1/completions", json=self.body(prompt, max_new, speculation)) as response:
-                if response.status_code != 200:
-                    result.code, result.details = _http_error(response.status_code, await response.aread())
-                    if "retry-after-ms" in response.headers:
-                        result.retry_after_ms = int(response.headers["retry-after-ms"])
-                else:
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue  # blank separators, comments, other SSE fields
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            done = True
-                            break
-                        chunk = json.loads(data)
-                        if "error" in chunk:
-                            result.code, result.details = "STREAM_ERROR", str(chunk["error"].get("message", chunk["error"]))
-                            break
-                        now = time.perf_counter()
-                        piece = "".join(choice.get("text") or "" for choice in chunk.get("choices") or ())
-                        if piece:
-                            if not chunks:
-                                result.ttft = now - start
-                            else:
-                                result.itl.append(now - last)
-                            last, chunks = now, chunks + 1
-                            result.text += piece
-                        if chunk.get("usage"):
-                            result.output_tokens, result.exact_count = chunk["usage"]["completion_tokens"], True
-                        if chunk.get("speculation"):
-                            s = chunk["speculation"]
-                            result.draft_tokens, result.accepted_tokens, result.steps = s["draft_tokens"], s["accepted_tokens"], s["steps"]
-        except httpx2.HTTPError as exc:
-            result.code, result.details = "CONNECTION_ERROR", f"{type(exc).__name__}: {exc}"
-        else:
-            if response.status_code == 200 and not done and result.code == "OK":
-                result.code, result.details = "STREAM_ERROR", "the event stream ended without data: [DONE]"
-            result.ok = done
-        if not result.exact_count:
-            result.output_tokens = chunks
-        result.e2el = time.perf_counter() - start
-        return result
 
 
 async def run_level(client: GrpcClient | HttpClient, prompts: list[list[int]], num_requests: int, max_new: int, speculation: bool,
@@ -471,7 +222,7 @@ def run(args: argparse.Namespace) -> dict:
 
     workdir = pathlib.Path(tempfile.mkdtemp(prefix="specdec-loadtest-"))
     if args.quick:
-        from specdec_tools.bench import quick_models
+        from specdec_tools.bench_runners import quick_models
 
         # A random model's logits are nearly flat, so the usual 8% noise flips most argmaxes and
         # n-gram drafting over 16 random tokens rarely matches: with either, the speculative runs
@@ -614,149 +365,9 @@ def save_partial(report: dict, out: str) -> None:
     (folder / PARTIAL).write_text(json.dumps({**report, "runs": runs, "overload": None}, indent=2, default=str))
 
 
-def headline(runs: list[dict]) -> dict:
-    """Aggregate output tokens/s at the highest concurrency over one stream, per speculation mode
-    (and weight format, when there are several); speculation's over speculation off's per level,
-    from the pairs each repeat measured side by side (median, lowest, highest); and each format's
-    over the first's, per mode and level. Repeated runs count by their median."""
-    out = {}
-    formats = list(dict.fromkeys(r.get("weights", "fp32") for r in runs))
-    medians: dict[tuple, float] = {}
-    for key in dict.fromkeys((r.get("weights", "fp32"), r["speculation"], r["concurrency"]) for r in runs if r["concurrency"]):
-        medians[key] = statistics.median(r["output_throughput"] for r in runs
-                                         if (r.get("weights", "fp32"), r["speculation"], r["concurrency"]) == key)
-    for weights in formats:
-        prefix = f"{weights}_" if len(formats) > 1 else ""
-        for speculation in (True, False):
-            by_level = {c: value for (w, s, c), value in medians.items() if (w, s) == (weights, speculation)}
-            if 1 in by_level and len(by_level) > 1:
-                top = max(by_level)
-                out[f"{prefix}{'spec' if speculation else 'nospec'}_throughput_{top}_vs_1"] = by_level[top] / by_level[1] if by_level[1] else 0.0
-        for level in dict.fromkeys(c for (w, _, c) in medians if w == weights):
-            pairs = []
-            for repeat in sorted({r.get("repeat", 0) for r in runs}):
-                both = {r["speculation"]: r["output_throughput"] for r in runs
-                        if (r.get("weights", "fp32"), r["concurrency"], r.get("repeat", 0)) == (weights, level, repeat)}
-                if both.get(False) and True in both:
-                    pairs.append(both[True] / both[False])
-            if pairs:
-                out[f"{prefix}spec_vs_off_{level}"] = statistics.median(pairs)
-                if len(pairs) > 1:
-                    out[f"{prefix}spec_vs_off_{level}_lowest"], out[f"{prefix}spec_vs_off_{level}_highest"] = min(pairs), max(pairs)
-    for (weights, speculation, level), value in medians.items():
-        first = medians.get((formats[0], speculation, level))
-        if weights != formats[0] and first:
-            out[f"{weights}_vs_{formats[0]}_{'spec' if speculation else 'nospec'}_{level}"] = value / first
-    return out
-
-
-def plot(report: dict, out: pathlib.Path) -> list[str]:
-    """Latency percentiles and throughput against concurrency, speculation on vs off (the first
-    repeat's runs: one line per mode; the summary has the repeats' ratios)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = [r for r in report["runs"] if r["concurrency"] and r.get("repeat", 0) == 0]
-    if not runs:
-        return []
-    written = []
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, metric in zip(axes, ("ttft", "tpot", "e2el")):
-        for speculation, style in ((True, "-"), (False, "--")):
-            rows = sorted((r for r in runs if r["speculation"] == speculation), key=lambda r: r["concurrency"])
-            for stat in ("median", "p90", "p99"):
-                if rows:
-                    ax.plot([r["concurrency"] for r in rows], [r[f"{stat}_{metric}_ms"] for r in rows], style, marker="o",
-                            label=f"{stat} {'spec' if speculation else 'no spec'}")
-        ax.set(title=f"{metric.upper()} (ms)", xlabel="concurrent requests", xscale="log", xticks=report["config"]["levels"])
-        ax.set_xticklabels([str(c) for c in report["config"]["levels"]])
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "latency_vs_concurrency.png", dpi=110)
-    written.append(str(out / "latency_vs_concurrency.png"))
-    fig, ax = plt.subplots(figsize=(6, 4.2))
-    for speculation in (True, False):
-        rows = sorted((r for r in runs if r["speculation"] == speculation), key=lambda r: r["concurrency"])
-        if rows:
-            ax.plot([r["concurrency"] for r in rows], [r["output_throughput"] for r in rows], marker="o",
-                    label="speculation on" if speculation else "speculation off")
-    ax.set(title="aggregate output tokens/s", xlabel="concurrent requests", ylabel="tokens/s")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "throughput_vs_concurrency.png", dpi=110)
-    written.append(str(out / "throughput_vs_concurrency.png"))
-    plt.close("all")
-    return written
-
-
-def format_lengths(run: dict) -> str:
-    """`asked N: got n1 (k1), n2 (k2)`: the output lengths received, most requests first, so a run with
-    --ignore-eos shows at a glance whether every request got exactly N; `~` marks lengths counted as
-    content chunks because the server sent no usage."""
-    lengths = run.get("output_lengths")
-    if lengths is None:  # a report from before lengths were recorded
-        return "-"
-    counts = sorted(collections.Counter(lengths).items(), key=lambda kv: (-kv[1], kv[0]))
-    approx = "~" if run.get("exact_lengths", len(lengths)) < len(lengths) else ""
-    return f"{run.get('requested_output_tokens', '?')}: " + ", ".join(f"{approx}{n} ({k})" for n, k in counts[:6]) + (" ..." if len(counts) > 6 else "")
-
-
 def lengthen(prompt: list[int], tokens: int) -> list[int]:
     """The prompt's ids repeated up to `tokens` ids (a long prompt of the same text)."""
     return (prompt * (tokens // max(1, len(prompt)) + 1))[:tokens]
-
-
-def long_prompts(results: list[RequestResult]) -> dict:
-    """How the long prompts of a mix fared as a group: whether they were prefilled (reached their
-    first token) and finished in the order they were sent (the share of adjacent pairs that did;
-    requests sent within the same instant may reach the server in either order), and the prompt
-    tokens prefilled a second from the first one sent to the last one's first token (what a flood
-    of long prompts gets from the target)."""
-    done = sorted((r for r in results if r.ok), key=lambda r: r.sent)
-    firsts, ends = [r.sent + r.ttft for r in done], [r.sent + r.e2el for r in done]
-    pairs = len(done) - 1
-
-    def in_order(times: list[float]) -> float:
-        return sum(a <= b for a, b in zip(times, times[1:])) / pairs if pairs > 0 else 1.0
-
-    span = max(firsts, default=0.0) - (done[0].sent if done else 0.0)
-    return {"prefilled_in_order": in_order(firsts), "finished_in_order": in_order(ends),
-            "prefill_tokens_per_s": sum(r.prompt_tokens for r in done) / span if span > 0 else 0.0}
-
-
-def format_report(report: dict) -> str:
-    lines = ["weights  spec  conc  done fail  req/s  out tok/s  TTFT p50/p99 ms   TPOT p50/p99 ms   ITL mean  E2EL p50/p99 ms  accept  identical"
-             "  output tokens asked: got (requests)"]
-    for r in [*report["runs"], *([report["overload"] | {"speculation": True, "concurrency": report["overload"]["offered_concurrency"]}]
-                                 if "overload" in report else [])]:
-        ident = f"{r['identical']}/{r['completed']}" if "identical" in r else "-"
-        lines.append(
-            f"{r.get('weights', 'fp32'):<7}  {'on ' if r['speculation'] else 'off'}  {r['concurrency'] or '-':>4}  {r['completed']:>4} {r['failed']:>4}  {r['request_throughput']:5.2f}"
-            f"  {r['output_throughput']:9.1f}  {r['median_ttft_ms']:7.0f}/{r['p99_ttft_ms']:<7.0f}  {r['median_tpot_ms']:7.1f}/{r['p99_tpot_ms']:<7.1f}"
-            f"  {r['mean_itl_ms']:8.1f}  {r['median_e2el_ms']:7.0f}/{r['p99_e2el_ms']:<7.0f}  {r['acceptance_rate']:6.2f}  {ident:>9}"
-            f"  {format_lengths(r)}"
-            + (f"  failures {r['failures']}" if r["failures"] else ""))
-    for r in report["runs"]:
-        if "short_requests" in r:
-            q = r["short_requests"]
-            lines.append(f"  short requests only ({'on ' if r['speculation'] else 'off'}, {r['concurrency']} concurrent): "
-                         f"{q['completed']} done, TTFT p50/p99 {q['median_ttft_ms']:.0f}/{q['p99_ttft_ms']:.0f} ms, "
-                         f"TPOT p50/p99 {q['median_tpot_ms']:.1f}/{q['p99_tpot_ms']:.1f} ms")
-        if "long_requests" in r:
-            q = r["long_requests"]
-            lines.append(f"  long requests only: {q['completed']} done, TTFT p50/p99 {q['median_ttft_ms']:.0f}/{q['p99_ttft_ms']:.0f} ms, "
-                         f"in the order sent (adjacent pairs): prefilled {q['prefilled_in_order']:.0%}, finished {q['finished_in_order']:.0%}, "
-                         f"prefill {q['prefill_tokens_per_s']:.0f} tok/s")
-    if "overload" in report:
-        o = report["overload"]
-        lines.append(f"overload: {o['offered_concurrency']} concurrent offered to max_concurrent_requests={o['max_concurrent_requests']} + "
-                     f"max_queue={o['max_queue']}: {o['completed']} completed, refused {o['failures']}, slowest refusal "
-                     f"{o['max_refusal_latency_ms']:.0f} ms, retry-after-ms {o['retry_after_ms'][:3]}, stack alive: {o['stack_alive']}")
-    for key, value in report.get("summary", {}).items():
-        lines.append(f"{key}: {value:.2f}x")
-    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:

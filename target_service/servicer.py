@@ -12,7 +12,9 @@ from protos import specdec_pb2_grpc as pb_grpc
 from specdec.serving import metrics
 from specdec.serving import tls
 from specdec.serving.carriers import Carriers
-from specdec.serving.rpc import EngineHost, Server, rpc_method
+from specdec.serving.engine_host import EngineHost
+from specdec.serving.rpc import rpc_method
+from specdec.serving.server import Server
 from specdec.serving.threads import loop_computes_alike
 from specdec.serving.wire import verify_call_from_proto, verify_result_to_proto
 from target_service.config import TargetConfig

@@ -10,7 +10,7 @@ import threading
 import grpc
 
 from coordinator.config import CoordinatorConfig
-from coordinator.servicer import serve as serve_coordinator
+from coordinator.serve import serve as serve_coordinator
 from draft_service.config import DraftConfig
 from draft_service.servicer import serve as serve_draft
 from protos import specdec_pb2_grpc as pb_grpc

@@ -23,6 +23,7 @@ from draft_service.engine import DraftEngine
 from draft_service.drafters.feature import FeatureDrafter, load_feature_drafter
 from specdec_tools import distill
 from specdec_tools import distill_feature
+from specdec_tools import distill_prompts
 from specdec.model.feature_draft import WEIGHTS, load_feature_draft
 from specdec.model.lm import CausalLM
 from specdec.spec.sampling import SamplingConfig
@@ -116,11 +117,11 @@ def test_batched_features_match_one_pass_per_sequence():
 
 def test_prompts_are_distinct_and_never_the_benchmarks_own():
     passages = [f"passage number {i} says something new" for i in range(400)]
-    train = distill.make_prompts(passages, 600, 0, heldout=False)
-    held = distill.make_prompts(passages, 60, 0, heldout=True)
+    train = distill_prompts.make_prompts(passages, 600, 0, heldout=False)
+    held = distill_prompts.make_prompts(passages, 60, 0, heldout=True)
     assert len(train) == 600 and len(set(train)) == 600 and len(set(held)) == 60
     assert not set(train) & set(held)
-    assert not (set(train) | set(held)) & distill._bench_prompts()
+    assert not (set(train) | set(held)) & distill_prompts._bench_prompts()
 
 
 def test_a_deeper_feature_draft_starts_from_the_targets_last_layers():

@@ -1,4 +1,4 @@
-"""specdec.serving.rpc.run_service: `specdec serve` runs a service on uvloop unless told otherwise.
+"""specdec.serving.server.run_service: `specdec serve` runs a service on uvloop unless told otherwise.
 (The subprocess tests, tests/test_shutdown.py among them, run real services on it.)"""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from specdec.serving.config import from_argv
-from specdec.serving.rpc import run_service
+from specdec.serving.server import run_service
 from target_service.config import TargetConfig
 
 

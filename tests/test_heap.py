@@ -1,4 +1,4 @@
-"""A service's own process settles its heap once serving (specdec/serving/rpc.py settle_heap): what
+"""A service's own process settles its heap once serving (specdec/serving/server.py settle_heap): what
 start-up left is frozen, so a full collection no longer walks the loaded model's objects. A server
 started inside another process (the tests' own) leaves that process's heap alone."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import gc
 import json
 
-from specdec.serving import rpc
+from specdec.serving import server
 from specdec_tools import stacks
 from tests import tiny
 from tests.stack import Stack
@@ -16,7 +16,7 @@ from tests.stack import Stack
 def test_settle_heap_freezes_what_is_alive_and_collections_leave_it():
     try:
         kept = [[i] for i in range(20000)]  # tracked and alive, as what a loaded model leaves
-        frozen = rpc.settle_heap()
+        frozen = server.settle_heap()
         # Other tests' server threads may still free a few frozen objects meanwhile: the count can
         # only drop by those, never below what this test keeps alive.
         assert frozen >= len(kept) and len(kept) <= gc.get_freeze_count() <= frozen

@@ -14,7 +14,7 @@ from draft_service.drafters.ngram import NgramDrafter
 from draft_service.engine import INLINE_APPEND, DraftEngine
 from draft_service.servicer import DraftServicer
 from protos import specdec_pb2 as pb
-from specdec.serving.rpc import EngineHost
+from specdec.serving.engine_host import EngineHost
 
 PROMPT = [7, 1, 2, 3, 4, 5, 6] * 50  # 350 tokens: past INLINE_APPEND, so indexed on the worker
 assert len(PROMPT) > INLINE_APPEND

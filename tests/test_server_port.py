@@ -1,4 +1,4 @@
-"""A service on a port another server holds fails at start with the port named (specdec/serving/rpc.py):
+"""A service on a port another server holds fails at start with the port named (specdec/serving/server.py):
 gRPC's default SO_REUSEPORT would let both bind it and split its connections silently."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from specdec.serving.rpc import Server
+from specdec.serving.server import Server
 
 
 def test_a_second_server_on_a_taken_port_fails_naming_it():

@@ -249,7 +249,7 @@ def test_a_server_sent_events_stream_whose_client_stopped_reading_ends():
     unfinished instead of waiting for the client."""
     import asyncio
 
-    from coordinator.http import StallingStream
+    from coordinator.http_replies import StallingStream
 
     closed, sent = asyncio.Event(), []
 

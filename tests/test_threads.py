@@ -14,7 +14,7 @@ import pytest
 SCRIPT = r"""
 import os, sys, torch
 from specdec.serving import threads
-from specdec.serving.rpc import EngineHost
+from specdec.serving.engine_host import EngineHost
 if sys.argv[1] == "confine":
     threads.confine()
 host = EngineHost("target")

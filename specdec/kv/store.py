@@ -156,7 +156,7 @@ class SequenceStore:
 
     def expire_idle(self) -> int:
         """Frees sequences a vanished coordinator left behind; returns how many. Every sync runs it,
-        and the services also run it on a timer (specdec/serving/rpc.py, `expire_idle_sequences`),
+        and the services also run it on a timer (specdec/serving/engine_host.py, `expire_idle_sequences`),
         since after the last coordinator is gone no sync comes to run it."""
         if self.idle_timeout_s <= 0:
             return 0

@@ -29,7 +29,7 @@ EVENT_LOOPS = ("uvloop", "asyncio")
 
 
 def event_loop_option() -> Any:
-    """Every service's `event_loop` field (specdec.serving.rpc.run_service)."""
+    """Every service's `event_loop` field (specdec.serving.server.run_service)."""
     return option(
         "uvloop",
         "Event loop: uvloop (libuv: less overhead per wake-up, and every step wakes three event loops) "

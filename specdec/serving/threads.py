@@ -13,7 +13,7 @@ time, and a target that had served one feature-draft request stayed that slow fo
 after it.
 
 So `specdec serve` confines torch's parallelism to the compute thread. The engine's worker
-(specdec.serving.rpc.EngineHost) gets the threads torch would have used, and every other thread (the event
+(specdec.serving.engine_host.EngineHost) gets the threads torch would have used, and every other thread (the event
 loop, executor threads) runs whatever torch ops it has single-threaded. Processes that never call
 `confine` (tests, `specdec bench`, in-process stacks) keep torch's defaults.
 """

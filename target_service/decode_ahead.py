@@ -1,0 +1,205 @@
+"""Decoding ahead: after its verdict, a row keeps decoding without an exchange (no gRPC here).
+
+A Verify may ask the target to decode up to VerifyCall.decode_ahead more tokens alone, one forward
+a pass, each pass verifying its own prompt-lookup draft if the row drafts by lookup. A lone row
+decodes ahead by itself (`_decode_ahead`), the rows of a pass that holds every call together
+(`_decode_ahead_rows`); both make a row's tokens alike (`_ahead_pass`, `_ahead_taken`). Apart from
+the engine's verify path because it is a mechanism on top of it: TargetEngine (engine.py) takes
+DecodeAhead's methods in, and they call back its `_verdict`, `_rows` and `_capturing`.
+docs/architecture.md, "Decoding ahead", says why and what stays exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+
+from specdec.errors import SpecdecError
+from specdec.kv.store import Sequence
+from specdec.model.features import FeatureRows
+from specdec.spec.lookup import NgramIndex, in_source, lookup_draft
+from specdec.spec.request import VerifyCall, VerifyResult
+from specdec.spec.sampling import TokenLogprob
+
+
+@dataclasses.dataclass
+class _RowAhead:
+    """A row decoding ahead after its pass's verdict, alone (TargetEngine._decode_ahead) or with the
+    others of its pass (_decode_ahead_rows): both take their passes through _ahead_pass and
+    _ahead_taken, so a row's tokens are made alike either way."""
+
+    index: int  # the row's place among the pass's calls
+    seq: Sequence
+    call: VerifyCall  # the row's call without its catch-up and draft: a plain step at the next position
+    lookup: NgramIndex | None  # its prompt-lookup index, when it drafts by lookup
+    budget: int  # tokens it may decode
+    most: int  # passes it may take
+    pending: int  # its last token, not in the cache yet
+    decoded: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    proposal: tuple | None = None  # this pass's lookup draft: (tokens, proposal, match length)
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    predicted: tuple[int, int] = (0, 0)  # of drafted and accepted, those from a predicted output
+    ended: bool = False  # an end-of-sequence token was accepted inside a draft: what follows is cut anyway
+    first: tuple[int, ...] = ()  # the tokens its call's own pass made canonical (draft tokens accepted, next token)
+    sent: int = 0  # of first + decoded, how many went to TargetEngine.on_tokens
+
+    def unsent(self) -> tuple[str, int, list[int], list[TokenLogprob]]:
+        """(sequence, index, tokens, their log-probabilities) made since the last report: `index`
+        counts the call's tokens reported before these."""
+        made = [*self.first, *self.decoded]
+        start, self.sent = self.sent, len(made)
+        return self.call.sequence_id, start, made[start:], self.logprobs[start:]
+
+    def going(self, eos, context: int) -> bool:
+        """Whether the row takes another pass: budget and passes left, no end of sequence, room in the context."""
+        return (not self.ended and len(self.decoded) < self.budget and self.passes < self.most and self.pending not in eos
+                and not (context and len(self.seq.tokens) + 2 > context))
+
+
+class DecodeAhead:
+    """Decoding ahead, as methods of TargetEngine: they read the engine's `lm`, `calibration` and
+    `on_tokens`, and take their passes through its `_verdict` (a lone row) or `_rows` (a batch)."""
+
+    def _decode_ahead(self, call: VerifyCall, seq: Sequence, result: VerifyResult, start: float,
+                      interrupt: Callable[[], bool] | None = None) -> VerifyResult:
+        """Decodes up to call.decode_ahead more tokens after the verdict, one forward a pass.
+
+        Why: the coordinator asks for this only for steps it would not draft anyway (an n-gram
+        drafter resting after empty asks, speculation off), or whose draft the target can make
+        itself (prompt lookup, call.lookup_draft_length), and each of those steps otherwise costs a
+        whole exchange with the target, gRPC on top of the forward.
+        Each pass verifies its lookup draft, if any, as a Verify at its position would (`_verdict`:
+        greedy, or rejection sampling against a one-hot draft with the position-keyed generator),
+        so greedy tokens are the ones those steps would have made and sampled ones follow the
+        target's distribution. Stops after an end-of-sequence token, before the context is full,
+        and once another call waits (`interrupt`: a new request then waits one pass, not eight);
+        the coordinator cuts anything past its own stops.
+
+        With return_features (a feature draft resting), each forward's hidden states extend the
+        features, so they still cover every position the target holds: the draft catches up on
+        the decoded tokens next time as it does on accepted ones.
+        """
+        row = self._ahead(call, seq, result)
+        if row is None:
+            return result
+        eos, context = self.lm.eos_token_ids, self.lm.max_context
+        rows = []
+        self._report([row])
+        while row.going(eos, context) and not (interrupt is not None and interrupt()):
+            step = self._ahead_pass(row)
+            with self._capturing(call.return_features) as hidden:
+                logits = self.lm.forward(seq, step.draft_tokens, keep=len(step.draft_tokens) + 1)  # [1 + len(draft), V]
+            taken, pending, chosen = self._verdict(step, logits, len(seq.tokens))
+            if hidden:
+                rows.append(hidden[0][0][: 1 + taken].float().cpu())  # the positions that are canonical now
+            seq.tokens.extend(step.draft_tokens[:taken])
+            seq.crop_cache(len(seq.tokens))
+            self._ahead_taken(row, taken, pending, chosen)
+            self._report([row])
+        features = result.features
+        if rows and features is not None:
+            features = FeatureRows(features.start, torch.cat([features.values, *rows]))
+        return self._ahead_result(result, row, start, features=features)
+
+    def _ahead(self, call: VerifyCall, seq: Sequence, result: VerifyResult, index: int = 0) -> _RowAhead | None:
+        """The row that decodes ahead after `result`, or None if its budget is spent: a lookup draft's
+        accepted tokens are among the caller's budget (_as_decoded), and end it at an end of sequence."""
+        own = list(call.draft_tokens[:result.accepted]) if call.lookup_match else []
+        budget = call.decode_ahead - len(own)
+        if budget <= 0 or any(t in self.lm.eos_token_ids for t in own):
+            return None
+        plain = dataclasses.replace(call, append=[], draft_tokens=[], draft_dists=[], lookup_match=None)
+        return _RowAhead(index, seq, plain, self._lookup_index(call, seq) if call.lookup_draft_length else None, budget,
+                         call.decode_ahead_passes or budget, result.next_token, logprobs=list(result.logprobs),
+                         first=(*call.draft_tokens[:result.accepted], result.next_token))
+
+    def _report(self, rows: list[_RowAhead]) -> None:
+        """Hands each row's tokens made since its last report to `on_tokens`, if set: a decoding run
+        (target_service/runs.py) sends them out after every pass instead of after the call."""
+        if self.on_tokens is not None:
+            self.on_tokens([row.unsent() for row in rows])
+
+    def _ahead_pass(self, row: _RowAhead, rows: int = 1) -> VerifyCall:
+        """Makes the row's pending token canonical (its pass's first new position) and returns the call
+        its pass verifies: a plain step, with the row's lookup draft when it drafts by lookup."""
+        row.seq.tokens.append(row.pending)
+        row.proposal = ([], [], 0)
+        if row.lookup is not None:
+            row.lookup.extend(row.seq.tokens[len(row.lookup):])
+            room = row.budget - len(row.decoded) - 1  # the pass's own token comes on top
+            if self.lm.max_context:
+                room = min(room, self.lm.max_context - len(row.seq.tokens) - 1)
+            row.proposal = lookup_draft(row.lookup, self.calibration, row.call.lookup_draft_length,
+                                        self._lookup_costs(row.call, rows), room)
+        draft = row.proposal[0]
+        return dataclasses.replace(row.call, draft_tokens=draft) if draft else row.call
+
+    def _ahead_taken(self, row: _RowAhead, taken: int, next_token: int, logprobs) -> None:
+        """Records a pass's verdict on the row: `taken` draft tokens accepted (already appended to the
+        sequence), then `next_token`, pending."""
+        draft, proposal, n = row.proposal
+        if n:
+            self.calibration.observe(n, proposal, draft[:taken] + [next_token])
+        row.decoded += draft[:taken] + [next_token]
+        row.pending = next_token
+        row.logprobs += logprobs
+        row.passes, row.drafted, row.accepted = row.passes + 1, row.drafted + len(draft), row.accepted + taken
+        if in_source(n):
+            row.predicted = (row.predicted[0] + len(draft), row.predicted[1] + taken)
+        row.ended = any(t in self.lm.eos_token_ids for t in draft[:taken])
+
+    @staticmethod
+    def _ahead_result(result: VerifyResult, row: _RowAhead, start: float, **extra) -> VerifyResult:
+        compute = time.perf_counter() - start
+        return dataclasses.replace(result, cached_len=len(row.seq.tokens), compute_seconds=compute,
+                                   ahead_seconds=max(0.0, compute - result.compute_seconds), ahead_tokens=len(row.decoded),
+                                   decoded=tuple(row.decoded), logprobs=tuple(row.logprobs), ahead_passes=row.passes,
+                                   ahead_drafted=row.drafted, ahead_accepted=row.accepted,
+                                   predicted_drafted=row.predicted[0], predicted_accepted=row.predicted[1], **extra)
+
+    def _decode_ahead_rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]],
+                           results: list[VerifyResult | SpecdecError | None], start: float,
+                           interrupt: Callable[[], bool] | None) -> None:
+        """Decodes ahead for every row of a batched pass together: one batched forward a pass, as
+        many passes as the row that asked least allows, each row's token (and lookup draft) made
+        as `_decode_ahead` makes it alone. Writes the rows' results back into `results`.
+
+        Why: under load the coordinators stop drafting, and every token of every sequence then costs
+        an exchange of its own; between two passes the target waits for the last of them to come
+        back (a sizeable share of a pass on a small machine). Decoding ahead, the passes follow one
+        another with no exchange in between. Only when every row asked for it (a row that did not
+        would wait for the others' passes) and all of them feed one forward; stopped as soon as a
+        call is waiting (`interrupt`), so a request that arrives meanwhile waits one pass, not all.
+        Each row's tokens are the ones its own exchanges would have got, as exact as any batched
+        pass: its verdict is keyed by position, and which rows share its forwards is the load's
+        doing either way.
+        """
+        if len(rows) < 2 or len(rows) != len(calls):  # one row decodes ahead in _row; a chunk or an error: no
+            return
+        rows_ahead: list[_RowAhead] = []
+        for index, seq in rows:
+            call, result = calls[index], results[index]
+            if not isinstance(result, VerifyResult) or call.tree is not None or call.return_features or call.decode_ahead <= 0:
+                return
+            row = self._ahead(call, seq, result, index)
+            if row is None:
+                return
+            rows_ahead.append(row)
+        eos, context = self.lm.eos_token_ids, self.lm.max_context
+        self._report(rows_ahead)
+        for _ in range(min(min(r.budget, r.most) for r in rows_ahead)):
+            live = [r for r in rows_ahead if r.going(eos, context)]
+            if not live or (interrupt is not None and interrupt()):
+                break
+            steps = {r.index: self._ahead_pass(r, len(live)) for r in live}
+            for r, outcome in zip(live, self._rows(steps, [(r.index, r.seq) for r in live], start, len(live))):
+                self._ahead_taken(r, outcome.accepted, outcome.next_token, outcome.logprobs)
+            self._report(live)
+        for r in rows_ahead:
+            results[r.index] = self._ahead_result(results[r.index], r, start)

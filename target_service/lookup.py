@@ -1,0 +1,132 @@
+"""Prompt lookup in the target, and what a drafted position costs a pass (no gRPC here).
+
+On passes that have no draft of their own the target drafts for itself by prompt lookup over the
+sequence's own tokens (VerifyCall.lookup_draft_length; specdec/spec/lookup.py does the matching). A
+draft is cut where its next token is not worth what it adds to the pass: by the caller's V(n) / V(1),
+or where several rows share the pass by what a position adds to it (PassCosts), whichever costs more.
+Apart from the engine's verify path because it is a policy over the verify path, not part of it:
+TargetEngine (engine.py) takes TargetLookup's methods in, decoding ahead (decode_ahead.py) and prefill
+planning (prefill.py) call them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specdec.kv.store import Sequence
+from specdec.limits import MAX_DRAFT_TOKENS
+from specdec.spec.lookup import LOOKUP_MAX_N, NgramIndex, in_source, lookup_draft
+from specdec.spec.request import VerifyCall, VerifyResult
+
+
+class PassCosts:
+    """Seconds of one forward against the positions it feeds, a + b * positions, fitted by least
+    squares over recent forwards (each reading weighs `decay` times less per later one).
+
+    Why: where a pass holds several rows, a drafted position costs what it adds to the pass
+    (`b`), which the rows' share of the pass must pay back; a coordinator's V(n) / V(1), timed on
+    its own requests' steps, cannot tell that cost apart, since the other rows set a batched pass's
+    time. On a CPU a drafted position adds a sizeable part of a row's share of a batched pass (at
+    8 rows on 2 cores, a first draft token had to be right ~40% of the time to pay:
+    benchmarks/results/lookup-by-pass-costs/NOTES.md); on a GPU `b` is near 0 until compute binds.
+    `lookup_costs(rows, most)` is V(1 + g) / V(1) as seen from one row's share, in the form
+    VerifyCall.lookup_costs carries."""
+
+    MIN_READINGS = 8.0  # no estimate before this many (decayed) readings, nor without spread
+
+    def __init__(self, decay: float = 0.98):
+        self.decay = decay
+        self._sums = [0.0] * 5  # weight, x, y, xx, xy
+
+    def observe(self, positions: int, seconds: float) -> None:
+        d, x, y = self.decay, float(positions), seconds
+        w, sx, sy, sxx, sxy = self._sums
+        self._sums = [w * d + 1, sx * d + x, sy * d + y, sxx * d + x * x, sxy * d + x * y]
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) in seconds and seconds a position, or None while the readings cannot say."""
+        w, sx, sy, sxx, sxy = self._sums
+        if w < self.MIN_READINGS:
+            return None
+        var = sxx / w - (sx / w) ** 2
+        if var < 1.0:  # all forwards fed (nearly) as many positions: no slope to read
+            return None
+        b = max(0.0, (sxy / w - sx / w * sy / w) / var)
+        a = sy / w - b * sx / w
+        return (a, b) if a > 0 else None
+
+    def lookup_costs(self, rows: int, most: int) -> tuple[float, ...]:
+        """Relative costs of 1..most+1 positions for one of `rows` rows (() for one row: its
+        caller's costs hold). Before the readings say, a position costs a whole share (nothing
+        drafted pays): a full batch on a CPU comes near that, and the first passes measure it."""
+        if rows < 2:
+            return ()
+        line = self.line()
+        if line is None:
+            return tuple(1.0 + g for g in range(most + 1))
+        a, b = line
+        share = (a + b * rows) / rows
+        return tuple(1.0 + g * b / share for g in range(most + 1))
+
+
+class TargetLookup:
+    """The target's own lookup drafts, as methods of TargetEngine: each reads the engine's `lm`
+    (its context bound), `calibration` (MatchCalibration: the chance each token of a match is
+    right) and `pass_costs` (PassCosts)."""
+
+    @staticmethod
+    def _lookup_index(call: VerifyCall, seq: Sequence) -> NgramIndex:
+        """The sequence's prompt-lookup index, kept beside its cache across calls (Sequence.side).
+
+        The index keeps the tokens it shares with the sequence and indexes only the rest: a step
+        indexes the tokens that arrived since the last one, not the whole sequence, and a call's
+        passes decoded ahead reuse what its own pass indexed. Shared, not merely held by both: a
+        call without lookup may have rolled the sequence back and re-grown it in between (then the
+        tokens below call.known_len are still shared), and a stale n-gram would draft worse tokens,
+        never wrong ones. A call that brings a source (a predicted output: the call that creates the
+        sequence, or re-fills it) starts an index over it, which later calls keep."""
+        index = seq.side if isinstance(seq.side, NgramIndex) else None
+        if index is None or (call.lookup_source and tuple(call.lookup_source) != index.source):
+            index = NgramIndex(LOOKUP_MAX_N, 1, call.lookup_source)
+        keep = min(len(index), len(seq.tokens))
+        if index.tokens[:keep] != seq.tokens[:keep]:
+            keep = min(keep, call.known_len)
+            if index.tokens[:keep] != seq.tokens[:keep]:
+                index, keep = NgramIndex(LOOKUP_MAX_N, 1, index.source), 0
+        index.crop(keep - len(index))
+        seq.side = index
+        return index
+
+    def _lookup_costs(self, call: VerifyCall, rows: int) -> tuple[float, ...]:
+        """The relative costs that cut a row's lookup draft: the caller's V(n) / V(1) (its own
+        requests' steps), or where `rows` rows share the pass and it costs more, what each drafted
+        position adds to the pass against the row's share of it (PassCosts). None asked (a fixed
+        draft length): none given."""
+        mine = call.lookup_costs
+        if not mine or rows < 2:
+            return mine
+        return tuple(max(c, s) for c, s in zip(mine, self.pass_costs.lookup_costs(rows, len(mine) - 1)))
+
+    def _with_lookup(self, call: VerifyCall, seq: Sequence, rows: int = 1) -> VerifyCall:
+        """`call` with the draft prompt lookup makes for its pass (maybe none), among `rows` rows."""
+        index = self._lookup_index(call, seq)
+        index.extend(seq.tokens[len(index):])
+        room = MAX_DRAFT_TOKENS
+        if self.lm.max_context:
+            room = min(room, self.lm.max_context - len(seq.tokens))
+        draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_draft_length, self._lookup_costs(call, rows), room)
+        return dataclasses.replace(call, draft_tokens=draft, draft_dists=[], lookup_match=(n, tuple(proposal))) if n else call
+
+    def _as_decoded(self, call: VerifyCall, result: VerifyResult) -> VerifyResult:
+        """A result whose draft was the target's own, as the caller sees it: the caller knows no
+        draft tokens, so the accepted ones come first among the tokens made canonical (next_token,
+        then decoded), and count with the lookup drafts of the passes decoded ahead."""
+        n, proposal = call.lookup_match
+        self.calibration.observe(n, list(proposal), [*call.draft_tokens[:result.accepted], result.next_token])
+        tokens = [*call.draft_tokens[:result.accepted], result.next_token, *result.decoded]
+        predicted = (len(call.draft_tokens), result.accepted) if in_source(n) else (0, 0)
+        return dataclasses.replace(result, accepted=0, next_token=tokens[0], decoded=tuple(tokens[1:]),
+                                   ahead_drafted=result.ahead_drafted + len(call.draft_tokens),
+                                   ahead_accepted=result.ahead_accepted + result.accepted,
+                                   predicted_drafted=result.predicted_drafted + predicted[0],
+                                   predicted_accepted=result.predicted_accepted + predicted[1])
