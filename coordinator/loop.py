@@ -229,7 +229,8 @@ class SpeculativeLoop(Accounting, Releases):
             adaptive=spec.adaptive,
             # seeded runs keep the static lengths: a cut learned online would change their draws
             calibrated=self.calibrated and not spec.seeded and spec.tree is None,
-            memory=None if spec.seeded else self.acceptance,
+            # static costs (a test's fixed prior) keep static lengths too, as seeded requests do
+            memory=None if spec.seeded or self.cost_model is None else self.acceptance,
         )
         # Run-ahead only for chains, and not for seeded sampling: its draws come from other
         # generator states than a sequential run's, and a seeded run must replay exactly.

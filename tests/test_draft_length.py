@@ -310,3 +310,8 @@ def test_a_new_request_starts_from_the_acceptance_recent_requests_saw():
     # Seeded requests pass no memory (their lengths must not depend on earlier requests), and a
     # fixed-length request ignores it.
     assert DraftLengthPolicy(draft_length=8, prior=cpu, memory=memory, adaptive=False).plan()[0] == 8
+    # Requests too short to reach a probe teach the memory nothing: each one ages it, and within
+    # some tens of them one starts from the fixed prior again, drafts, and refreshes it.
+    starts = [DraftLengthPolicy(draft_length=8, prior=cpu, memory=memory).plan()[0] for _ in range(40)]
+    first_draft = next(i for i, g in enumerate(starts) if g > 0)
+    assert 0 < first_draft < 40 and memory.acceptance is None

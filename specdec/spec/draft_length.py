@@ -54,11 +54,15 @@ class AcceptanceMemory:
     its tokens, a short answer spent most of its steps that way, and speculation cost more than it
     gave. The draft and target are the same for every request of a coordinator (and for every run
     of a target), so the acceptance the last requests saw is the better first guess; each request
-    still moves from it with its own verdicts, at the weight the fixed prior had. Thread-safe: the
-    coordinator's tools may run loops on other threads."""
+    still moves from it with its own verdicts, at the weight the fixed prior had.
 
-    def __init__(self, decay: float = 0.99, weight: float = 3.0):
-        self.decay, self.weight = decay, weight
+    A memory that says "do not draft" would never hear otherwise if short requests, which never
+    reach a probe, were all that came: so each request started from it ages it (`request_decay`),
+    and once too little is left the next request starts from the fixed prior again and drafts,
+    which refreshes it. Thread-safe: the coordinator's tools may run loops on other threads."""
+
+    def __init__(self, decay: float = 0.99, weight: float = 3.0, request_decay: float = 0.9):
+        self.decay, self.weight, self.request_decay = decay, weight, request_decay
         self._accepted = self._trials = 0.0
         self._lock = threading.Lock()
 
@@ -72,14 +76,20 @@ class AcceptanceMemory:
 
     @property
     def acceptance(self) -> float | None:
-        """The shared estimate, or None until enough steps were seen."""
+        """The shared estimate, or None until enough steps were seen (or after too long unheard)."""
         with self._lock:
             return self._accepted / self._trials if self._trials >= MEMORY_MIN_TRIALS else None
 
     def prior(self) -> tuple[float, float] | None:
-        """(accepted, rejected) weights a new request starts from, or None (keep the fixed prior)."""
-        a = self.acceptance
-        return None if a is None else (self.weight * a, self.weight * (1.0 - a))
+        """(accepted, rejected) weights a new request starts from, or None (keep the fixed prior).
+        Each call is a request starting: it ages what the memory holds."""
+        with self._lock:
+            if self._trials < MEMORY_MIN_TRIALS:
+                return None
+            a = self._accepted / self._trials
+            self._accepted *= self.request_decay
+            self._trials *= self.request_decay
+        return self.weight * a, self.weight * (1.0 - a)
 
 
 @dataclasses.dataclass
