@@ -81,11 +81,14 @@ def test_a_cut_head_keeps_the_rows_it_keeps_and_the_output(target):
     cut = cut_head(draft, list(reversed(keep)))  # any order in, id order kept
     assert cut.kept_ids.tolist() == keep and cut.head.weight.shape[0] == len(keep)
     assert cut.body is draft.body and draft.head.weight.shape[0] == tiny.VOCAB  # the original is untouched
-    feats, nxt = torch.randn(1, 5, target.config.hidden_size), torch.tensor([[1, 2, 3, 4, 5]])
+    gen = torch.Generator().manual_seed(0)
+    feats, nxt = torch.randn(1, 5, target.config.hidden_size, generator=gen), torch.tensor([[1, 2, 3, 4, 5]])
     with torch.inference_mode():
         full = draft.to_target_logits(draft(feats, nxt)[1])
         ours = cut.to_target_logits(cut(feats, nxt)[1])
-    torch.testing.assert_close(ours[..., keep], full[..., keep], rtol=0, atol=0)
+    # The same rows' dot products; not asked to be bit-identical: BLAS may block a GEMM of fewer rows
+    # otherwise, and a clean clone's run of the suite saw it differ in the last bits.
+    torch.testing.assert_close(ours[..., keep], full[..., keep], rtol=1e-5, atol=1e-5)
     assert torch.isinf(ours[..., [t for t in range(tiny.VOCAB) if t not in keep]]).all()
     with pytest.raises(ValueError):
         cut_head(cut, [1])  # 1 is not in the cut head
