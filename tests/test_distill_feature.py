@@ -33,13 +33,19 @@ from tests import tiny
 KEPT = 200
 
 
+def write_corpus(folder):
+    """A tiny corpus the distillations' chat prompts are built from."""
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n\n".join(f"passage {i}: the quick brown fox jumps over the lazy dog, then naps." for i in range(120)))
+    return corpus
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("distill_feature")
     target, _ = tiny.tiny_pair(seed=1)
     target_path = tiny.save(target, folder / "target")
-    corpus = folder / "corpus.txt"
-    corpus.write_text("\n\n".join(f"passage {i}: the quick brown fox jumps over the lazy dog, then naps." for i in range(120)))
+    corpus = write_corpus(folder)
     argv = ["--method", "feature", "--target-model", target_path, "--corpus", str(corpus), "--out", str(folder / "draft"),
             "--vocab", str(KEPT), "--gen-prompts", "24", "--gen-tokens", "32", "--gen-batch", "8", "--seq-len", "64",
             "--steps", "150", "--batch", "8", "--lr", "3e-3", "--heldout-prompts", "6", "--eval-tokens", "32",
@@ -200,8 +206,7 @@ def test_unrolled_training_beats_one_step_training_on_held_out_chains(tmp_path):
     config.initializer_range = 0.1
     target = LlamaForCausalLM(config).eval()
     target.generation_config.eos_token_id = target.generation_config.pad_token_id = tiny.EOS
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join(f"passage {i}: the quick brown fox jumps over the lazy dog, then naps." for i in range(120)))
+    corpus = write_corpus(tmp_path)
     args = distill.parse_args(["--method", "feature", "--corpus", str(corpus), "--out", str(tmp_path / "d"), "--gen-prompts", "48",
                                "--gen-tokens", "32", "--gen-batch", "8", "--heldout-prompts", "24", "--eval-tokens", "32"])
     args.work_dir = str(tmp_path / "data")
@@ -254,8 +259,7 @@ def test_a_fused_draft_trains_saves_and_evaluates(tmp_path):
     target = LlamaForCausalLM(tiny.tiny_config(layers=4)).eval()
     target.generation_config.eos_token_id = target.generation_config.pad_token_id = tiny.EOS
     target_path = tiny.save(target, tmp_path / "target")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join(f"passage {i}: the quick brown fox jumps over the lazy dog, then naps." for i in range(120)))
+    corpus = write_corpus(tmp_path)
     argv = ["--method", "feature", "--target-model", target_path, "--corpus", str(corpus), "--out", str(tmp_path / "draft"),
             "--vocab", str(KEPT), "--gen-prompts", "16", "--gen-tokens", "24", "--gen-batch", "8", "--seq-len", "64",
             "--steps", "60", "--batch", "8", "--lr", "3e-3", "--heldout-prompts", "4", "--eval-tokens", "24",
