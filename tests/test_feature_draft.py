@@ -53,6 +53,17 @@ def loop_over(verifier, proposer, **kwargs) -> SpeculativeLoop:
     return SpeculativeLoop(verifier, proposer, CostModel(MODEL_DRAFT_PRIOR), MODEL_DRAFT_PRIOR, features=True, **kwargs)
 
 
+def greedy_acceptance(loop: SpeculativeLoop, target, draft_length: int, count: int = 8) -> float:
+    """Runs `count` tiny prompts through `loop`, asserting each output is the target's own greedy
+    decoding; returns the fraction of drafted tokens accepted (0 when nothing was drafted)."""
+    accepted = drafted = 0
+    for prompt in tiny.prompts(count):
+        tokens, stats = run(loop, prompt, draft_length=draft_length)
+        assert tokens == tiny.reference_greedy(target, prompt, MAX_NEW), prompt
+        accepted, drafted = accepted + stats.accepted_tokens, drafted + stats.draft_tokens
+    return accepted / drafted if drafted else 0.0
+
+
 @torch.inference_mode()
 def final_hidden(model, tokens: list[int]) -> torch.Tensor:
     return model.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
@@ -150,12 +161,7 @@ def test_a_resting_feature_draft_lets_the_target_decode_ahead_and_catches_up_fro
 def test_in_process_greedy_equals_the_target_alone_and_the_draft_is_used(target, draft_length):
     verifier_engine, draft_engine = engines(target)
     loop = loop_over(LocalVerifier(verifier_engine), LocalProposer(draft_engine))
-    accepted = drafted = 0
-    for prompt in tiny.prompts(8):
-        tokens, stats = run(loop, prompt, draft_length=draft_length)
-        assert tokens == tiny.reference_greedy(target, prompt, MAX_NEW), prompt
-        accepted, drafted = accepted + stats.accepted_tokens, drafted + stats.draft_tokens
-    assert drafted > 0 and accepted / drafted > 0.3  # the features arrived: the draft is nearly the target
+    assert greedy_acceptance(loop, target, draft_length) > 0.3  # the features arrived: the draft is nearly the target
     assert len(verifier_engine.store) == 0 and len(draft_engine.store) == 0
 
 
