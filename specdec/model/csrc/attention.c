@@ -267,6 +267,12 @@ static inline __attribute__((always_inline)) void attend(
         attend_row(q, kb, kst, vb, vst, mask, masked ? T - 1 : first_last, D, scale, scores, index, acc, out);
 }
 
+/* Whether attention over this many query-key products per head dimension opens a parallel region:
+ * as for the linear layers (csrc/gemm.c, sg_parallel), a small pass is done sooner by the calling
+ * thread than a team forks and joins, and a waiting team thread holds a shared core. Each tile is
+ * computed alike whichever thread takes it, so the choice changes no bit. */
+static inline int attention_parallel(double products) { return products >= (double)(1 << 20); }
+
 static inline int tile_rows(int D) { return D == 64 ? TILE_ROWS : D == 128 ? TILE_ROWS / 2 : 1; }
 
 int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, long ksb, long ksh, long kst,
@@ -276,7 +282,7 @@ int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, l
     int group = H / Hkv, failed = 0;
     int R = tile_rows(D), tiles = (Mq + R - 1) / R;
     long stride = (long)T + VL;
-#pragma omp parallel
+#pragma omp parallel if (attention_parallel((double)B * H * Mq * T * D))
     {
         scratch mine = scratch_open(stride, R, D, &failed);
         float *scores = mine.scores, *acc = mine.acc;
@@ -326,8 +332,10 @@ int sg_attention_groups(int G, const int *rows, const int *past, const float *q,
         return -1;
     }
     int longest = 0;
+    double products = 0;
     first[0] = 0;
     for (int g = 0, r = 0; g < G; r += rows[g], g++) {
+        products += (double)rows[g] * (past[g] + rows[g]) * H * D;
         if (rows[g] < 1 || past[g] < 0) failed = 1;
         row0[g] = r;
         first[g + 1] = first[g] + (by_heads && rows[g] == 1 ? Hkv : H * ((rows[g] + R - 1) / R));
@@ -335,7 +343,7 @@ int sg_attention_groups(int G, const int *rows, const int *past, const float *q,
     }
     long stride = (long)longest + VL, osi = (long)H * D;
     if (!failed) {
-#pragma omp parallel
+#pragma omp parallel if (attention_parallel(products))
         {
             scratch mine = scratch_open(stride, R, D, &failed);
             float *scores = mine.scores, *acc = mine.acc;

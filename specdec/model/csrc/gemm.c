@@ -43,6 +43,15 @@
 typedef float vec __attribute__((vector_size(LANES * 4)));                 /* aligned: packed panels */
 typedef float vec_u __attribute__((vector_size(LANES * 4), aligned(4)));   /* unaligned: x, y, bias */
 
+/* Whether a call of M rows through a K x N weight opens a parallel region (an OpenMP `if` clause).
+ * A small layer is done sooner by the calling thread than a team's fork and join take, and where
+ * the cores are shared (a client, a coordinator and a target on two cores) a team thread that waits
+ * at the join holds a core another process needed: a tiny model's layers then spent most of their
+ * time at the barrier. Weights of 64K values or more, or a call of 1M multiply-adds or more, still
+ * split (every layer of a real model, and the head). Each output is computed by the same code
+ * whichever thread runs it, so the choice changes no bit. */
+static inline int sg_parallel(long M, long K, long N) { return K * N >= (1L << 16) || M * K * N >= (1L << 20); }
+
 /* One panel (16 output features) for MM input rows: MM accumulators live in registers. */
 #define PANEL(MM)                                                                                     \
     static void panel_##MM(const float *restrict x, int ldx, const float *restrict wp, int K,         \
@@ -86,7 +95,7 @@ void sg_pack(const float *w, int N, int K, float *wp) {
 int sg_linear(const float *x, int M, int K, const float *wp, int N, const float *bias, float *y) {
     if (M < 1 || M > SG_MAX_ROWS || K < 0 || N < 0) return -1;
     int panels = (N + LANES - 1) / LANES;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (sg_parallel(M, K, N))
     for (int p = 0; p < panels; p++) {
         int width = N - p * LANES < LANES ? N - p * LANES : LANES;
         for (int g = 0; g < M; g += LANES) {
@@ -316,9 +325,10 @@ static int linear_parts(int fmt, const float *x, int M, int K, const char *wp, c
     int panels = o->first[o->parts];
     size_t pstride = panel_bytes(fmt, K), sstride = (size_t)((K + QK - 1) / QK) * LANES;
     int first = 0; /* panels from here on are computed one at a time */
+    int team = sg_parallel(M, K, (long)panels * LANES);
     if (M <= 2) {  /* np whole panels side by side; the remaining (panels % np) go one at a time below */
         int np = M == 1 ? 4 : 2, groups = panels / np;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (team)
         for (int g = 0; g < groups; g++) {
             int p0 = g * np;
             vec out[4];
@@ -331,7 +341,7 @@ static int linear_parts(int fmt, const float *x, int M, int K, const char *wp, c
     }
     if (M <= LANES) {
         if (first < panels) {
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (team)
             for (int p = first; p < panels; p++) {
                 vec out[LANES];
                 CPANELS1[fmt][M](x, K, wp + p * pstride, pstride, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0,
@@ -342,7 +352,7 @@ static int linear_parts(int fmt, const float *x, int M, int K, const char *wp, c
         return 0;
     }
     int failed = 0;
-#pragma omp parallel
+#pragma omp parallel if (team)
     {
         /* One expanded panel per thread, reused for every panel the thread takes. */
         float *buf = fmt == SG_F32 ? 0 : aligned_alloc(64, ((size_t)K * LANES * 4 + 63) / 64 * 64 + 64);
@@ -630,7 +640,7 @@ static int linear_a8(int fmt, const float *x, int M, int K, const char *wp, cons
      * read twelve streams at once and were 10-18% slower from memory than one panel's three
      * (SmolLM2's 120 layers, M = 1 and 2, AMD EPYC); the panels also split more evenly between the
      * threads. Each output's operations are the same either way. */
-#pragma omp parallel
+#pragma omp parallel if (sg_parallel(M, K, (long)panels * LANES))
     {
         if (shared) {
 #pragma omp for schedule(static)
