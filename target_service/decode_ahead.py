@@ -198,7 +198,12 @@ class DecodeAhead:
             if not live or (interrupt is not None and interrupt()):
                 break
             steps = {r.index: self._ahead_pass(r, len(live)) for r in live}
-            for r, outcome in zip(live, self._rows(steps, [(r.index, r.seq) for r in live], start, len(live))):
+            began = time.perf_counter()
+            outcomes = self._rows(steps, [(r.index, r.seq) for r in live], start, len(live))
+            # one forward of steps, as a batched pass's first forward is: under load every pass may
+            # decode ahead, and these are then the only forwards the pass costs can learn from
+            self.pass_costs.observe(sum(step.new_positions for step in steps.values()), time.perf_counter() - began)
+            for r, outcome in zip(live, outcomes):
                 self._ahead_taken(r, outcome.accepted, outcome.next_token, outcome.logprobs)
             self._report(live)
         for r in rows_ahead:

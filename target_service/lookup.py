@@ -33,10 +33,17 @@ class PassCosts:
     VerifyCall.lookup_costs carries."""
 
     MIN_READINGS = 8.0  # no estimate before this many (decayed) readings, nor without spread
+    # While the readings cannot say, one row's draft in this many is left to its caller's costs.
+    # Why: the cautious default cuts every draft, and a steady load (so many rows, one position
+    # each, pass after pass) then feeds forwards of one size only: the line would never have the
+    # spread it needs and the cut would stay blind. A drafted row is verified like any other, so
+    # this costs at most a few positions, never a token's correctness.
+    EXPLORE_EVERY = 16
 
     def __init__(self, decay: float = 0.98):
         self.decay = decay
         self._sums = [0.0] * 5  # weight, x, y, xx, xy
+        self._asked = 0  # lookup_costs calls while the line was unknown
 
     def observe(self, positions: int, seconds: float) -> None:
         d, x, y = self.decay, float(positions), seconds
@@ -58,11 +65,15 @@ class PassCosts:
     def lookup_costs(self, rows: int, most: int) -> tuple[float, ...]:
         """Relative costs of 1..most+1 positions for one of `rows` rows (() for one row: its
         caller's costs hold). Before the readings say, a position costs a whole share (nothing
-        drafted pays): a full batch on a CPU comes near that, and the first passes measure it."""
+        drafted pays): a full batch on a CPU comes near that, and the first passes measure it;
+        every EXPLORE_EVERY-th ask meanwhile gets () so that some passes do carry drafts."""
         if rows < 2:
             return ()
         line = self.line()
         if line is None:
+            self._asked += 1
+            if self._asked % self.EXPLORE_EVERY == 0:
+                return ()
             return tuple(1.0 + g for g in range(most + 1))
         a, b = line
         share = (a + b * rows) / rows
@@ -105,7 +116,8 @@ class TargetLookup:
         mine = call.lookup_costs
         if not mine or rows < 2:
             return mine
-        return tuple(max(c, s) for c, s in zip(mine, self.pass_costs.lookup_costs(rows, len(mine) - 1)))
+        pass_costs = self.pass_costs.lookup_costs(rows, len(mine) - 1)
+        return tuple(max(c, s) for c, s in zip(mine, pass_costs)) if pass_costs else mine
 
     def _with_lookup(self, call: VerifyCall, seq: Sequence, rows: int = 1) -> VerifyCall:
         """`call` with the draft prompt lookup makes for its pass (maybe none), among `rows` rows."""

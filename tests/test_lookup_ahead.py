@@ -89,6 +89,34 @@ def test_pass_costs_read_what_a_position_adds_to_a_forward():
     assert flat.line() is None  # every forward as long: no slope to read
 
 
+def test_pass_costs_leave_one_ask_in_some_to_the_caller_while_they_cannot_say():
+    costs = PassCosts()
+    asks = [costs.lookup_costs(8, 2) for _ in range(2 * PassCosts.EXPLORE_EVERY)]
+    assert asks.count(()) == 2 and asks.count((1.0, 2.0, 3.0)) == len(asks) - 2
+
+
+def test_the_pass_costs_learn_where_every_batched_pass_decodes_ahead(pair):
+    """Under a steady load every batched pass decodes ahead, each row one position a pass while the
+    cautious default cuts its lookup draft: the passes it takes still teach the line, since they
+    are observed and a few rows' drafts are left to their callers' costs. (An outside audit found
+    the line still empty after thousands of requests: neither was so.) Tokens stay the target's own."""
+    target = engine(pair)
+    prompts = [(p * 3)[:30] for p in tiny.prompts(6, seed=31)]
+    expected = [tiny.reference_greedy(pair[0], p, 64) for p in prompts]
+    sent = [list(p) for p in prompts]  # what each sequence's next call builds on
+    known, append = [0] * len(prompts), [list(p) for p in prompts]
+    for _ in range(4):
+        calls = [VerifyCall(f"r{i}", known[i], append[i], [], [], GREEDY, decode_ahead=8, decode_ahead_passes=8,
+                            lookup_draft_length=4, lookup_costs=(1.0,) * 5) for i in range(len(prompts))]
+        for i, result in enumerate(target.verify_batch(calls)):
+            got = [result.next_token, *result.decoded]
+            made = len(sent[i]) - len(prompts[i])
+            assert got == expected[i][made: made + len(got)]
+            sent[i] += got
+            known[i], append[i] = result.cached_len, [got[-1]]
+    assert target.pass_costs.line() is not None
+
+
 def test_a_lookup_draft_beside_other_rows_pays_for_what_its_positions_add_to_the_pass(pair):
     """Alone, a row's lookup draft is cut by its caller's costs; among 8 rows, where a drafted
     position costs about a row's share of the pass, the same draft is not worth verifying."""
