@@ -19,6 +19,7 @@ def document(tmp_path_factory):
     return json.loads((out / "results.json").read_text()), out, done.stdout
 
 
+@pytest.mark.slow  # a whole `bench --quick` run: test-all (the suite\'s time, issue 58)
 def test_every_configuration_ran_on_both_prompt_sets(document):
     doc, _, _ = document
     names = {r["configuration"] for r in doc["results"]}
@@ -28,6 +29,7 @@ def test_every_configuration_ran_on_both_prompt_sets(document):
     assert doc["command"].startswith("specdec bench") and doc["machine"]["cores"] >= 1
 
 
+@pytest.mark.slow  # a whole `bench --quick` run: test-all (the suite\'s time, issue 58)
 def test_greedy_output_is_identical_in_every_configuration(document):
     doc, _, _ = document
     for r in doc["results"]:
@@ -35,6 +37,7 @@ def test_greedy_output_is_identical_in_every_configuration(document):
         assert ident["identical"] == ident["runs"] > 0, r["configuration"]
 
 
+@pytest.mark.slow  # a whole `bench --quick` run: test-all (the suite\'s time, issue 58)
 def test_records_carry_rates_splits_and_predictions(document):
     doc, _, stdout = document
     for r in doc["results"]:
@@ -64,12 +67,14 @@ def test_records_carry_rates_splits_and_predictions(document):
     assert "prompt set: chat" in stdout and "efficiency" in stdout
 
 
+@pytest.mark.slow  # a whole `bench --quick` run: test-all (the suite\'s time, issue 58)
 def test_plots_are_written(document):
     _, out, _ = document
     for name in ("tokens_per_second.png", "speedup_vs_draft_length.png", "acceptance_by_position.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # a whole `bench --quick` run: test-all (the suite\'s time, issue 58)
 def test_chain_tree_and_staged_side_by_side(document):
     doc, _, stdout = document
     names = {r["configuration"] for r in doc["results"]}

@@ -103,7 +103,8 @@ def test_integer_dot_products_compute_the_rounded_activations(kind, out_features
         assert not torch.allclose(y.double(), x.double() @ w.T + bias.double(), atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", A8_KINDS)
+# one kind in the fast tier (both share the loop's integer dot product), every kind in test-all
+@pytest.mark.parametrize("kind", [k if i == 0 else pytest.param(k, marks=pytest.mark.slow) for i, k in enumerate(A8_KINDS)])
 def test_the_portable_integer_loop_computes_the_same_bits(kind, tmp_path):
     """CPUs without VNNI run the portable loop (gemm.c, SG_PORTABLE): the same integers, the same floats."""
     import ctypes

@@ -555,8 +555,10 @@ def sample_grpc(client, prompt: list[int], sampling: SamplingConfig, eos: set[in
     return [cell_of(list(r.token_ids), eos) for r in responses], total
 
 
+# The step loop over gRPC: in test-all (the suite's time); the drafted runs below keep one gRPC case in the fast tier.
+@pytest.mark.slow
 @pytest.mark.parametrize("concurrency", [1, 8], ids=["one stream", "8 concurrent"])
-@pytest.mark.parametrize("adaptive", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["two tokens a step", "adaptive"])
+@pytest.mark.parametrize("adaptive", [False, True], ids=["two tokens a step", "adaptive"])
 def test_through_grpc_services(wide_models, stack, concurrency, adaptive):
     """The model chain case over gRPC; with 8 requests at once, the target verifies them in shared
     batched passes and the draft drafts them in shared forwards. The services time their passes
@@ -574,7 +576,8 @@ def test_through_grpc_services(wide_models, stack, concurrency, adaptive):
     assert_target_distribution(name, samples, exact_joint(target, PROMPT, PLAIN, eos), total)
 
 
-@pytest.mark.parametrize("mode", ["drafted", "pipelined"])
+# pipelined over gRPC in test-all (the suite's time): test_overlap_on and the lost-bet case check it in process
+@pytest.mark.parametrize("mode", ["drafted", pytest.param("pipelined", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("concurrency", [1, pytest.param(8, marks=pytest.mark.slow)], ids=["one stream", "8 concurrent"])
 def test_through_grpc_drafted_runs(wide_models, stack, mode, concurrency):
     """The target asks its draft itself (target_service/runs.py), and pipelined, the draft drafts

@@ -144,6 +144,7 @@ def wait_until_free(stack, seconds: float = 10.0) -> int:
     return held_sequences(stack)
 
 
+@pytest.mark.slow  # test-all: the suite's time (issue 58); test_decode_runs and the cancels of test_e2e_tiny free what a cancel leaves in the fast tier
 def test_a_thousand_cancelled_requests_leave_nothing_allocated(stack):
     stack, stub = stack
     prompts = tiny.prompts(10, seed=4)

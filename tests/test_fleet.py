@@ -151,8 +151,7 @@ def assert_one_replica_each(placement: dict[str, list[str]], expected: int, role
     print(f"{role} replicas served {sorted(loads.values())} of {expected} sequences")
 
 
-@pytest.mark.slow
-@pytest.mark.ci
+@pytest.mark.slow  # test-all only (the suite's time, issue 58)
 def test_a_fleet_keeps_sequences_on_one_replica_and_a_lost_replica_moves_only_its_own(models, reference, tmp_path):
     """One fleet, three phases: two rounds of 12 concurrent streams in steady state (24 sequences, so
     the spread is not left to the luck of 12 hashes); 12 more with the busiest target replica killed

@@ -193,6 +193,7 @@ def test_no_compiler_means_no_kernel_and_a_stock_model(pair, monkeypatch, tmp_pa
         gemm_kernel.load.cache_clear()
 
 
+@pytest.mark.slow  # test-all: the suite's time (issue 58); a full compile; every other kernel test compiles through the shared cache
 def test_a_fresh_cache_compiles_the_kernel_once(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     gemm_kernel.load.cache_clear()

@@ -20,6 +20,7 @@ VLLM_KEYS = ["request_throughput", "output_throughput", "total_output_tokens", "
 ]
 
 
+@pytest.mark.slow  # test-all: the suite's time (issue 58); a whole local stack; the other loadtest tests drive the same report on a running one
 def test_quick_loadtest(tmp_path, capsys):
     assert loadtest.main(["--quick", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "loadtest.json").read_text())

@@ -216,8 +216,7 @@ def converted(tmp_path_factory):
         yield loaded, time.perf_counter() - start, cache
 
 
-@pytest.mark.slow
-@pytest.mark.ci
+@pytest.mark.slow  # test-all only (the suite's time, issue 58)
 def test_alias_converts_into_the_cache_with_gguf_identical_logits(converted):
     loaded, _, cache = converted
     folder = pathlib.Path(loaded.path)

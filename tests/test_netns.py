@@ -32,6 +32,7 @@ from tests import tiny
 from specdec_tools.netns import Network, namespaces_allowed
 from tests.services import Service, free_port, healthy
 
+
 MAX_NEW = 24
 RPC_TIMEOUT_S = 3.0  # the coordinator's deadline per internal call: how long a dead link can stall a step
 # Three services and the test share this machine's cores: one thread each, or OpenMP's spinning
@@ -284,6 +285,7 @@ def target_sequences(hosts) -> int:
     return int(float(re.search(r"^specdec:target_num_sequences (\S+)$", text, re.M).group(1)))
 
 
+@pytest.mark.slow  # test-all: the suite's time (issue 58); waits out the keepalive timeouts
 def test_f_a_peer_that_vanishes_without_a_reset_has_its_sequences_freed(hosts):
     """A host that vanishes sends no reset: the target's keepalive pings find it (specdec/serving/rpc.py
     KEEPALIVE_OPTIONS), its session stream ends, and the sequence it carried is freed

@@ -122,6 +122,7 @@ def test_a_draft_dying_while_running_ahead_costs_only_speed(pair):
     assert len(target.store) == 0 and len(draft.store) == 0
 
 
+@pytest.mark.slow  # test-all: the suite's time (issue 58); test_distribution's overlap and lost-bet cases check the pipelined path's sampling
 def test_sampling_with_overlap_is_exactly_the_target_distribution():
     """The third token is the first one a used run-ahead can decide (draft length 1: the step's
     draft, the bonus guess, then the run-ahead's draft token). Its distribution given the first two

@@ -179,6 +179,7 @@ def test_sampling_tree_loop_runs_and_repeats_with_a_seed(pair):
     assert stats.draft_tokens > 0
 
 
+@pytest.mark.slow  # test-all: the suite's time (issue 58); test_distribution's tree cases check sampled trees end to end
 def test_sampled_trees_through_both_engines_follow_the_target_distribution(pair):
     """The draft's own tree drawing (siblings without replacement, p on the wire) and the target's
     reconstruction of each sibling's p agree: the first emitted token follows q over seeded trials.
