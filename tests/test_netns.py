@@ -32,7 +32,6 @@ from tests import tiny
 from specdec_tools.netns import Network, namespaces_allowed
 from tests.services import Service, free_port, healthy
 
-
 MAX_NEW = 24
 RPC_TIMEOUT_S = 3.0  # the coordinator's deadline per internal call: how long a dead link can stall a step
 # Three services and the test share this machine's cores: one thread each, or OpenMP's spinning
