@@ -104,7 +104,8 @@ def load_engine(config: DraftConfig) -> tuple[DraftEngine, DrafterInfo]:
         info = dataclasses.replace(info, weights=packed.weights if packed else str(parameter.dtype).removeprefix("torch."),
                                    weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(model))
     # a fixed-shape draft (specdec/model/static.py) holds at most its slots' sequences
-    max_sequences = getattr(drafter.lm, "max_sequences", config.max_sequences)
-    engine = DraftEngine(drafter, min(config.max_sequences, max_sequences), config.idle_timeout_s, config.max_prefill_tokens_per_pass)
+    bound = drafter.lm.max_sequences if drafter.lm is not None else None
+    max_sequences = config.max_sequences if bound is None else min(config.max_sequences, bound)
+    engine = DraftEngine(drafter, max_sequences, config.idle_timeout_s, config.max_prefill_tokens_per_pass)
     engine.warm_up()
     return engine, info

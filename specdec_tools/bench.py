@@ -237,7 +237,7 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
         configs.append(Configuration("hf", "hf", runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos)))
     off_loop = SpeculativeLoop(verifier, None, None, NGRAM_DRAFT_PRIOR)
     configs.append(Configuration("specdec-off", "specdec-off", runner=local_runner(off_loop, opts.max_new_tokens, eos, 0, False)))
-    if getattr(lm, "static", False):  # on a GPU: what the exact passes cost against transformers' forward
+    if lm.fixed_shape:  # on a GPU: what the exact passes cost against transformers' forward
         from specdec.model.lm import CausalLM
 
         fast = SpeculativeLoop(LocalVerifier(TargetEngine(CausalLM(target_loaded.model, lm.device))), None, None, NGRAM_DRAFT_PRIOR)
