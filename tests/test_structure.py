@@ -135,10 +135,7 @@ PROBED = {"lm", "model"}
 # The probes left, by file and call, each with how often it occurs: none since issue 58 item 1 (the
 # LanguageModel protocol in specdec/model/interface.py, one implementation per backend, chosen once by
 # specdec/model/assembly.py `load_lm`). Never add one; give the protocol what the new code needs to know instead.
-KNOWN_PROBES: dict[tuple[str, str], int] = {
-    ("draft_service/loading.py", "getattr(lm, 'dtype_name', '')"): 1,
-    ("draft_service/loading.py", "getattr(drafter.lm, 'model', None)"): 1,
-}
+KNOWN_PROBES: dict[tuple[str, str], int] = {}
 
 
 def _probes(path: pathlib.Path) -> list[str]:
