@@ -4,8 +4,9 @@ Three implementations, one per way of computing a Llama-family forward, chosen o
 (specdec/model/assembly.py `load_lm`):
 
 - `CausalLM` (lm.py): transformers' forward, the reference the others are tested against. Loaded
-  with compact weights it computes with specdec's kernel, the lean layer (decoder.py) and, for a
-  chain, the one-call C stack (stack.py), each held bit for bit to the next simpler one.
+  with compact weights it computes with specdec's kernel, the lean layer (decoder.py) and, for
+  chains, the one-call C stack (stack.py), which tests/test_decoder_stack.py holds bit for bit to
+  the lean layer.
 - `StaticLM` (static.py): passes of one shape over a static cache, row-exact on a GPU.
 - `PrunedCausalLM` (pruned.py): a distilled draft whose head covers part of the target's vocabulary.
 
