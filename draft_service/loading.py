@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from draft_service.config import DraftConfig
 from draft_service.drafters.base import Drafter
 from draft_service.drafters.model import ModelDrafter, load_pruned_drafter
@@ -37,37 +35,57 @@ class DrafterInfo:
 
 
 def _lm_info(config: DraftConfig, drafter: Drafter, kind: str, **overrides) -> DrafterInfo:
-    """A model draft's info, read off its `lm` (a pruned or feature draft's, which name their dtype)."""
+    """A model draft's info, read off its `lm` (a ModelDescription: specdec/model/interface.py)."""
     lm = drafter.lm
     fields = {"max_context": lm.max_context, "eos_token_ids": list(lm.eos_token_ids), "device": str(lm.device),
-              "dtype": getattr(lm, "dtype_name", "")} | overrides
+              "dtype": lm.dtype_name} | overrides
     return DrafterInfo(config.model, kind, drafter.vocab_size, **fields)
 
 
 def _load_model_drafter(config: DraftConfig) -> tuple[Drafter, DrafterInfo]:
-    """A plain causal LM draft; with --target-tokenizer, one that maps to the target's vocabulary
-    (unless the two tokenizers turn out the same)."""
+    """A plain causal LM draft, loaded and packed as the target is (load_lm); with --target-tokenizer,
+    one that maps to the target's vocabulary (unless the two tokenizers turn out the same)."""
     if not config.model:
         raise ValueError("--drafter model needs --model (alias, hub id, folder or .gguf)")
-    from specdec.model.loading import load_model
+    from specdec.model.assembly import LMOptions, load_lm
 
-    from specdec.model.static import exact_lm
-
-    loaded = load_model(config.model, config.device, config.dtype)
-    # On a GPU the draft runs the same fixed-shape passes for their speed (one CUDA graph a step).
-    lm = exact_lm(loaded.model, loaded.device, config.numerics, config.pass_rows, config.static_slots, config.static_context)
-    # loaded.path: where --weights gguf finds the file's blocks
+    # Its decode steps are 1-row GEMMs: every row count takes the kernel. On a GPU the draft runs the
+    # same fixed-shape passes as the target for their speed (one CUDA graph a step).
+    served = load_lm(LMOptions(model=config.model, device=config.device, dtype=config.dtype, weights=config.weights,
+                               packed_gemm_rows=config.packed_gemm_rows, packed_gemm_min_rows=gemm.DEFAULT_MIN_ROWS,
+                               numerics=config.numerics, pass_rows=config.pass_rows, static_slots=config.static_slots,
+                               static_context=config.static_context))
+    lm, loaded = served.lm, served.loaded
+    # loaded.path: where --weights gguf found the file's blocks
     drafter: Drafter = ModelDrafter(lm, config.top_k, staged=config.staged, source=loaded.path)
     if config.target_tokenizer:
         from draft_service.drafters.other_vocab import build_cross_drafter
 
         drafter = build_cross_drafter(lm, loaded.tokenizer, config.model, config.target_tokenizer, config.top_k,
                                       source=loaded.path) or drafter
-    return drafter, _lm_info(config, drafter, "model", device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."))
+    return drafter, _lm_info(config, drafter, "model", device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
+                             weights=served.weights, weight_bytes=served.weight_bytes)
+
+
+def _packed(config: DraftConfig, drafter: Drafter, info: DrafterInfo) -> DrafterInfo:
+    """Packs a pruned or feature draft's linear layers (its decode steps are 1-row GEMMs); its info
+    with the weights it serves."""
+    model = drafter.lm.model
+    parameter = next(model.parameters())
+    weights = config.weights
+    if (info.needs_features and weights == gemm.AUTO and config.packed_gemm_rows > 0
+            and gemm.available(parameter.device, parameter.dtype)):
+        from specdec.model.feature_draft import COMPACT_WEIGHTS
+
+        weights = COMPACT_WEIGHTS  # a feature draft has no GGUF of its own: its auto is the format measured fastest
+    packed = gemm.apply(model, parameter.device, parameter.dtype, config.packed_gemm_rows, gemm.DEFAULT_MIN_ROWS,
+                        weights, drafter.source)
+    return dataclasses.replace(info, weights=packed.weights if packed else str(parameter.dtype).removeprefix("torch."),
+                               weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(model))
 
 
 def load_drafter(config: DraftConfig) -> tuple[Drafter, DrafterInfo]:
-    """The drafter the config names, and its info (blocking: loads weights)."""
+    """The drafter the config names, its weights packed, and its info (blocking: loads weights)."""
     from specdec.model.loading import feature_draft_folder, pruned_draft_folder
 
     if config.drafter == "ngram":
@@ -79,10 +97,10 @@ def load_drafter(config: DraftConfig) -> tuple[Drafter, DrafterInfo]:
         from draft_service.drafters.feature import load_feature_drafter
 
         drafter = load_feature_drafter(featured, config.device, config.dtype, config.top_k)
-        return drafter, _lm_info(config, drafter, "feature", needs_features=True)
+        return drafter, _packed(config, drafter, _lm_info(config, drafter, "feature", needs_features=True))
     if pruned is not None:  # a distilled draft in its target's own vocabulary (specdec/model/pruned.py)
         drafter = load_pruned_drafter(pruned, config.device, config.dtype, config.top_k, staged=config.staged)
-        return drafter, _lm_info(config, drafter, "model")
+        return drafter, _packed(config, drafter, _lm_info(config, drafter, "model"))
     return _load_model_drafter(config)
 
 
@@ -90,21 +108,9 @@ def load_engine(config: DraftConfig) -> tuple[DraftEngine, DrafterInfo]:
     """The engine over the drafter the config names, warmed up, and its info (blocking: call it
     off the event loop)."""
     drafter, info = load_drafter(config)
-    model = getattr(drafter.lm, "model", None)
-    if isinstance(model, torch.nn.Module):  # a model draft: its decode steps are 1-row GEMMs
-        parameter = next(model.parameters())
-        weights = config.weights
-        if (info.needs_features and weights == gemm.AUTO and config.packed_gemm_rows > 0
-                and gemm.available(parameter.device, parameter.dtype)):
-            from specdec.model.feature_draft import COMPACT_WEIGHTS
-
-            weights = COMPACT_WEIGHTS  # a feature draft has no GGUF of its own: its auto is the format measured fastest
-        packed = gemm.apply(model, parameter.device, parameter.dtype, config.packed_gemm_rows, gemm.DEFAULT_MIN_ROWS,
-                            weights, drafter.source)
-        info = dataclasses.replace(info, weights=packed.weights if packed else str(parameter.dtype).removeprefix("torch."),
-                                   weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(model))
     # a fixed-shape draft (specdec/model/static.py) holds at most its slots' sequences
-    max_sequences = getattr(drafter.lm, "max_sequences", config.max_sequences)
-    engine = DraftEngine(drafter, min(config.max_sequences, max_sequences), config.idle_timeout_s, config.max_prefill_tokens_per_pass)
+    bound = drafter.lm.max_sequences if drafter.lm is not None else None
+    max_sequences = config.max_sequences if bound is None else min(config.max_sequences, bound)
+    engine = DraftEngine(drafter, max_sequences, config.idle_timeout_s, config.max_prefill_tokens_per_pass)
     engine.warm_up()
     return engine, info

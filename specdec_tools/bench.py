@@ -237,7 +237,7 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
         configs.append(Configuration("hf", "hf", runner=hf_runner(target_loaded.model, opts.max_new_tokens, eos)))
     off_loop = SpeculativeLoop(verifier, None, None, NGRAM_DRAFT_PRIOR)
     configs.append(Configuration("specdec-off", "specdec-off", runner=local_runner(off_loop, opts.max_new_tokens, eos, 0, False)))
-    if getattr(lm, "static", False):  # on a GPU: what the exact passes cost against transformers' forward
+    if lm.fixed_shape:  # on a GPU: what the exact passes cost against transformers' forward
         from specdec.model.lm import CausalLM
 
         fast = SpeculativeLoop(LocalVerifier(TargetEngine(CausalLM(target_loaded.model, lm.device))), None, None, NGRAM_DRAFT_PRIOR)
@@ -353,9 +353,8 @@ def run(opts: Options, argv: list[str]) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from specdec_tools.bench_report import report
-    from specdec.model.lm import CausalLM
-    from specdec.model.loading import load_model, load_tokenizer
-    from specdec.model.static import exact_lm
+    from specdec.model.assembly import LMOptions, load_lm
+    from specdec.model.loading import load_tokenizer
 
     torch.manual_seed(0)
     opts.out.mkdir(parents=True, exist_ok=True)
@@ -365,19 +364,16 @@ def run(opts: Options, argv: list[str]) -> dict:
             target, draft = quick_models(pathlib.Path(tmp))
             drafters = ("ngram", draft)
         print(f"specdec bench: loading {target}", file=sys.stderr, flush=True)
-        loaded = load_model(target, opts.device)
+        # specdec's own configurations run the target as its service does (--numerics exact); hf_runner
+        # switches the kernel off (and computes with the fp32 weights whatever the format: the reference
+        # every format is held to)
+        served = load_lm(LMOptions(model=target, device=opts.device, weights=opts.weights[0]))
+        loaded, lm = served.loaded, served.lm
         tokenizer = loaded.tokenizer or load_tokenizer(target)
-        # specdec's own configurations run the target as its service does; hf_runner switches it off
-        # (and computes with the fp32 weights whatever the format: the reference every format is held to)
-        packed = gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS,
-                            opts.weights[0], loaded.path)
-        lm = exact_lm(loaded.model, loaded.device)  # as the target service serves it (--numerics exact)
-        formats = {opts.weights[0]: (loaded, lm, packed)}
+        formats = {opts.weights[0]: (loaded, lm, served.packed)}
         for weights in opts.weights[1:]:  # a model of its own per format: each layer holds one compact weight
-            other = load_model(target, "cpu")
-            formats[weights] = (other, CausalLM(other.model, other.device),
-                                gemm.apply(other.model, other.device, other.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS,
-                                           weights, other.path))
+            other = load_lm(LMOptions(model=target, device="cpu", weights=weights))
+            formats[weights] = (other.loaded, other.lm, other.packed)
         prompts = {name: load_prompts(tokenizer, name, opts.limit) for name in opts.prompt_sets}
         if opts.per_kind:
             prompts = by_kind(prompts)

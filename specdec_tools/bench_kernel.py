@@ -40,12 +40,12 @@ def read_bandwidth(kernel: gemm_kernel.Kernel, gib: float = 1.0, repeats: int = 
 
 
 def layers_of(target: str, weights: str) -> tuple[list[gemm.PackedLinear], gemm.PackReport]:
-    from specdec.model.loading import load_model
+    from specdec.model.assembly import LMOptions, load_lm
 
-    loaded = load_model(target, "cpu")
-    report = gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, 1, weights, loaded.path)
+    served = load_lm(LMOptions(model=target, device="cpu", weights=weights, packed_gemm_min_rows=1))
+    report = served.packed
     seen: dict[int, gemm.PackedLinear] = {}
-    for module in loaded.model.modules():
+    for module in served.loaded.model.modules():
         if isinstance(module, gemm.PackedLinear):
             seen.setdefault(id(module), module)
     return list(seen.values()), report

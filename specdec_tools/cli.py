@@ -327,15 +327,12 @@ def cmd_plan(argv: list[str]) -> int:
         parser.error("give exactly one of --cost-curve and --measure")
     try:
         if args.measure:
-            from specdec.model import gemm
             from specdec_tools.bench import measure_cost_curve
-            from specdec.model.lm import CausalLM
-            from specdec.model.loading import load_model
+            from specdec.model.assembly import LMOptions, load_lm
 
-            loaded = load_model(args.measure, "cpu")
-            gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS)  # as the target service runs it
+            lm = load_lm(LMOptions(model=args.measure, device="cpu")).lm  # as the target service runs it (fp32)
             context = list(range(100, 356))  # 256 tokens of context
-            curve = measure_cost_curve(CausalLM(loaded.model, loaded.device), context, sorted({*range(1, 10), 12, 16, args.max_draft + 1}))
+            curve = measure_cost_curve(lm, context, sorted({*range(1, 10), 12, 16, args.max_draft + 1}))
             print("measured V(n), ms: " + ", ".join(f"{n}:{v * 1e3:.1f}" for n, v in curve.points))
         else:
             curve = plan.CostCurve.parse(args.cost_curve)

@@ -64,19 +64,16 @@ def reference_outputs(target: str, prompts: list[list[int]], max_new: int, weigh
     truth. `weights`: the format the target serves (the reference is the model in that format).
     On a GPU the reference is the target engine with speculation off, in the exact numerics the
     service runs (transformers' generate() computes other bits there: specdec/model/static.py)."""
-    from specdec.model import gemm
-    from specdec.model.lm import CausalLM
-    from specdec.model.loading import load_model
+    from specdec.model.assembly import LMOptions, load_lm
 
     if device != "cpu":
         return engine_outputs(target, prompts, max_new, device)
-    loaded = load_model(target, "cpu", "auto")
     # the model as the target service computes it (its kernel and row-exact attention, fp32 included)
-    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, weights, loaded.path)
-    eos = CausalLM(loaded.model, loaded.device).eos_token_ids
+    served = load_lm(LMOptions(model=target, device="cpu", weights=weights))
+    eos = served.lm.eos_token_ids
     out = []
     for prompt in prompts:
-        new = greedy_generate(loaded.model, prompt, max_new, eos, packed=True)
+        new = greedy_generate(served.loaded.model, prompt, max_new, eos, packed=True)
         cut = next((i for i, t in enumerate(new) if t in eos), None)
         out.append(new[: cut + 1] if cut is not None else new)
     return out
@@ -85,14 +82,12 @@ def reference_outputs(target: str, prompts: list[list[int]], max_new: int, weigh
 def engine_outputs(target: str, prompts: list[list[int]], max_new: int, device: str) -> list[list[int]]:
     """The target service's engine decoding alone (one Verify without draft tokens per token), as
     `specdec serve target --device DEVICE` computes it; cut after the first end-of-sequence token."""
-    from specdec.model.loading import load_model
-    from specdec.model.static import exact_lm
+    from specdec.model.assembly import LMOptions, load_lm
     from specdec.spec.request import VerifyCall
     from specdec.spec.sampling import SamplingConfig
     from target_service.engine import TargetEngine
 
-    loaded = load_model(target, device, "auto")
-    engine = TargetEngine(exact_lm(loaded.model, loaded.device))
+    engine = TargetEngine(load_lm(LMOptions(model=target, device=device, packed_gemm_rows=0)).lm)  # a GPU packs nothing
     out = []
     for number, prompt in enumerate(prompts):
         tokens, known, name = list(prompt), 0, f"reference-{number}"

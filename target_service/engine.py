@@ -21,7 +21,8 @@ import torch
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, SequenceStore
-from specdec.model.lm import CausalLM, feed, pending_only
+from specdec.model.interface import LanguageModel
+from specdec.model.lm import feed, pending_only
 from specdec.spec.sampling import (SamplingConfig, TokenLogprob, ban_tokens, chosen_logprobs, generator_for, target_probs,
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
@@ -43,7 +44,7 @@ log = structlog.get_logger(__name__)
 class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
     """Not thread-safe: the servicer runs every call on one worker thread, in arrival order."""
 
-    def __init__(self, lm: CausalLM, max_sequences: int = 256, idle_timeout_s: float = 600.0, max_prefill_tokens: int = 0):
+    def __init__(self, lm: LanguageModel, max_sequences: int = 256, idle_timeout_s: float = 600.0, max_prefill_tokens: int = 0):
         """`max_prefill_tokens`: most canonical tokens a row feeds in one verify_batch call (0: all);
         a longer prompt is fed in chunks over several calls (chunked prefill, `_chunk`)."""
         self.lm = lm
@@ -52,7 +53,8 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         self._forward_s = self._chunk_token_s = 0.0  # the same, for a chunk riding in the rows' forward (_fuses)
         self.pass_costs = PassCosts()  # what a position adds to a forward: cuts lookup drafts in batched passes
         # a static GPU cache (specdec/model/static.py) holds a fixed number of sequences: evict past it
-        self.store = SequenceStore(min(max_sequences, getattr(lm, "max_sequences", max_sequences)), idle_timeout_s)
+        bound = max_sequences if lm.max_sequences is None else min(max_sequences, lm.max_sequences)  # a static cache's slots
+        self.store = SequenceStore(bound, idle_timeout_s)
         self.batchable = batchable(lm)
         self.trees = supports_trees(lm)
         # The chance that each token of a prompt-lookup draft is right, per match length, learned from

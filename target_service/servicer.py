@@ -125,9 +125,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
 
     `ready` (tests, `specdec up` in-process) receives the Server once it is serving.
     """
-    from specdec.model import gemm
-    from specdec.model.loading import load_model
-    from specdec.model.static import exact_lm
+    from specdec.model.assembly import LMOptions, load_lm
 
     servicer = TargetServicer(config.batch_window_ms, config.max_batch_size, config.max_batch_tokens)
     credentials = tls.server_credentials(config.tls_cert, config.tls_key, config.tls_ca)
@@ -140,17 +138,18 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     if signals:
         server.install_signal_handlers(config.grace_s)
     log.info("target listening", port=server.port, model=config.model, metrics_port=metrics_port)
-    loaded = await server.loading(servicer.host.run(load_model, config.model, config.device, config.dtype))  # on the compute thread
-    packed = await server.loading(servicer.host.run(gemm.apply, loaded.model, loaded.device, loaded.dtype, config.packed_gemm_rows,
-                                                    config.packed_gemm_min_rows, config.weights, loaded.path))
-    lm = exact_lm(loaded.model, loaded.device, config.numerics, config.pass_rows, config.static_slots, config.static_context)
-    engine = TargetEngine(lm, config.max_sequences, config.idle_timeout_s, config.max_prefill_tokens_per_pass)
+    options = LMOptions(model=config.model, device=config.device, dtype=config.dtype, weights=config.weights,
+                        packed_gemm_rows=config.packed_gemm_rows, packed_gemm_min_rows=config.packed_gemm_min_rows,
+                        numerics=config.numerics, pass_rows=config.pass_rows, static_slots=config.static_slots,
+                        static_context=config.static_context)
+    served = await server.loading(servicer.host.run(load_lm, options))  # on the compute thread
+    loaded = served.loaded
+    engine = TargetEngine(served.lm, config.max_sequences, config.idle_timeout_s, config.max_prefill_tokens_per_pass)
     await server.loading(servicer.host.run(engine.warm_up))
     info = pb.ModelInfo(
         model=config.model, vocab_size=engine.lm.vocab_size, max_context=engine.lm.max_context,
         eos_token_ids=engine.lm.eos_token_ids, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
-        weights=packed.weights if packed else str(loaded.dtype).removeprefix("torch."),
-        weight_bytes=packed.weight_bytes if packed else gemm.linear_bytes(loaded.model), draft=config.draft,
+        weights=served.weights, weight_bytes=served.weight_bytes, draft=config.draft,
         prefill_chunk_tokens=config.max_prefill_tokens_per_pass,
     )
     engine.store.on_start = metrics.target().sequences_started.inc

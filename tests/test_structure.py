@@ -8,9 +8,9 @@ in at one sitting, and no new attribute probe for the model kind.
 - Size: a runtime file (specdec/, coordinator/, target_service/, draft_service/) over MAX_LINES
   lines holds more than one idea; split it by idea (docs/architecture.md, "Where the code is").
   The generated protobuf modules are not read by people and do not count.
-- Probes: `getattr(lm, "static", False)` and its kin tell the model's kind by poking at it, so the
-  code that does it sits above every backend. Issue 58 item 1 (one model Protocol, chosen once at
-  load) removes them; until then the ones left are listed below, and the list may only shrink.
+- Probes: `getattr(lm, "static", False)` and its kin told the model's kind by poking at it, so the
+  code that did it sat above every backend. Issue 58 item 1 (one model Protocol, chosen once at
+  load) removed them all; the check stays, so that none comes back.
 """
 
 from __future__ import annotations
@@ -132,32 +132,10 @@ def test_no_runtime_file_over_500_lines():
 # The objects a probe pokes at: a model (`model`, `self.model`, `lm.model`) or an LM (`lm`, `self.lm`).
 PROBED = {"lm", "model"}
 
-# The probes left, by file and call, each with how often it occurs. Issue 58 item 1 (a model Protocol
-# in specdec/model/, one implementation per backend, chosen once by `load_lm`) removes them: remove
-# an entry with its probe. Never add one; give the Protocol what the new code needs to know instead.
-KNOWN_PROBES = {
-    ("draft_service/loading.py", "getattr(lm, 'dtype_name', '')"): 1,
-    ("draft_service/loading.py", "getattr(drafter.lm, 'max_sequences', config.max_sequences)"): 1,
-    ("draft_service/loading.py", "getattr(drafter.lm, 'model', None)"): 1,
-    ("specdec/forward/batching.py", "getattr(lm, 'batch_scratch', None)"): 1,
-    ("specdec/forward/batching.py", "getattr(lm, 'static', False)"): 3,
-    ("specdec/forward/batching.py", "getattr(lm.model, 'to_target_logits', None)"): 1,
-    ("specdec/forward/tree.py", "getattr(lm, 'static', False)"): 2,
-    ("specdec/forward/tree.py", "getattr(model, 'to_target_logits', None)"): 1,
-    ("specdec/model/attention.py", "getattr(model, 'config', None)"): 1,
-    ("specdec/model/attention.py", "hasattr(model, 'set_attn_implementation')"): 1,
-    ("specdec/model/gemm.py", "getattr(model, 'config', None)"): 1,
-    ("specdec/model/gemm.py", "hasattr(model, 'get_output_embeddings')"): 1,
-    ("specdec/model/lm.py", "getattr(model, 'generation_config', None)"): 1,
-    ("specdec/model/lm.py", "hasattr(model, 'get_decoder')"): 1,
-    ("specdec/model/stack.py", "getattr(lm, '_captured', None)"): 1,
-    ("specdec/model/stack.py", "getattr(model, 'to_target_logits', None)"): 1,
-    ("specdec/model/stack.py", "hasattr(model, 'get_decoder')"): 2,
-    ("specdec/model/static.py", "getattr(model, 'model', None)"): 1,
-    ("specdec/model/static.py", "getattr(self.model, 'to_target_logits', None)"): 1,
-    ("specdec_tools/bench.py", "getattr(lm, 'static', False)"): 1,
-    ("target_service/engine.py", "getattr(lm, 'max_sequences', max_sequences)"): 1,
-}
+# The probes left, by file and call, each with how often it occurs: none since issue 58 item 1 (the
+# LanguageModel protocol in specdec/model/interface.py, one implementation per backend, chosen once by
+# specdec/model/assembly.py `load_lm`). Never add one; give the protocol what the new code needs to know instead.
+KNOWN_PROBES: dict[tuple[str, str], int] = {}
 
 
 def _probes(path: pathlib.Path) -> list[str]:

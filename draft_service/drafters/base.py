@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from draft_service.tree import TreeDraft
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
+from specdec.model.interface import ModelDescription
 from specdec.spec.request import ProposeCall
 from specdec.spec.tree import EMPTY_DIST, SparseDist
 
@@ -43,7 +44,7 @@ class Drafter(Protocol):
     vocab_size: int  # the engine checks append_tokens against it; 0: any id (n-gram, another vocabulary)
     needs_features: bool  # drafts from the target's hidden states: a Propose brings them (receive)
     feature_dim: int  # ... of this width (0 without features)
-    lm: Any  # the causal LM the drafter runs (its `model` gets the packed GEMMs); None: no weights
+    lm: ModelDescription | None  # the model the drafter runs (its `model` gets the packed GEMMs); None: no weights
     source: str | None  # where the weights were loaded from (--weights gguf reads a .gguf's blocks); None: not a file
     inline: bool  # drafting costs microseconds a token: a short call is answered on the event loop
 

@@ -39,7 +39,10 @@ class FeatureState:
 
 
 class _LmInfo:
-    """What the service's GetInfo and the engine read off a drafter's `lm`."""
+    """What the service's GetInfo and the engine read off a drafter's `lm`: a ModelDescription
+    (specdec/model/interface.py). The drafter runs the forwards itself, from the target's features."""
+
+    max_sequences: int | None = None  # a DynamicCache per sequence: the engine's own bound applies
 
     def __init__(self, model: FeatureDraft, device: torch.device, eos_token_ids: list[int]):
         self.model = model

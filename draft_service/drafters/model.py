@@ -20,7 +20,7 @@ from draft_service.tree import TreeBuilder, TreeDraft
 from specdec.forward.batching import batchable
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
-from specdec.model.lm import CausalLM
+from specdec.model.interface import LanguageModel
 from specdec.spec.sampling import truncated_probs
 from specdec.spec.tree import EMPTY_DIST
 from specdec.spec.request import ProposeCall
@@ -40,7 +40,7 @@ class ModelDrafter:
     feature_dim = 0
     inline = False
 
-    def __init__(self, lm: CausalLM, top_k: int = 32, staged: bool = False, source: str | None = None):
+    def __init__(self, lm: LanguageModel, top_k: int = 32, staged: bool = False, source: str | None = None):
         """`source`: the file or folder the weights came from (--weights gguf reads its blocks)."""
         self.lm = lm
         self.top_k = top_k

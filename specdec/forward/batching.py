@@ -38,21 +38,19 @@ import torch
 from transformers import DynamicCache
 
 from specdec.model.hfcache import cache_kwargs, returned_cache
-from specdec.kv.buffers import (GrowingLayer, arena_of, arena_shape, bind_arena, full_attention, move_to_arena, new_arena,
-                              set_arena_length)
+from specdec.kv.buffers import GrowingLayer, arena_of, arena_shape, bind_arena, move_to_arena, new_arena, set_arena_length
 from specdec.kv.store import Sequence
 from specdec.model import stack
-from specdec.model.lm import CausalLM
+from specdec.model.interface import LanguageModel
 from specdec.forward.tree import tree_attention
 from specdec.spec.tree import depths
 
 
-def batchable(lm: CausalLM) -> bool:
+def batchable(lm: LanguageModel) -> bool:
     """Only full-attention caches line up position by position; sliding-window layers (Gemma 3)
-    keep a trimmed window, so such models verify row by row (still one worker call per batch)."""
-    if getattr(lm, "static", False):  # fixed-shape passes (specdec/model/static.py) batch anything
-        return True
-    return all(full_attention(layer) for layer in lm.new_cache().layers)
+    keep a trimmed window, so such models verify row by row (still one worker call per batch).
+    Fixed-shape passes (specdec/model/static.py) batch anything, and say so."""
+    return lm.full_attention_cache()
 
 
 def _layer_kv(seq: Sequence, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -86,17 +84,17 @@ def pad_groups(cached: list[int], budget: int = PAD_KEYS) -> list[list[int]]:
     return groups
 
 
-def pass_groups(lm: CausalLM, cached: list[int]) -> list[list[int]]:
+def pass_groups(lm: LanguageModel, cached: list[int]) -> list[list[int]]:
     """The passes a batch of rows with these cache lengths runs as (indices): fixed-shape passes
     (specdec/model/static.py) and the compact model's one-call stack (specdec/model/stack.py) pad
     nothing and take them all; otherwise pad_groups."""
-    if getattr(lm, "static", False) or stack.applies(lm):
+    if lm.fixed_shape or stack.applies(lm):
         return [list(range(len(cached)))] if cached else []
     return pad_groups(cached)
 
 
 @torch.inference_mode()
-def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], keeps: list[int],
+def forward_batch(lm: LanguageModel, seqs: list[Sequence], extras: list[list[int]], keeps: list[int],
                   trees: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], "BatchState"]:
     """Feeds every row's seq.tokens[seq.cached:] + extras[i] in one pass.
 
@@ -105,7 +103,7 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
     Returns the float32 logits of each row's last keeps[i] positions ([keeps[i], V] each) and the
     batch's cache, from which `BatchState.write_back` gives each sequence its own cache again.
     """
-    if getattr(lm, "static", False):
+    if lm.fixed_shape:
         return lm.forward_batch(seqs, extras, keeps, trees)
     pending = [seq.tokens[seq.cached:] + list(extra) for seq, extra in zip(seqs, extras)]
     for tokens, keep in zip(pending, keeps):
@@ -159,13 +157,11 @@ def forward_batch(lm: CausalLM, seqs: list[Sequence], extras: list[list[int]], k
         logits_to_keep=width_n,  # only the new positions; each row's own last keeps[i] are picked below
     )
     logits = [out.logits[i, len(tokens) - keep:len(tokens)].float().cpu() for i, (tokens, keep) in enumerate(zip(pending, keeps))]
-    to_vocab = getattr(lm.model, "to_target_logits", None)  # a pruned draft scores only its kept ids
-    if to_vocab is not None:
-        logits = [to_vocab(rows) for rows in logits]
+    logits = [lm.to_target_logits(rows) for rows in logits]  # a pruned draft scores only its kept ids
     return logits, BatchState(returned_cache(out), past, [len(t) for t in pending], width_p, block, arenas)
 
 
-def _tree_mask(lm: CausalLM, pending: list[list[int]], trees: list[list[int] | None], past: list[int], width_p: int,
+def _tree_mask(lm: LanguageModel, pending: list[list[int]], trees: list[list[int] | None], past: list[int], width_p: int,
                width_n: int, position_ids: torch.Tensor) -> torch.Tensor:
     """The [B, 1, N, P+N] additive mask of a batch with draft trees (module docstring), setting the
     tree nodes' positions in position_ids (in place) to their depth past the row's pending tokens."""
@@ -184,7 +180,7 @@ def _tree_mask(lm: CausalLM, pending: list[list[int]], trees: list[list[int] | N
     return torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)[:, None]
 
 
-def _arena_batch(lm: CausalLM, seqs: list[Sequence], past: list[int], width_p: int,
+def _arena_batch(lm: LanguageModel, seqs: list[Sequence], past: list[int], width_p: int,
                  width_n: int) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
     """The batch's keys and values as ONE tensor [L, 2, B, H, P + N, D], each row's cache copied in
     from its sequence's arena (specdec/kv/buffers.py) with one copy, and each row's arena (None for a
@@ -218,7 +214,7 @@ def _arena_batch(lm: CausalLM, seqs: list[Sequence], past: list[int], width_p: i
 SCRATCH_KEEP_BYTES = 1 << 30
 
 
-def _scratch(lm: CausalLM, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+def _scratch(lm: LanguageModel, like: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """An uninitialised tensor of `shape` in memory that the model's previous batch used.
 
     Why: a batch cache is one large allocation, which glibc serves with a fresh mmap and returns
@@ -228,7 +224,7 @@ def _scratch(lm: CausalLM, like: torch.Tensor, shape: tuple[int, ...]) -> torch.
     numel = 1
     for size in shape:
         numel *= size
-    held = getattr(lm, "batch_scratch", None)  # per model: each model runs on its own worker thread
+    held = lm.batch_scratch  # per model: each model runs on its own worker thread
     if held is not None and held.numel() >= numel and held.dtype == like.dtype and held.device == like.device:
         return held[:numel].view(shape)
     # A quarter more than asked: the rows grow a few positions a step, so the next steps fit too.
@@ -253,7 +249,7 @@ class BatchState:
             for index, layer in enumerate(self.cache.layers)) else None
 
     @torch.inference_mode()  # the arenas are inference tensors (made in forward_batch): appended to in place
-    def write_back(self, i: int, seq: Sequence, lm: CausalLM, length: int, extra: list[int] = ()) -> None:
+    def write_back(self, i: int, seq: Sequence, lm: LanguageModel, length: int, extra: list[int] = ()) -> None:
         """Gives row i's sequence its own cache over its first `length` positions (the accepted ones),
         followed by the row's positions `extra` (a tree's accepted path, gathered by index).
 
@@ -278,7 +274,7 @@ class BatchState:
         seq.cache = own
         seq.cached = max(length, 0) + len(extra)
 
-    def _write_back_arena(self, i: int, seq: Sequence, lm: CausalLM, length: int, extra: list[int]) -> None:
+    def _write_back_arena(self, i: int, seq: Sequence, lm: LanguageModel, length: int, extra: list[int]) -> None:
         """write_back from a batch built as one tensor: the sequence's own arena still holds its first
         past[i] positions (the forward only read them), so only the row's new accepted positions
         (and a tree's path) are copied over, for all layers at once."""

@@ -11,7 +11,7 @@ them is the tree's root, at position L - 1 with L = c + m) and N tree nodes:
 
 So a node's key and value are exactly what they would be had its root-to-node path been fed as a
 chain; keeping the accepted path's entries (gathered by index) leaves the cache a chain would leave.
-Only caches whose layers line up position by position (full attention, `specdec.kv.buffers.full_attention`)
+Only caches whose layers line up position by position (full attention: `LanguageModel.full_attention_cache`)
 can be gathered; `supports_trees` says whether a model has them.
 """
 
@@ -20,16 +20,15 @@ from __future__ import annotations
 import torch
 
 from specdec.model.hfcache import cache_kwargs, returned_cache
-from specdec.kv.buffers import full_attention
 from specdec.kv.store import Sequence
+from specdec.model.interface import LanguageModel
 from specdec.spec.tree import ancestor_mask
 
 
-def supports_trees(lm) -> bool:
-    """Sliding-window layers (Gemma 3) keep a trimmed window that a gather by index would break."""
-    if getattr(lm, "static", False):
-        return True
-    return all(full_attention(layer) for layer in lm.new_cache().layers)
+def supports_trees(lm: LanguageModel) -> bool:
+    """Sliding-window layers (Gemma 3) keep a trimmed window that a gather by index would break;
+    fixed-shape passes (specdec/model/static.py) gather in their own slots, and say so."""
+    return lm.full_attention_cache()
 
 
 def tree_attention(cached: int, pending: int, parents: torch.Tensor) -> torch.Tensor:
@@ -48,7 +47,8 @@ def tree_attention(cached: int, pending: int, parents: torch.Tensor) -> torch.Te
 
 
 @torch.inference_mode()
-def forward_masked(lm, seq: Sequence, tokens: list[int], positions: list[int], attend: torch.Tensor, keep: int) -> torch.Tensor:
+def forward_masked(lm: LanguageModel, seq: Sequence, tokens: list[int], positions: list[int], attend: torch.Tensor,
+                   keep: int) -> torch.Tensor:
     """Feeds `tokens` after seq's cached positions with explicit positions and attention.
 
     attend: [len(tokens), seq.cached + len(tokens)] bool. The tokens enter the cache (seq.cached
@@ -67,19 +67,17 @@ def forward_masked(lm, seq: Sequence, tokens: list[int], positions: list[int], a
     )
     seq.cache = returned_cache(out)
     seq.cached += len(tokens)
-    logits = out.logits[0, -keep:].float().cpu()
-    to_vocab = getattr(model, "to_target_logits", None)  # a pruned draft's head covers part of the vocabulary
-    return to_vocab(logits) if to_vocab is not None else logits
+    return lm.to_target_logits(out.logits[0, -keep:].float().cpu())  # a pruned draft's head covers part of the vocabulary
 
 
-def forward_tree(lm, seq: Sequence, tree_tokens: list[int], parents: list[int]) -> torch.Tensor:
+def forward_tree(lm: LanguageModel, seq: Sequence, tree_tokens: list[int], parents: list[int]) -> torch.Tensor:
     """Feeds the pending canonical tokens and the whole tree in one pass.
 
     Returns the logits of the root and of every node, [N + 1, V]. Afterwards the cache holds the
     canonical tokens (len(seq.tokens) positions) followed by the N nodes; `keep_positions` trims it
     to the canonical tokens and the accepted path.
     """
-    if getattr(lm, "static", False):
+    if lm.fixed_shape:
         return lm.forward_tree(seq, list(tree_tokens), list(parents))
     cached, length = seq.cached, len(seq.tokens)
     pending = seq.tokens[cached:]

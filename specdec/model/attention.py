@@ -13,6 +13,7 @@ reference the benchmark compares with).
 from __future__ import annotations
 
 import torch
+from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdec.model import gemm_kernel, packed
@@ -78,8 +79,7 @@ def use(model: torch.nn.Module) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
+    if not isinstance(model, PreTrainedModel) or model.config._attn_implementation != "sdpa":
         return False  # not a transformers model on SDPA (a feature draft's own layers, say)
     AttentionInterface.register(NAME, attention_forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, sdpa_mask)  # the masks SDPA gets, with the same meaning

@@ -31,6 +31,7 @@ import time
 
 import structlog
 import torch
+from transformers import PreTrainedModel
 
 from specdec.model import attention, compact, decoder, gemm_kernel, stack
 from specdec.model.compact import Compact
@@ -90,14 +91,15 @@ def _compact_weights(model: torch.nn.Module, weights: str, source: str | None) -
     if weights != "gguf":
         # q4 keeps the output layer in int8 blocks, as llama.cpp's 4-bit files keep theirs in 6-8 bits:
         # it decides every token, and 4 bits there cost the most agreement for the fewest bytes saved.
-        head = model.get_output_embeddings() if weights == "q4" and hasattr(model, "get_output_embeddings") else None
+        head = model.get_output_embeddings() if weights == "q4" and isinstance(model, PreTrainedModel) else None
         return {id(m): (compact.quantize(m.weight, "int8"), "int8") if m is head else (compact.quantize(m.weight, weights), weights)
                 for _, m in linears}
     gguf_path = compact.gguf_source(source) if source else None
     if gguf_path is None:
         raise ValueError("--weights gguf uses the blocks of the GGUF file the model was loaded from; this model "
                          f"({source}) was not loaded from a GGUF file: choose fp32, bf16, f16, int8 or q4")
-    blocks = compact.GGUFWeights(gguf_path, getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    layers = getattr(model.config, "num_hidden_layers", 0) if isinstance(model, PreTrainedModel) else 0
+    blocks = compact.GGUFWeights(gguf_path, layers or 0)
     return {id(m): blocks.compact_for(name, m.weight) for name, m in linears}
 
 

@@ -10,31 +10,42 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from specdec.model import stack
 from specdec.model.hfcache import cache_kwargs, returned_cache
-from specdec.kv.buffers import new_cache
+from specdec.kv.buffers import full_attention, new_cache
 from specdec.kv.store import Sequence
 
 
 class CausalLM:
-    """Wraps a loaded transformers model; every tensor that leaves it is float32 on the CPU."""
+    """A transformers model as a LanguageModel (specdec/model/interface.py): transformers' forward,
+    the reference the other forwards are held to. Every tensor that leaves it is float32 on the CPU.
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    The model is inspected here, once: what the engines need to know about it becomes a declared
+    field, so nothing downstream probes the module for its kind."""
+
+    fixed_shape = False  # batches and trees: specdec/forward/ builds them over `model`
+    max_sequences: int | None = None  # a DynamicCache per sequence: the engine's own bound applies
+    batch_scratch: torch.Tensor | None = None
+
+    def __init__(self, model: PreTrainedModel, device: torch.device):
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"CausalLM serves a transformers model (PreTrainedModel), not {type(model).__name__}")
         self.model = model
         self.device = device
         config = model.config
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(config, "max_position_embeddings", 0) or 0)
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        generation = model.generation_config  # None for a model that cannot generate
+        eos = generation.eos_token_id if generation is not None else None
         if eos is None:
             eos = getattr(config, "eos_token_id", None)
         self.eos_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
+        self.dtype_name = str(next(model.parameters()).dtype).removeprefix("torch.")
         # Feature drafts (specdec/model/feature_draft.py) read the final norm's output, the vectors the output layer
         # reads; a forward hook there sees every position, before logits_to_keep drops any.
-        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-        norm = getattr(decoder, "norm", None)
+        norm = getattr(model.get_decoder(), "norm", None)
         self.has_features = isinstance(norm, torch.nn.Module)
         self._captured: list[torch.Tensor] | None = None
         if self.has_features:
@@ -58,8 +69,18 @@ class CausalLM:
         finally:
             self._captured = None
 
+    @property
+    def capturing(self) -> bool:
+        return self._captured is not None
+
     def new_cache(self) -> DynamicCache:
         return new_cache(self.model.config)  # appends in place: no O(context) copy per step
+
+    def full_attention_cache(self) -> bool:
+        return all(full_attention(layer) for layer in self.new_cache().layers)
+
+    def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits  # the model's head covers the whole vocabulary
 
     @torch.inference_mode()
     def forward(self, seq: Sequence, extra: list[int] | tuple[int, ...] = (), keep: int = 1) -> torch.Tensor:

@@ -29,7 +29,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaModel
 from specdec.model.draft_folders import PRUNED_MARKER, is_pruned_draft
 from specdec.model.hfcache import cache_kwargs, output_field, returned_cache
 from specdec.model.loading import resolve_model_path
-from specdec.kv.buffers import new_cache
+from specdec.kv.buffers import full_attention, new_cache
 from specdec.kv.store import Sequence
 
 MARKER = PRUNED_MARKER
@@ -136,11 +136,17 @@ def load_draft(folder: str | pathlib.Path, device: torch.device | str = "cpu", d
 
 
 class PrunedCausalLM:
-    """The CausalLM interface (forward a sequence, get [keep, V] logits) over a pruned draft.
+    """A pruned draft as a LanguageModel (specdec/model/interface.py): forward a sequence, get [keep, V] logits.
 
     Logits come back in the TARGET's vocabulary, -inf outside the kept ids, so ModelDrafter's
     argmax and top-k sampling work unchanged and send exact sparse p (p = 0 off the kept vocab).
     """
+
+    fixed_shape = False  # batches and trees: specdec/forward/ builds them over `model`
+    has_features = False  # a draft: nobody reads its hidden states
+    capturing = False
+    max_sequences: int | None = None
+    batch_scratch: torch.Tensor | None = None
 
     def __init__(self, model: PrunedDraft, device: torch.device, eos_token_ids: list[int] | None = None):
         self.model = model
@@ -152,6 +158,15 @@ class PrunedCausalLM:
 
     def new_cache(self) -> DynamicCache:
         return new_cache(self.model.config)
+
+    def full_attention_cache(self) -> bool:
+        return all(full_attention(layer) for layer in self.new_cache().layers)
+
+    def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.model.to_target_logits(logits)
+
+    def capturing_features(self):
+        raise ValueError("a pruned draft hands out no hidden states")
 
     @torch.inference_mode()
     def forward(self, seq: Sequence, extra: list[int] | tuple[int, ...] = (), keep: int = 1) -> torch.Tensor:
@@ -166,7 +181,7 @@ class PrunedCausalLM:
         out = self.model(input_ids=input_ids, past_key_values=seq.cache, use_cache=True, logits_to_keep=keep)
         seq.cache = out.past_key_values
         seq.cached += len(pending)
-        return self.model.to_target_logits(out.logits[0, -keep:].float().cpu())  # [keep, V]
+        return self.to_target_logits(out.logits[0, -keep:].float().cpu())  # [keep, V]
 
 
 def hf_assistant(folder: str | pathlib.Path, target_override: str | None = None):

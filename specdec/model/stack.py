@@ -24,6 +24,7 @@ import types
 import weakref
 
 import torch
+from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from specdec.kv.buffers import GrowingLayer
@@ -198,7 +199,7 @@ def _forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.
 def use(model: torch.nn.Module) -> bool:
     """Gives the decoder of a causal LM whose every layer runs the lean forward (decoder.use) the
     one-call stack; True if it did."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    decoder = model.get_decoder() if isinstance(model, PreTrainedModel) else None  # a feature draft: its own layers
     kernel = gemm_kernel.load()
     layers = getattr(decoder, "layers", None)
     if kernel is None or layers is None or type(decoder).__name__ != "LlamaModel" or not len(layers):
@@ -214,11 +215,11 @@ def use(model: torch.nn.Module) -> bool:
 
 
 def applies(lm) -> bool:
-    """Whether lm's chains can go through forward_rows (caches and hooks aside)."""
+    """Whether lm's chains can go through forward_rows (caches and hooks aside): a Llama whose
+    decoder `use` gave the stack, which the loader's gemm.apply does for compact weights. The head
+    is transformers' own, over the whole vocabulary (a pruned draft is another type)."""
     model = lm.model
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    return (getattr(decoder, "_specdec_stack", None) is not None and type(model).__name__ == "LlamaForCausalLM"
-            and getattr(model, "to_target_logits", None) is None)
+    return type(model).__name__ == "LlamaForCausalLM" and getattr(model.get_decoder(), "_specdec_stack", None) is not None
 
 
 def forward_rows(lm, seqs: list, pending: list[list[int]], keeps: list[int]) -> list[torch.Tensor] | None:
@@ -235,7 +236,7 @@ def forward_rows(lm, seqs: list, pending: list[list[int]], keeps: list[int]) -> 
     model = lm.model
     decoder = model.get_decoder()
     stack: Stack = decoder._specdec_stack
-    if getattr(lm, "_captured", None) is not None or not stack.usable():
+    if lm.capturing or not stack.usable():
         return None  # features wanted (the padded batch hands them out per row), or hooks, or no kernel
     caches = []
     for seq in seqs:

@@ -36,9 +36,11 @@ import threading
 import weakref
 
 import torch
+from transformers import PreTrainedModel
 
 from specdec.errors import Overloaded
 from specdec.kv.store import Sequence
+from specdec.model.interface import LanguageModel
 from specdec.model.lm import CausalLM
 from specdec.model.static_kernels import _attention_triton, _rms_norm, _rotate, attention_reference, triton
 
@@ -49,6 +51,8 @@ SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
 def static_supported(model: torch.nn.Module) -> str | None:
     """None if the model can run here, else why not (the caller logs it and keeps transformers')."""
+    if not isinstance(model, PreTrainedModel):
+        return f"not a transformers model ({type(model).__name__})"
     config = model.config
     kind = getattr(config, "model_type", "")
     if kind not in SUPPORTED_TYPES:
@@ -57,7 +61,7 @@ def static_supported(model: torch.nn.Module) -> str | None:
         return "sliding-window attention"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r}"
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    layers = getattr(model.get_decoder(), "layers", None)
     if not layers or not hasattr(layers[0], "self_attn") or not hasattr(layers[0].mlp, "gate_proj"):
         return "not a Llama-shaped decoder stack"
     if any(type(m).__name__ != "Linear" for layer in layers for m in (layer.self_attn.q_proj, layer.mlp.down_proj)):
@@ -126,7 +130,7 @@ class StaticLM(CausalLM):
     the cache (`SlotCache`) and that every result is row-exact. Not thread-safe, as CausalLM.
     """
 
-    static = True
+    fixed_shape = True  # forward_batch and forward_tree below: passes of one shape hold any rows
 
     def __init__(self, model: torch.nn.Module, device: torch.device, pass_rows: int = 64, slots: int = 32,
                  max_context: int = 0, graphs: bool | None = None):
@@ -142,7 +146,7 @@ class StaticLM(CausalLM):
         self.max_sequences = slots
         self._pool = _Pool(slots)
         self.dtype = next(model.parameters()).dtype
-        decoder = model.model
+        decoder = model.get_decoder()
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
@@ -182,6 +186,9 @@ class StaticLM(CausalLM):
 
     def new_cache(self) -> SlotCache:
         return SlotCache(self, self._pool.take())
+
+    def full_attention_cache(self) -> bool:
+        return True  # a slot holds every position (static_supported refuses sliding windows)
 
     @torch.inference_mode()
     def _move(self, slot: int, source: list[int], start: int) -> None:
@@ -295,7 +302,7 @@ class StaticLM(CausalLM):
         self._finish(seq, len(rows))
         if hidden is not None:
             self._captured.append(hidden[None])  # [1, n, H], as the norm's hook would see it
-        return self._to_vocab(logits)
+        return self.to_target_logits(logits)
 
     def forward_batch(self, seqs: list[Sequence], extras: list[list[int]], keeps: list[int],
                       trees: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], StaticBatch]:
@@ -324,7 +331,7 @@ class StaticLM(CausalLM):
             self._captured.append(batch)
         out, at = [], 0
         for seq, (a, b), n in zip(seqs, spans, pending_counts):
-            out.append(self._to_vocab(logits[at:at + (b - a)]))
+            out.append(self.to_target_logits(logits[at:at + (b - a)]))
             at += b - a
             self._finish(seq, n)
         return out, StaticBatch(self)
@@ -334,7 +341,7 @@ class StaticLM(CausalLM):
         rows = self._tree_rows(seq, list(tree_tokens), parents)
         logits, _ = self.run_rows(rows, list(range(len(rows) - len(tree_tokens) - 1, len(rows))))
         self._finish(seq, len(rows))
-        return self._to_vocab(logits)
+        return self.to_target_logits(logits)
 
     def _tree_rows(self, seq: Sequence, tree_tokens: list[int], parents: list[int]) -> list[_Row]:
         """The pending canonical tokens as a chain, then the nodes: node i sits at index L + i, at
@@ -357,10 +364,6 @@ class StaticLM(CausalLM):
         seq.cached += fed
         seq.cache.length = seq.cached
 
-    def _to_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        to_vocab = getattr(self.model, "to_target_logits", None)  # a pruned draft scores only its kept ids
-        return to_vocab(logits) if to_vocab is not None else logits
-
 
 class StaticBatch:
     """forward_batch's state: rows already hold their keys in their own slots, so writing back is
@@ -378,7 +381,7 @@ class StaticBatch:
 
 
 def exact_lm(model: torch.nn.Module, device: torch.device, numerics: str = "exact", pass_rows: int = 64, slots: int = 32,
-             max_context: int = 0) -> CausalLM:
+             max_context: int = 0) -> LanguageModel:
     """The LM an engine serves with: fixed-shape passes on CUDA when numerics is 'exact' and the
     model is supported, else transformers' forward (CausalLM), which on a GPU is not row-exact."""
     if device.type == "cuda" and numerics == "exact":
