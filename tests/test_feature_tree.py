@@ -182,3 +182,34 @@ def test_sampled_feature_trees_repeat_with_a_seed(target, drafter):
     first, stats = run_loop(target, drafter, prompt, TreeSettings(10, 3), 5, sampling)
     second, _ = run_loop(target, drafter, prompt, TreeSettings(10, 3), 5, sampling)
     assert first == second and stats.draft_tokens > 0 and stats.accepted_tokens > 0
+
+
+def test_sampled_feature_trees_through_both_engines_follow_the_target_distribution(target):
+    """The feature draft's trees (siblings drawn without replacement, p on the wire) verified by the
+    target's recursive rejection sampling: the first emitted token follows q over seeded trials
+    (a peaked draft against a flat q, so rejections and second siblings are common)."""
+    from scipy import stats as scipy_stats
+
+    from specdec.spec.sampling import target_probs
+
+    t_engine = TargetEngine(CausalLM(target, CPU))
+    d_engine = DraftEngine(FeatureDrafter(tiny.feature_draft_of(target, noise=0.3), CPU, [tiny.EOS], top_k=8))
+    prompt = tiny.prompts(1, seed=21)[0]
+    sampling = SamplingConfig(temperature=2.0, top_k=6)  # a flat q on 6 tokens; a peaked draft p on its top 8
+    q = target_probs(t_engine.lm.forward(Sequence("q", list(prompt)), keep=1)[0], sampling).double()
+    features = FeatureRows(0, final_hidden(target, prompt[:-1]))
+    counts = torch.zeros_like(q)
+    trials = 1000
+    for trial in range(trials):
+        first = trial == 0
+        tree = d_engine.propose_tree(ProposeCall("s", 0 if first else len(prompt), prompt if first else [], 2, temperature=0.5,
+                                                 seed=trial, features=features if first else None, tree=TreeSettings(6, 3)))
+        assert len(tree.tokens) == 6
+        call = VerifyCall("s", 0 if first else len(prompt), prompt if first else [], [], [], SamplingConfig(2.0, 6, seed=trial),
+                          DraftTree(tree.parents, tree.tokens, tree.child_dists))
+        result = t_engine.verify_tree(call)
+        counts[tree.tokens[result.path[0]] if result.path else result.next_token] += 1
+    support = q > 0
+    assert counts[~support].sum() == 0
+    pvalue = scipy_stats.chisquare(counts[support].numpy(), (q[support] / q[support].sum() * trials).numpy()).pvalue
+    assert pvalue > 1e-4
