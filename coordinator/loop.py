@@ -120,8 +120,8 @@ class SpeculativeLoop(Accounting, Releases):
         on in a Turn. Both services' sequences are released however the generator ends (finished,
         error, cancelled, or closed early by a stop string).
         """
-        if spec.tree is not None and (self.features or spec.logprobs is not None or spec.min_tokens):
-            # Verify returns features and log-probabilities, and bans tokens, for chains only
+        if spec.tree is not None and (spec.logprobs is not None or spec.min_tokens):
+            # Verify returns log-probabilities, and bans tokens, for chains only
             spec = dataclasses.replace(spec, tree=None)
         state = self._begin(spec, stats)
         if self._decodes_alone(spec, state):
@@ -281,11 +281,11 @@ class SpeculativeLoop(Accounting, Releases):
         try:
             known = state.draft_known
             seed = derive_seed(spec.sampling.seed, len(state.tokens), "draft")
+            features = state.feature_log.since(state.draft_features) if state.feature_log is not None else None
             if spec.tree is not None:
                 call = ProposeCall(state.sequence_id, known, state.tokens[known:], turn.draft_length,
-                                   temperature=spec.sampling.temperature, seed=seed, tree=self._tree(spec))
+                                   temperature=spec.sampling.temperature, seed=seed, features=features, tree=self._tree(spec))
             else:
-                features = state.feature_log.since(state.draft_features) if state.feature_log is not None else None
                 call = ProposeCall(state.sequence_id, known, state.tokens[known:], turn.draft_length, turn.min_prob,
                                    spec.sampling.temperature, seed, features)
             draft = await self._propose(call, state.tokens, state.feature_log)
@@ -486,7 +486,8 @@ class SpeculativeLoop(Accounting, Releases):
                            decode_ahead: int = 0, lookup: tuple[int, tuple[float, ...]] = (0, ())) -> VerifyResult:
         if draft.parents is not None and draft.tokens:
             tree = DraftTree(draft.parents, draft.tokens, draft.dists)
-            return await self.verifier.verify(VerifyCall(sequence_id, known, append, [], [], spec.sampling, tree))
+            return await self.verifier.verify(VerifyCall(sequence_id, known, append, [], [], spec.sampling, tree,
+                                                         return_features=self.features))
         return await self.verifier.verify(VerifyCall(
             sequence_id, known, append, draft.tokens, draft.dists if draft.parents is None else [], spec.sampling,
             return_features=self.features, decode_ahead=decode_ahead, logprobs=spec.logprobs,

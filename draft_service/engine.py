@@ -116,14 +116,14 @@ class DraftEngine:
         at most call.draft_length deep. The sequence keeps only
         its canonical tokens afterwards: the next call's known_len is len(canonical) at this call.
 
-        A drafter that cannot branch (n-gram, another vocabulary, a feature draft) sends its chain as
-        a one-branch tree (drafters/base.py's chain_tree).
+        A drafter that cannot branch (n-gram, another vocabulary) sends its chain as a one-branch
+        tree (drafters/base.py's chain_tree). A feature draft takes the call's features first, as
+        for a chain.
         """
         start = time.perf_counter()
         if call.tree is None:
             raise InvalidArgument("tree", "a ProposeTree needs tree settings")
-        check_propose_call(call, self.drafter.vocab_size)
-        seq = self.store.sync(call.sequence_id, call.known_len, call.append)
+        seq = self.open(call)
         tree = self.drafter.propose_tree(seq, call, start)
         return dataclasses.replace(tree, compute_seconds=time.perf_counter() - start)
 

@@ -17,6 +17,10 @@ Shapes:
   level, until the budget is spent.
 In both, how many children a node gets is decided before they are drawn, from what was drawn
 earlier only: that is what keeps the target's recursive rejection sampling lossless.
+
+The choosing (ranking, budget, draws) is TreeBuilder's alone; the forwards are three methods a
+drafter with another model overrides (`_root`, `_forward_level`, `_close`): the feature draft
+(draft_service/drafters/feature.py) builds the same trees over its own (feature, token) pairs.
 """
 
 from __future__ import annotations
@@ -63,14 +67,16 @@ class TreeBuilder:
         self.logits: dict[int, torch.Tensor] = {}  # position (-1: root) -> draft logits [V]
         self.child_dists: dict[int, SparseDist] = {}  # position -> drawn from
         self.length = len(seq.tokens)
+        self.base = 0  # cache entries every node sees (the canonical ones), known after _root
 
     @property
     def sampling(self) -> bool:
         return self.call.temperature > 0
 
     def build(self) -> TreeDraft:
-        self.logits[-1] = self.lm.forward(self.seq, keep=1)[0]  # catch-up; the cache now covers [0, L)
         try:
+            self.logits[-1] = self._root()
+            self.base = self.seq.cached  # what every node sees: the cache before the tree
             frontier, depth = [(-1, self._width(0, 0))], 0
             while True:
                 new = []
@@ -85,7 +91,22 @@ class TreeBuilder:
                 self._feed([position for position, _ in frontier])
             return self._result()
         finally:
-            self.seq.crop_cache(self.length)  # the tree's entries go; the canonical tokens stay
+            self._close()
+
+    # --- the draft's forwards (a drafter with another model overrides these three) ---
+
+    def _root(self) -> torch.Tensor:
+        """Feeds the catch-up; returns the logits [V] after the last canonical token."""
+        return self.lm.forward(self.seq, keep=1)[0]  # the cache now covers [0, L)
+
+    def _forward_level(self, ids: list[int], positions: list[int], attend: torch.Tensor) -> torch.Tensor:
+        """One forward over the nodes `ids` (their keys and values join the cache, seq.cached grows
+        by len(ids)); attend [len(ids), seq.cached + len(ids)]. Returns their logits [len(ids), V]."""
+        tokens = [self.nodes[i].token for i in ids]
+        return forward_masked(self.lm, self.seq, tokens, positions, attend, keep=len(ids))
+
+    def _close(self) -> None:
+        self.seq.crop_cache(self.length)  # the tree's entries go; the canonical tokens stay
 
     # --- shape policy ---
 
@@ -156,16 +177,15 @@ class TreeBuilder:
             return
         cached = self.seq.cached
         attend = torch.zeros(len(ids), cached + len(ids), dtype=torch.bool)
-        attend[:, :self.length] = True
+        attend[:, :self.base] = True
         for row, i in enumerate(ids):
             self.nodes[i].cache_pos = cached + row
             node = self.nodes[i]
             while node is not None:
                 attend[row, node.cache_pos] = True  # ancestors were fed at earlier levels
                 node = self.nodes[node.parent] if node.parent >= 0 else None
-        tokens = [self.nodes[i].token for i in ids]
-        positions = [self.length - 1 + self.nodes[i].depth for i in ids]
-        logits = forward_masked(self.lm, self.seq, tokens, positions, attend, keep=len(ids))
+        positions = [self.base - 1 + self.nodes[i].depth for i in ids]  # a chain's positions along the path
+        logits = self._forward_level(ids, positions, attend)
         for row, i in enumerate(ids):
             self.logits[i] = logits[row]
 

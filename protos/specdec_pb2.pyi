@@ -501,20 +501,22 @@ class TreeParams(_message.Message):
     def __init__(self, budget: _Optional[int] = ..., top_k: _Optional[int] = ..., shape: _Optional[_Iterable[int]] = ..., max_depth: _Optional[int] = ...) -> None: ...
 
 class ProposeTreeRequest(_message.Message):
-    __slots__ = ("sequence_id", "known_len", "append_tokens", "tree", "temperature", "seed")
+    __slots__ = ("sequence_id", "known_len", "append_tokens", "tree", "temperature", "seed", "features")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TREE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     known_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
     tree: TreeParams
     temperature: float
     seed: int
-    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[TreeParams, _Mapping]] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    features: Features
+    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., tree: _Optional[_Union[TreeParams, _Mapping]] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class ProposeTreeResponse(_message.Message):
     __slots__ = ("tree", "compute_seconds")

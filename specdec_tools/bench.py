@@ -6,7 +6,7 @@ Configurations, all on the same prompts, models and machine (results and their h
   specdec-off     the target alone through specdec's own engine (speculation off)
   specdec-local   specdec's speculative loop in one process (no gRPC), adaptive and at fixed lengths
   specdec-grpc    the three gRPC services as separate processes on loopback
-  tree            a model draft's dynamic tree (EAGLE-2 style, --tree-budgets nodes, depth --max-draft)
+  tree            a model or feature draft's dynamic tree (EAGLE-2 style, --tree-budgets nodes, depth --max-draft)
                   verified in one target pass, in one process; tree-grpc[...]: the first budget over gRPC
   staged          the model draft at fixed lengths, itself speculated by an n-gram index (--staged)
 `specdec bench --overlap` is a separate comparison: sequential against overlapped speculation with
@@ -174,8 +174,6 @@ class GrpcStack(Stack):
     def __init__(self, target: str, drafters: tuple[str, ...], logs: pathlib.Path, device: str = "cpu",
                  tree: tuple[int, int] | None = None, weights: str = "fp32"):
         """`tree` (budget, top-k): model drafts also get a coordinator that drafts trees."""
-        from specdec.model.loading import feature_draft_folder
-
         super().__init__(target, logs, device)
         addresses = {drafter: self.start_draft(drafter) for drafter in drafters}
         # the first model draft is the target's own (--draft): its coordinator's requests are drafted runs
@@ -188,7 +186,7 @@ class GrpcStack(Stack):
             self.coordinators[drafter] = self.start_coordinator(draft_address)
             if drafter == "ngram":  # and prompt lookup inside the coordinator: no draft service, one hop a step
                 self.ngram_in_coordinator = self.start_coordinator("ngram")
-            if tree is not None and drafter != "ngram" and feature_draft_folder(drafter) is None:  # feature drafts: chains
+            if tree is not None and drafter != "ngram":
                 self.tree_coordinators[drafter] = self.start_coordinator(draft_address, "--tree-budget", str(tree[0]),
                                                                          "--tree-top-k", str(tree[1]))
         self.wait()
@@ -285,14 +283,14 @@ def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, dr
             fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior, features=features)
             configs.append(Configuration(f"specdec-local[{name},g={g}]", "specdec-local", drafter, g, False,
                                          runner=local_runner(fixed, opts.max_new_tokens, eos, g, False)))
-        if drafter != "ngram" and not features:  # an n-gram drafter has one guess per position: its tree is its chain
+        if drafter != "ngram":  # an n-gram drafter has one guess per position: its tree is its chain
             for budget in opts.tree_budgets:
-                fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior)
+                fixed = SpeculativeLoop(verifier, LocalProposer(engine), None, prior, features=features)
                 configs.append(Configuration(f"tree[{name},n={budget},g={opts.max_draft}]", "tree", drafter, opts.max_draft, False,
                                              runner=local_runner(fixed, opts.max_new_tokens, eos, opts.max_draft, False,
                                                                  TreeSettings(budget, opts.tree_top_k)),
                                              note=f"dynamic tree: {budget} nodes, top-{opts.tree_top_k}, depth <= {opts.max_draft}"))
-            if opts.staged and isinstance(engine.drafter, ModelDrafter):  # not another vocabulary's
+            if opts.staged and isinstance(engine.drafter, ModelDrafter) and not features:  # not another vocabulary's
                 staged_engine, _ = load_engine_with_model_info(dataclasses.replace(config, staged=True))
                 for g in opts.draft_lengths:
                     fixed = SpeculativeLoop(verifier, LocalProposer(staged_engine), None, prior)

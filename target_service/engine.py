@@ -12,6 +12,7 @@ pass (lookup.py), prefill planning: chunks of long prompts (prefill.py).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -83,6 +84,15 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         """Rows of a forward's positions [before, ...) that are canonical now: the appended tokens
         and the accepted draft tokens (hidden [T, H] covers the whole forward)."""
         return FeatureRows(before, hidden[: len(seq.tokens) - before].float().cpu())
+
+    @staticmethod
+    def _tree_features(before: int, length: int, path: list[int], hidden: torch.Tensor) -> FeatureRows:
+        """Rows of a tree pass's positions that are canonical now: the appended tokens [before,
+        length) and the accepted path's nodes (hidden [T, H]: the appended rows, then the nodes in
+        the pass's order)."""
+        pending = length - before
+        rows = torch.cat([torch.arange(pending), pending + torch.tensor(path, dtype=torch.long)])
+        return FeatureRows(before, hidden[rows.to(hidden.device)].float().cpu())
 
     def verify_batch(self, calls: list[VerifyCall], decode_ahead: bool = True,
                      interrupt: Callable[[], bool] | None = None) -> list[VerifyResult | SpecdecError]:
@@ -193,6 +203,8 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
             if plan is not None:
                 length = len(seq.tokens)  # the canonical tokens, before the accepted path joins them
                 result, path = self._finish_tree(calls[index], seq, plan, logits[row], start, batch_size)
+                if calls[index].return_features and hidden:
+                    result = dataclasses.replace(result, features=self._tree_features(befores[row], length, path, hidden[0][row]))
                 state.write_back(row, seq, self.lm, length, [length + node for node in path])
             else:
                 result = self._finish(calls[index], seq, logits[row], start, batch_size,
@@ -213,15 +225,19 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
 
     def _tree_row(self, call: VerifyCall, seq: Sequence, start: float, batch_size: int) -> VerifyResult:
         plan = self._plan(call)
-        if not self.trees:  # the chain of first children, fed as a chain (sliding windows stay intact)
-            logits = self.lm.forward(seq, plan.tokens, keep=len(plan.tokens) + 1)
-            result, _ = self._finish_tree(call, seq, plan, logits, start, batch_size)
-            seq.crop_cache(len(seq.tokens))
-            return result
-        length = len(seq.tokens)  # the canonical tokens, before the accepted path joins them
-        logits = forward_tree(self.lm, seq, plan.tokens, plan.parents)  # [N+1, V]
+        before, length = seq.cached, len(seq.tokens)  # length: the canonical tokens, before the accepted path joins them
+        with self._capturing(call.return_features) as hidden:
+            if not self.trees:  # the chain of first children, fed as a chain (sliding windows stay intact)
+                logits = self.lm.forward(seq, plan.tokens, keep=len(plan.tokens) + 1)
+            else:
+                logits = forward_tree(self.lm, seq, plan.tokens, plan.parents)  # [N+1, V]
         result, path = self._finish_tree(call, seq, plan, logits, start, batch_size)
-        keep_positions(seq, length, [length + node for node in path])
+        if call.return_features and hidden:  # a feature draft's next ask needs the accepted path's features
+            result = dataclasses.replace(result, features=self._tree_features(before, length, path, hidden[0][0]))
+        if not self.trees:
+            seq.crop_cache(len(seq.tokens))
+        else:
+            keep_positions(seq, length, [length + node for node in path])
         return result
 
     def _plan(self, call: VerifyCall) -> TreePlan:

@@ -391,6 +391,20 @@ def test_feature_draft():
                prompt=prompt, loop_kwargs={"needs_features": True}, max_new=DEPTH + 1)
 
 
+@pytest.mark.slow
+def test_feature_tree_draft():
+    """test_feature_draft's case drafting dynamic trees (draft_service/drafters/feature.py): siblings
+    drawn without replacement from the feature draft's top 6, judged by recursive rejection sampling.
+    Slow (as long as the chain's case); tests/test_feature_tree.py checks the first token's
+    distribution through both engines in a fraction of that."""
+    base = tiny.one_layer_target(seed=3)
+    drafter = FeatureDrafter(tiny.feature_draft_of(base, noise=0.05), CPU, [tiny.EOS], top_k=6)
+    prompt = tiny.prompts()[1][:8]
+    tree = TreeSettings(budget=8, top_k=DEFAULTS.tree_top_k)
+    check_case("feature tree", {"target": with_damped_layers(base, extra=8)}, drafter, sampling=SamplingConfig(temperature=0.8, top_k=6),
+               prompt=prompt, loop_kwargs={"needs_features": True}, max_new=DEPTH + 1, tree=tree)
+
+
 def test_other_tokenizer_draft():
     """A draft with another vocabulary (a byte-level BPE with merges, other ids) for the byte-level
     target: it samples from its own tokens that map one-to-one onto target tokens."""

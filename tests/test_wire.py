@@ -41,6 +41,9 @@ def test_a_tree_propose_call_round_trips_through_propose_tree():
     request = propose_call_to_proto(call)
     assert isinstance(request, pb.ProposeTreeRequest) and request.tree.max_depth == 6
     assert propose_call_from_proto(_wire(request)) == call
+    rows = FeatureRows(1, torch.tensor([[0.5, -1.0, 2.0]]))  # a feature draft's tree ask
+    back = propose_call_from_proto(_wire(propose_call_to_proto(dataclasses.replace(call, features=rows))))
+    assert torch.equal(back.features.values, rows.values) and back.features.start == 1 and back.tree == call.tree
 
 
 def test_a_tree_call_with_chain_only_fields_is_the_callers_bug():

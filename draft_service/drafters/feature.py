@@ -11,6 +11,10 @@ features only (seq.cached counts pairs). A step:
   3. drafts: each token comes from the predicted feature's head logits, and (predicted feature,
      token) is the next pair;
   4. crops the cache back to the true pairs, since predicted features must not outlive the step.
+A tree (`propose_tree`) starts as 1-2 do and is chosen as a model draft's tree is (draft_service/
+tree.py): each level is one forward over the nodes to expand, a node's pair being (its parent's
+predicted feature, its token) at the position by its depth, seeing the cached pairs and its own
+ancestors only: along any root-to-node path exactly the pairs step 3 would feed as a chain.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from collections.abc import Iterator
 
 import torch
 
-from draft_service.drafters.base import Proposal, chain_tree
+from draft_service.drafters.base import Proposal
 from draft_service.drafters.model import ModelDrafter
-from draft_service.tree import TreeDraft
+from draft_service.tree import TreeBuilder, TreeDraft
 from specdec.model.feature_draft import FeatureDraft
 from specdec.errors import InvalidArgument
 from specdec.model.features import FeatureRows
@@ -54,8 +58,8 @@ class _LmInfo:
 
 
 class FeatureDrafter(ModelDrafter):
-    """Token choice (greedy, top-k sampling, the cumulative-probability stop) is ModelDrafter's;
-    the forwards, the features and the tree (a chain: it cannot branch) are its own."""
+    """Token choice (greedy, top-k sampling, the cumulative-probability stop) is ModelDrafter's, the
+    tree's choice TreeBuilder's; the forwards and the features are its own."""
 
     kind = "feature"
     needs_features = True
@@ -96,13 +100,20 @@ class FeatureDrafter(ModelDrafter):
         yield from self._draft(seq, state, call, start)
 
     def propose_tree(self, seq: Sequence, call: ProposeCall, start: float) -> TreeDraft:
-        return chain_tree(self, seq, call, start)
+        state = seq.side if isinstance(seq.side, FeatureState) else None
+        if state is None or state.count == 0 or len(seq.tokens) < 2:
+            return TreeDraft([], [], [])  # nothing to draft from yet, as for a chain
+        return FeatureTreeBuilder(self, seq, state, call).build()
 
     def batches(self, call: ProposeCall) -> bool:
         return False  # its forwards are the feature draft's own, not the batcher's
 
     @torch.inference_mode()
-    def _draft(self, seq: Sequence, state: FeatureState, call: ProposeCall, start: float) -> Iterator[Proposal]:
+    def _start(self, seq: Sequence, state: FeatureState) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Steps 1 and 2: feeds the true pairs (the last re-fed) and walks the positions whose
+        features lag. Returns (the predicted feature after the last token [1, 1, H], its head's
+        logits [1, 1, N], the true pair count: what the cache is cropped back to afterwards). The
+        cache then holds len(seq.tokens) - 1 pairs; seq.cached counts the true ones."""
         device = self.lm.device
         tokens = seq.tokens
         true_pairs = min(state.count, len(tokens) - 1)
@@ -123,6 +134,17 @@ class FeatureDrafter(ModelDrafter):
         try:
             for i in range(true_pairs, len(tokens) - 1):  # features lag the tokens: walk them with predictions
                 feature, logits = self.model(feature, torch.tensor([[tokens[i + 1]]], device=device), seq.cache, use_cache=True)
+        except BaseException:
+            crop_to(seq.cache, true_pairs)
+            raise
+        return feature, logits[:, -1:], true_pairs
+
+    @torch.inference_mode()
+    def _draft(self, seq: Sequence, state: FeatureState, call: ProposeCall, start: float) -> Iterator[Proposal]:
+        device = self.lm.device
+        tokens = seq.tokens
+        feature, logits, true_pairs = self._start(seq, state)
+        try:
             chain = self.begin(call, start)
             while True:
                 self.forwards += 1
@@ -136,6 +158,46 @@ class FeatureDrafter(ModelDrafter):
                 feature, logits = self.model(feature[:, -1:], torch.tensor([[proposal.token]], device=device), seq.cache, use_cache=True)
         finally:
             crop_to(seq.cache, true_pairs)  # predicted pairs never outlive the step
+
+
+class FeatureTreeBuilder(TreeBuilder):
+    """A dynamic or static tree (draft_service/tree.py) over the feature draft's pairs: the
+    choosing is TreeBuilder's, the forwards are the feature draft's. Each node's pair is (its
+    parent's predicted feature, its token); its own predicted feature feeds its children."""
+
+    def __init__(self, drafter: FeatureDrafter, seq: Sequence, state: FeatureState, call: ProposeCall):
+        super().__init__(drafter.lm, seq, call, drafter.top_k)
+        self.drafter, self.state = drafter, state
+        self.model = drafter.model
+        self.features: dict[int, torch.Tensor] = {}  # node (-1: the root) -> its predicted feature [1, 1, H]
+        self.true_pairs: int | None = None
+
+    def _root(self) -> torch.Tensor:
+        feature, logits, self.true_pairs = self.drafter._start(self.seq, self.state)
+        self.seq.cached = len(self.seq.tokens) - 1  # the walked pairs too: every node sees them
+        self.features[-1] = feature
+        self.drafter.forwards += 1
+        return self.model.to_target_logits(logits[0, -1].float().cpu())
+
+    @torch.inference_mode()
+    def _forward_level(self, ids: list[int], positions: list[int], attend: torch.Tensor) -> torch.Tensor:
+        device = self.lm.device
+        feats = torch.cat([self.features[self.nodes[i].parent] for i in ids], dim=1)  # [1, n, H]
+        tokens = torch.tensor([[self.nodes[i].token for i in ids]], dtype=torch.long, device=device)
+        dtype = self.drafter.dtype
+        mask = torch.zeros(attend.shape, dtype=dtype).masked_fill(~attend, torch.finfo(dtype).min)
+        predicted, logits = self.model(feats, tokens, self.seq.cache, use_cache=True, attention_mask=mask[None, None].to(device),
+                                       position_ids=torch.tensor([positions], dtype=torch.long, device=device))
+        self.seq.cached += len(ids)
+        self.drafter.forwards += 1
+        for row, i in enumerate(ids):
+            self.features[i] = predicted[:, row:row + 1]
+        return self.model.to_target_logits(logits[0].float().cpu())
+
+    def _close(self) -> None:
+        if self.true_pairs is not None:  # predicted pairs never outlive the call
+            crop_to(self.seq.cache, self.true_pairs)
+            self.seq.cached = self.true_pairs
 
 
 def load_feature_drafter(folder, device: str = "auto", dtype: str = "auto", top_k: int = 32) -> FeatureDrafter:

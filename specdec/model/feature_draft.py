@@ -81,10 +81,16 @@ class FeatureDraft(torch.nn.Module):
         return DynamicCache(config=self.config)
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, past_key_values: DynamicCache | None = None,
-                use_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """features [B, T, H] (f_i), next_tokens [B, T] (x_{i+1}) -> (predicted f_{i+1} [B, T, H], logits [B, T, N])."""
+                use_cache: bool = False, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """features [B, T, H] (f_i), next_tokens [B, T] (x_{i+1}) -> (predicted f_{i+1} [B, T, H], logits [B, T, N]).
+
+        attention_mask [B, 1, T, cached + T] (0 or the dtype's min) and position_ids [B, T]: a tree
+        level's pairs, each seeing the cached pairs and its own ancestors (draft_service/drafters/
+        feature.py); None: causal after the cache, as a chain."""
         x = self.inputs(features, next_tokens)
-        out = self.body(inputs_embeds=x, **cache_kwargs(self.body, past_key_values), use_cache=use_cache)
+        out = self.body(inputs_embeds=x, **cache_kwargs(self.body, past_key_values), use_cache=use_cache,
+                        attention_mask=attention_mask, position_ids=position_ids)
         predicted = out.last_hidden_state
         return predicted, self.head(predicted)
 

@@ -54,7 +54,7 @@ def logprobs_from_proto(messages: Iterable[pb.TokenLogprob]) -> tuple[TokenLogpr
 def propose_call_to_proto(call: ProposeCall) -> pb.ProposeRequest | pb.ProposeTreeRequest:
     """The wire's request for `call`: a ProposeRequest for a chain, a ProposeTreeRequest for a tree
     (the draft length is then TreeParams.max_depth). A tree call carries no min_cumulative_prob
-    and no features (the wire has no field for them): asking that is the caller's bug."""
+    (the wire has no field for it): asking that is the caller's bug."""
     if call.tree is None:
         request = pb.ProposeRequest(sequence_id=call.sequence_id, known_len=call.known_len, append_tokens=call.append,
                                     max_tokens=call.draft_length, min_cumulative_prob=call.min_cumulative_prob,
@@ -62,23 +62,26 @@ def propose_call_to_proto(call: ProposeCall) -> pb.ProposeRequest | pb.ProposeTr
         if call.features is not None:
             request.features.CopyFrom(features_to_proto(call.features))
         return request
-    if call.min_cumulative_prob or call.features is not None:
-        raise ValueError("a tree proposal takes no min_cumulative_prob and no features")
+    if call.min_cumulative_prob:
+        raise ValueError("a tree proposal takes no min_cumulative_prob")
     tree = pb.TreeParams(budget=call.tree.budget, top_k=call.tree.top_k, shape=call.tree.shape, max_depth=call.draft_length)
-    return pb.ProposeTreeRequest(sequence_id=call.sequence_id, known_len=call.known_len, append_tokens=call.append, tree=tree,
-                                 temperature=call.temperature, seed=call.seed)
+    request = pb.ProposeTreeRequest(sequence_id=call.sequence_id, known_len=call.known_len, append_tokens=call.append,
+                                    tree=tree, temperature=call.temperature, seed=call.seed)
+    if call.features is not None:
+        request.features.CopyFrom(features_to_proto(call.features))
+    return request
 
 
 def propose_call_from_proto(request: pb.ProposeRequest | pb.ProposeTreeRequest) -> ProposeCall:
     """The draft engine's call for a Propose (a chain) or a ProposeTree (a tree) request. Features
     whose bytes do not match their sizes are refused here, by name; ranges are the engine's to
     check (specdec/spec/checks.py), so that an in-process call meets the same ones."""
+    features = features_from_proto(request.features, "features") if request.HasField("features") else None
     if isinstance(request, pb.ProposeTreeRequest):
         t = request.tree
         return ProposeCall(request.sequence_id, request.known_len, list(request.append_tokens), t.max_depth,
-                           temperature=request.temperature, seed=request.seed,
+                           temperature=request.temperature, seed=request.seed, features=features,
                            tree=TreeSettings(t.budget, t.top_k, tuple(t.shape)))
-    features = features_from_proto(request.features, "features") if request.HasField("features") else None
     return ProposeCall(request.sequence_id, request.known_len, list(request.append_tokens), request.max_tokens,
                        request.min_cumulative_prob, request.temperature, request.seed, features)
 

@@ -67,8 +67,6 @@ def check_verify_call(call: VerifyCall, vocab: int, has_features: bool = True) -
     _check_chain(call, vocab)
     if call.tree is not None:
         _check_tree(call, vocab)
-    if call.return_features and call.tree is not None:
-        raise InvalidArgument("return_features", "is for chains: a draft_tree cannot ask for features")
     if call.return_features and not has_features:
         raise InvalidArgument("return_features", "this target model has no final norm to read hidden states from")
     if not 0 <= call.decode_ahead <= MAX_DECODE_AHEAD:

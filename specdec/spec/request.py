@@ -43,7 +43,7 @@ class ProposeCall:
     min_cumulative_prob: float = 0.0
     temperature: float = 0.0  # the draft's; 0 proposes its argmax with p = 1
     seed: int = 0  # this call's draws (derived from the request's seed and position: specdec/spec/sampling.py)
-    # chains, for a feature draft: the target's hidden states it does not hold yet, a FeatureRows
+    # for a feature draft (chains and trees): the target's hidden states it does not hold yet, a FeatureRows
     # (specdec/model/features.py), which the maths may not import
     features: Any = None
     tree: TreeSettings | None = None  # a tree proposal instead of a chain
