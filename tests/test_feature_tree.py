@@ -9,6 +9,8 @@ the target returns the accepted path's features so the next tree starts from tru
 
 from __future__ import annotations
 
+import copy
+
 import asyncio
 
 import pytest
@@ -22,6 +24,7 @@ from draft_service.engine import DraftEngine
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
 from specdec.model.lm import CausalLM
+from specdec.model.static import StaticLM
 from specdec.spec.costs import MODEL_DRAFT_PRIOR
 from specdec.spec.request import ProposeCall, TreeSettings, VerifyCall
 from specdec.spec.sampling import SamplingConfig
@@ -128,8 +131,17 @@ def test_nothing_to_draft_from_yet_is_an_empty_tree(drafter):
     assert tree.tokens == [] and tree.parents == []
 
 
-def test_the_target_returns_the_features_of_the_accepted_path(target):
-    engine = TargetEngine(CausalLM(target, CPU))
+def _transformers_lm(target):
+    return CausalLM(target, CPU)
+
+
+def _fixed_shape_lm(target):  # the GPU path's passes, here on the CPU
+    return StaticLM(copy.deepcopy(target), CPU, pass_rows=16, slots=4)
+
+
+@pytest.mark.parametrize("make_lm", [_transformers_lm, _fixed_shape_lm], ids=["transformers", "fixed-shape"])
+def test_the_target_returns_the_features_of_the_accepted_path(target, make_lm):
+    engine = TargetEngine(make_lm(target))
     prompt = tiny.prompts(3, seed=7)[2]
     first = engine.verify(VerifyCall("s", 0, prompt, [], [], SamplingConfig(), return_features=True))
     expected = tiny.reference_greedy(target, prompt, 4)
@@ -139,7 +151,7 @@ def test_the_target_returns_the_features_of_the_accepted_path(target):
     assert step.path == (1, 2) and step.features.start == len(prompt) and step.features.end == step.cached_len
     canonical = prompt + expected[:3]
     torch.testing.assert_close(step.features.values, final_hidden(target, canonical)[len(prompt):], atol=1e-4, rtol=1e-4)
-    batched = TargetEngine(CausalLM(target, CPU))
+    batched = TargetEngine(make_lm(target))
     calls = [VerifyCall("a", 0, prompt, [], [], SamplingConfig(), return_features=True),
              VerifyCall("b", 0, prompt[:5], [], [], SamplingConfig(), return_features=True)]
     heads = batched.verify_batch(calls)

@@ -339,8 +339,10 @@ class StaticLM(CausalLM):
     def forward_tree(self, seq: Sequence, tree_tokens: list[int], parents: list[int]) -> torch.Tensor:
         """As specdec.forward.tree.forward_tree: root and node logits [N + 1, V]."""
         rows = self._tree_rows(seq, list(tree_tokens), parents)
-        logits, _ = self.run_rows(rows, list(range(len(rows) - len(tree_tokens) - 1, len(rows))))
+        logits, hidden = self.run_rows(rows, list(range(len(rows) - len(tree_tokens) - 1, len(rows))))
         self._finish(seq, len(rows))
+        if hidden is not None:  # [1, pending + N, H], as the norm's hook sees a tree pass: a feature draft's tree needs them
+            self._captured.append(hidden[None])
         return self.to_target_logits(logits)
 
     def _tree_rows(self, seq: Sequence, tree_tokens: list[int], parents: list[int]) -> list[_Row]:
