@@ -127,6 +127,26 @@ def test_agrees_with_transformers_forward():
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("biases", [dict(attention_bias=True), dict(mlp_bias=True), dict(attention_bias=True, mlp_bias=True)],
+                         ids=["attention", "mlp", "both"])
+def test_every_bias_the_config_declares_is_applied(biases):
+    """Llama configs may give the attention projections and the MLP biases: the fixed-shape forward
+    computes the model with all of them (it once dropped o_proj's and the MLP's)."""
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512, **biases)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(".bias"):
+                parameter.normal_(0, 0.5)  # biases a dropped one could not hide behind
+    prompt = [5, 17, 3, 99, 42, 7]
+    logits = lm_on(model, "cpu", torch.float32).forward(Sequence("a", tokens=list(prompt)), [], keep=len(prompt))
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_reference_attention_matches_softmax_attention():
     torch.manual_seed(0)
     T, H, G, D, C = 5, 4, 2, 16, 200

@@ -69,6 +69,15 @@ def static_supported(model: torch.nn.Module) -> str | None:
     return None
 
 
+def _joined(*biases: torch.Tensor | None) -> torch.Tensor | None:
+    """The biases of layers computed as one product, concatenated; None where the layers have none."""
+    if all(b is None for b in biases):
+        return None
+    if any(b is None for b in biases):
+        raise ValueError("layers computed as one product must all have a bias or none")
+    return torch.cat(biases)
+
+
 class _Pool:
     """Free slot numbers; a slot comes back when its SlotCache is garbage (weakref.finalize)."""
 
@@ -157,11 +166,13 @@ class StaticLM(CausalLM):
         for layer in decoder.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])  # one product, not three
-            bias = None
-            if attn.q_proj.bias is not None:
-                bias = torch.cat([attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias])
-            self.layers.append((layer.input_layernorm.weight, qkv, bias, attn.o_proj.weight, layer.post_attention_layernorm.weight,
-                                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight))
+            # Every bias the model holds is applied (Llama's attention_bias / mlp_bias, Qwen2's q/k/v):
+            # a layer that dropped one would serve another model, and speculation would be exact against it.
+            qkv_b = _joined(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
+            gate_up_b = _joined(mlp.gate_proj.bias, mlp.up_proj.bias)
+            self.layers.append((layer.input_layernorm.weight, qkv, qkv_b, attn.o_proj.weight, attn.o_proj.bias,
+                                layer.post_attention_layernorm.weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                                gate_up_b, mlp.down_proj.weight, mlp.down_proj.bias))
         self.norm = decoder.norm.weight
         self.head = model.get_output_embeddings().weight
         # cos/sin of every position, from the model's own rotary module (its scaling included)
@@ -206,7 +217,7 @@ class StaticLM(CausalLM):
         T, H, G, D = self.pass_rows, self.heads, self.kv_heads, self.head_dim
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, D]
         h = self.embed[tokens]  # [T, hidden]
-        for number, (norm_in, qkv_w, qkv_b, o_w, norm_post, gate_up_w, down_w) in enumerate(self.layers):
+        for number, (norm_in, qkv_w, qkv_b, o_w, o_b, norm_post, gate_up_w, gate_up_b, down_w, down_b) in enumerate(self.layers):
             x = _rms_norm(h, norm_in, self.eps)
             qkv = torch.nn.functional.linear(x, qkv_w, qkv_b)  # [T, (H + 2G) D]
             qk = _rotate(qkv[:, :(H + G) * D].view(T, H + G, D), cos, sin)  # queries and keys in one go
@@ -219,10 +230,10 @@ class StaticLM(CausalLM):
                 a = _attention_triton(q, keys, values, slots, prefix, tail, tail_len, self.scale)
             else:
                 a = attention_reference(q, keys, values, slots, prefix, tail, tail_len, self.scale)
-            h = h + torch.nn.functional.linear(a.reshape(T, H * D), o_w)
+            h = h + torch.nn.functional.linear(a.reshape(T, H * D), o_w, o_b)
             x = _rms_norm(h, norm_post, self.eps)
-            gate, up = torch.nn.functional.linear(x, gate_up_w).chunk(2, dim=-1)
-            h = h + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_w)
+            gate, up = torch.nn.functional.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+            h = h + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down_w, down_b)
         h = _rms_norm(h, self.norm, self.eps)
         self._hidden.copy_(h)
         self._logits.copy_(torch.nn.functional.linear(h, self.head))
