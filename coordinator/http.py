@@ -138,7 +138,8 @@ def build_app(servicer, model_names: list[str], api_token: str = "", max_body_by
         info = servicer.target_info
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": started, "owned_by": "specdec", "root": info.model or name,
-             "parent": None, "max_model_len": info.max_context or None} for name in model_names]}
+             "parent": None, "max_model_len": info.max_context or None, "numerics": info.numerics or None}
+            for name in model_names]}
 
     @app.post("/v1/completions")
     async def completions(raw: Request):

@@ -93,6 +93,7 @@ def test_load_lm_serves_a_model_as_the_target_does_and_agrees_with_transformers(
     target, _ = tiny.tiny_pair()
     served = load_lm(LMOptions(model=tiny.save(target, tmp_path / "target"), device="cpu"))
     assert type(served.lm) is CausalLM and served.packed is not None and served.weights == "fp32"
+    assert served.numerics == "exact"  # the kernel's products and its row-exact attention
     assert served.weight_bytes == served.packed.weight_bytes and not stack.applies(served.lm)
     prompt = tiny.prompts(1)[0]
     ours, theirs = _chain_logits(served.lm, prompt, 8), _chain_logits(CausalLM(target, CPU), prompt, 8)
@@ -115,6 +116,7 @@ def test_load_lm_without_the_kernel_packs_nothing(tmp_path):
     target, _ = tiny.tiny_pair()
     served = load_lm(LMOptions(model=tiny.save(target, tmp_path / "target"), device="cpu", packed_gemm_rows=0))
     assert served.packed is None and served.weights == "float32"
+    assert served.numerics == "fast"  # stock kernels: ModelInfo and /v1/models say so
     assert served.weight_bytes == gemm.linear_bytes(served.loaded.model)
 
 

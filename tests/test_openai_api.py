@@ -303,6 +303,7 @@ def test_error_envelopes_models_version_tokenize(env):
         assert info.value.code == status and error["code"] in ("not_found", "method_not_allowed") and error["message"]
     model = env["client"].models.list().data[0]
     assert model.id == MODEL and model.created > 0 and model.model_extra["max_model_len"] == 512
+    assert model.model_extra["numerics"] == "exact"  # the target serves through specdec's CPU kernel
     version = json.loads(urllib.request.urlopen(f"{base}/version", timeout=10).read())["version"]
     assert re.match(r"\d+\.\d+", version)
     status, _, tokens = post(f"{base}/tokenize", {"prompt": "abc"})

@@ -55,6 +55,15 @@ class LoadedLM:
         return self.packed.weights if self.packed else _dtype_name(self.loaded.dtype)
 
     @property
+    def numerics(self) -> str:
+        """"exact" where a row's logits cannot depend on its pass's other rows: fixed-shape passes
+        (a GPU), or specdec's CPU kernel with its row-exact attention (a CPU with the kernel on);
+        else "fast": transformers' forward over stock kernels (ModelInfo.numerics says what it means)."""
+        if self.lm.fixed_shape or (self.packed is not None and self.loaded.device.type == "cpu"):
+            return "exact"
+        return "fast"
+
+    @property
     def weight_bytes(self) -> int:
         """Bytes of linear-layer weights a forward reads (GetInfo's `weight_bytes`)."""
         return self.packed.weight_bytes if self.packed else gemm.linear_bytes(self.loaded.model)
