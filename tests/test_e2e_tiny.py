@@ -54,7 +54,7 @@ def generate(client, prompt, **kwargs) -> pb.GenerateResponse:
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
-@pytest.mark.parametrize("draft_length", range(1, 9))
+@pytest.mark.parametrize("draft_length", [n if n in (1, 2, 4, 8) else pytest.param(n, marks=pytest.mark.slow) for n in range(1, 9)])
 def test_greedy_model_draft_matches_target_generate(env, references, draft_length, adaptive):
     totals = collections.Counter()
     for prompt, expected in zip(tiny.prompts(), references):

@@ -9,6 +9,7 @@ whose biases are large. Chi-square per position, false-alarm probability 1e-4 ea
 
 from __future__ import annotations
 
+import pytest
 import torch
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -37,6 +38,7 @@ def tiny(seed: int, like: LlamaForCausalLM | None = None) -> LlamaForCausalLM:
     return model
 
 
+@pytest.mark.slow  # test-all: the suite's time; test_distribution checks these settings through the whole loop
 def test_engines_sample_exactly_the_target_distribution():
     target_model = tiny(0)
     draft_model = tiny(1, like=target_model)
