@@ -30,15 +30,35 @@ def one_torch_thread():
 _DESELECTED: list[pytest.Item] = []
 
 
+# Under pytest-xdist (make test) the workers collect and deselect; each hands its list to the
+# controller, which prints it once.
+_FROM_WORKERS: dict[str, str] = {}
+
+
+def _line(item: pytest.Item) -> str:
+    marks = sorted({mark.name for mark in item.iter_markers()} & {"slow", "ci"})
+    return f"DESELECTED {item.nodeid}" + (f" (marked {', '.join(marks)})" if marks else "")
+
+
 def pytest_deselected(items):
     _DESELECTED.extend(items)
 
 
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # an xdist worker
+        session.config.workeroutput["deselected"] = [(item.nodeid, _line(item)) for item in _DESELECTED]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _FROM_WORKERS.update(getattr(node, "workeroutput", {}).get("deselected", []))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not _DESELECTED:
+    lines = [_line(item) for item in _DESELECTED] or [line for _, line in sorted(_FROM_WORKERS.items())]
+    if not lines:
         return
     chosen = " ".join(f"{flag} {value!r}" for flag, value in (("-m", config.option.markexpr), ("-k", config.option.keyword)) if value)
-    terminalreporter.section(f"not run: {len(_DESELECTED)} deselected by {chosen} (`make test-all` runs every test)", sep="-")
-    for item in _DESELECTED:
-        marks = sorted({mark.name for mark in item.iter_markers()} & {"slow", "ci"})
-        terminalreporter.line(f"DESELECTED {item.nodeid}" + (f" (marked {', '.join(marks)})" if marks else ""))
+    terminalreporter.section(f"not run: {len(lines)} deselected by {chosen} (`make test-all` runs every test)", sep="-")
+    for line in lines:
+        terminalreporter.line(line)
