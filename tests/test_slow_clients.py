@@ -39,6 +39,18 @@ def target_path(tmp_path_factory):
     return tiny.save(target, tmp_path_factory.mktemp("slow") / "target")
 
 
+@pytest.fixture(scope="module")
+def long_target_path(tmp_path_factory):
+    """A target whose context holds an answer far larger than any socket buffer can take in."""
+    return tiny.save(tiny.long_context_target(), tmp_path_factory.mktemp("slow") / "long-target")
+
+
+# Tokens of the SSE case: its answer (~1 KB a token with its log-probabilities) must overfill what the
+# kernel's buffers on both ends can absorb, which on loopback grew past LONG tokens' 300 KB once (the
+# whole answer went out and nothing stalled).
+SSE_LONG = 4000
+
+
 def long_stream(address: str, client_id: str = "", authorization: str = "", timeout: float = 60.0):
     """A GenerateStream nobody reads, and its channel (closed by the caller)."""
     channel = grpc.insecure_channel(address, options=STALLING)
@@ -184,7 +196,7 @@ def dechunked(data: bytes) -> tuple[bytes, bool]:
     return body, False
 
 
-def test_a_server_sent_events_stream_whose_client_stopped_reading_is_dropped(target_path):
+def test_a_server_sent_events_stream_whose_client_stopped_reading_is_dropped(long_target_path):
     """docs/deploy.md says a stream cut for stalling is dropped. It used to end with a clean chunked
     terminator on a connection kept alive (the bearer-token middleware finished the response the
     stalled stream left unfinished): a client that read on got a truncated completion with no
@@ -192,7 +204,7 @@ def test_a_server_sent_events_stream_whose_client_stopped_reading_is_dropped(tar
     stack = Stack()
     sock = socket.socket()
     try:
-        target = stack.target(target_path)
+        target = stack.target(long_target_path)
         stack.coordinator(target, "", tiny.byte_tokenizer(), decode_ahead=0, stream_stall_timeout_s=1.0, http_port=0)
         held = stack.servers[0].servicer.engine.store
         # Before connecting, what the client announces: a small window, and a small segment size, which
@@ -201,7 +213,7 @@ def test_a_server_sent_events_stream_whose_client_stopped_reading_is_dropped(tar
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
         sock.connect(("127.0.0.1", stack.servers[-1].http.port))
-        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": LONG, "ignore_eos": True, "logprobs": MAX_LOGPROBS,
+        body = json.dumps({"prompt": [1, 2, 3], "max_tokens": SSE_LONG, "ignore_eos": True, "logprobs": MAX_LOGPROBS,
                            "stream": True}).encode()
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
