@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from draft_service.config import DraftConfig
+from specdec.model.interface import sequence_bound
 from draft_service.drafters.base import Drafter
 from draft_service.drafters.model import ModelDrafter, load_pruned_drafter
 from draft_service.drafters.ngram import NgramDrafter
@@ -109,8 +110,7 @@ def load_engine(config: DraftConfig) -> tuple[DraftEngine, DrafterInfo]:
     off the event loop)."""
     drafter, info = load_drafter(config)
     # a fixed-shape draft (specdec/model/static.py) holds at most its slots' sequences
-    bound = drafter.lm.max_sequences if drafter.lm is not None else None
-    max_sequences = config.max_sequences if bound is None else min(config.max_sequences, bound)
-    engine = DraftEngine(drafter, max_sequences, config.idle_timeout_s, config.max_prefill_tokens_per_pass)
+    engine = DraftEngine(drafter, sequence_bound(config.max_sequences, drafter.lm), config.idle_timeout_s,
+                         config.max_prefill_tokens_per_pass)
     engine.warm_up()
     return engine, info

@@ -22,7 +22,7 @@ import torch
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, SequenceStore
-from specdec.model.interface import LanguageModel
+from specdec.model.interface import LanguageModel, sequence_bound
 from specdec.model.lm import feed, pending_only
 from specdec.spec.sampling import (SamplingConfig, TokenLogprob, ban_tokens, chosen_logprobs, generator_for, target_probs,
                                    token_logprobs)
@@ -54,8 +54,7 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         self._forward_s = self._chunk_token_s = 0.0  # the same, for a chunk riding in the rows' forward (_fuses)
         self.pass_costs = PassCosts()  # what a position adds to a forward: cuts lookup drafts in batched passes
         # a static GPU cache (specdec/model/static.py) holds a fixed number of sequences: evict past it
-        bound = max_sequences if lm.max_sequences is None else min(max_sequences, lm.max_sequences)  # a static cache's slots
-        self.store = SequenceStore(bound, idle_timeout_s)
+        self.store = SequenceStore(sequence_bound(max_sequences, lm), idle_timeout_s)
         self.batchable = batchable(lm)
         self.trees = supports_trees(lm)
         # The chance that each token of a prompt-lookup draft is right, per match length, learned from

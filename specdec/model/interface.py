@@ -93,3 +93,10 @@ class LanguageModel(ModelDescription, Protocol):
 DESCRIPTION_MEMBERS = ("model", "device", "vocab_size", "max_context", "eos_token_ids", "dtype_name", "max_sequences")
 LM_MEMBERS = (*DESCRIPTION_MEMBERS, "fixed_shape", "has_features", "batch_scratch", "new_cache", "forward",
               "full_attention_cache", "to_target_logits", "capturing_features", "capturing")
+
+
+def sequence_bound(requested: int, lm: ModelDescription | None) -> int:
+    """The sequences an engine over `lm` holds at once: `requested` (its --max-sequences), within the
+    model's own bound (a static cache's slots) where it has one."""
+    bound = lm.max_sequences if lm is not None else None
+    return requested if bound is None else min(requested, bound)
