@@ -26,11 +26,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from specdec.model import gemm
+    from specdec.model.cpu import gemm
     from specdec.model.lm import CausalLM
     from specdec.model.loading import DEFAULT_TARGET, load_model
-    from specdec.spec.request import VerifyCall
-    from specdec.spec.sampling import SamplingConfig
+    from specdec.calls.request import VerifyCall
+    from specdec.maths.sampling import SamplingConfig
     from specdec_tools.workload import load_prompt_ids
     from target_service.engine import TargetEngine
 

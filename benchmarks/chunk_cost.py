@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
 
-    from specdec.model import gemm
+    from specdec.model.cpu import gemm
     from specdec.model.lm import CausalLM
     from specdec.model.loading import DEFAULT_TARGET, load_model
     from specdec_tools.workload import load_prompt_ids
@@ -51,8 +51,8 @@ def _measure(engine, P: int, sizes: list[int], prompts: list[list[int]], long_pr
     """(the rows' pass alone, {chunk tokens: the pass with that chunk}), medians, with P keys cached
     before the chunk; passes with and without a chunk alternate."""
     from specdec.serving.batcher import Requeue
-    from specdec.spec.request import VerifyCall
-    from specdec.spec.sampling import SamplingConfig
+    from specdec.calls.request import VerifyCall
+    from specdec.maths.sampling import SamplingConfig
 
     greedy = SamplingConfig()
     # rows that decode (fresh for every key count, so their own caches stay short)

@@ -24,7 +24,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from specdec.kv.store import Sequence
-    from specdec.model import gemm
+    from specdec.model.cpu import gemm
     from specdec.model.lm import CausalLM, feed
     from specdec.model.loading import DEFAULT_TARGET, load_model
 

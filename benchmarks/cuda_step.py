@@ -26,10 +26,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from specdec.kv.store import Sequence  # noqa: E402
 from specdec.model.lm import CausalLM  # noqa: E402
-from specdec.model.static import StaticLM  # noqa: E402
-from specdec.spec.sampling import SamplingConfig  # noqa: E402
+from specdec.model.gpu.static import StaticLM  # noqa: E402
+from specdec.maths.sampling import SamplingConfig  # noqa: E402
 from specdec_tools.tinymodels import real_shape  # noqa: E402
-from specdec.spec.request import VerifyCall  # noqa: E402
+from specdec.calls.request import VerifyCall  # noqa: E402
 from target_service.engine import TargetEngine  # noqa: E402
 
 

@@ -20,11 +20,11 @@ import time
 
 
 def decode(weights: str, tokens: int, runs: int) -> None:
-    from specdec.model import gemm
+    from specdec.model.cpu import gemm
     from specdec.model.lm import CausalLM
     from specdec.model.loading import DEFAULT_TARGET, load_model
-    from specdec.spec.request import VerifyCall
-    from specdec.spec.sampling import SamplingConfig
+    from specdec.calls.request import VerifyCall
+    from specdec.maths.sampling import SamplingConfig
     from target_service.engine import TargetEngine
 
     loaded = load_model(DEFAULT_TARGET, "cpu")
@@ -59,7 +59,7 @@ def summarise(raw: str, top: int) -> None:
 def attention(repeats: int) -> None:
     import torch
 
-    from specdec.model import gemm_kernel
+    from specdec.model.cpu import gemm_kernel
 
     kernel = gemm_kernel.load()
     heads, heads_kv, dim = 9, 3, 64

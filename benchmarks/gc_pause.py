@@ -16,7 +16,7 @@ def main() -> None:
     parser.add_argument("--weights", default="gguf-a8")
     args = parser.parse_args()
 
-    from specdec.model import gemm
+    from specdec.model.cpu import gemm
     from specdec.model.lm import CausalLM
     from specdec.model.loading import DEFAULT_TARGET, load_model
     from specdec.serving.server import settle_heap

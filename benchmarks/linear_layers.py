@@ -28,13 +28,14 @@ def best_of(fn, repeats: int = 5, calls: int = 20) -> float:
 
 
 def main(rows: int) -> None:
-    from specdec.model import gemm
+    from specdec.model.cpu import gemm
+    from specdec.model.cpu.stack import installed
     from specdec.model.loading import DEFAULT_TARGET, load_model
 
     torch.set_grad_enabled(False)
     loaded = load_model(DEFAULT_TARGET, "cpu")
     gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, "gguf-a8", loaded.path)
-    stack = loaded.model.model._specdec_stack
+    stack = installed(loaded.model.model)
     table, kernel = stack._build(), stack.kernel
     x = torch.randn(rows, 1536)
     out = torch.empty(rows * 4096)

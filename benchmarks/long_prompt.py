@@ -19,7 +19,7 @@ import time
 
 
 def _engine(weights: str, max_prefill_tokens: int = 0):
-    from specdec.model import gemm
+    from specdec.model.cpu import gemm
     from specdec.model.lm import CausalLM
     from specdec.model.loading import DEFAULT_TARGET, load_model
     from target_service.engine import TargetEngine
@@ -31,8 +31,8 @@ def _engine(weights: str, max_prefill_tokens: int = 0):
 
 def mix(weights: str, long: int, split: bool) -> None:
     from specdec.forward import batching
-    from specdec.spec.request import VerifyCall
-    from specdec.spec.sampling import SamplingConfig
+    from specdec.calls.request import VerifyCall
+    from specdec.maths.sampling import SamplingConfig
 
     if not split:
         batching.pad_groups = lambda cached: [list(range(len(cached)))]

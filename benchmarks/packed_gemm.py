@@ -1,4 +1,4 @@
-"""Target forward time V(n) with the stock fp32 GEMM against specdec's small-M kernel (specdec/model/gemm.py).
+"""Target forward time V(n) with the stock fp32 GEMM against specdec's small-M kernel (specdec/model/cpu/gemm.py).
 
 Usage: .venv/bin/python benchmarks/packed_gemm.py [--model smollm2-135m-instruct] [--rows 4096] [--min-rows 1]
 
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from specdec.model import gemm  # noqa: E402
+from specdec.model.cpu import gemm  # noqa: E402
 from specdec_tools.bench import measure_cost_curve  # noqa: E402
 from specdec.kv.store import Sequence  # noqa: E402
 from specdec.model.lm import CausalLM  # noqa: E402

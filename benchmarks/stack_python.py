@@ -18,18 +18,19 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     args = parser.parse_args()
 
-    from specdec.model import gemm
+    from specdec.model.cpu import gemm
+    from specdec.model.cpu.stack import installed
     from specdec.model.lm import CausalLM
     from specdec.model.loading import DEFAULT_TARGET, load_model
-    from specdec.spec.request import VerifyCall
-    from specdec.spec.sampling import SamplingConfig
+    from specdec.calls.request import VerifyCall
+    from specdec.maths.sampling import SamplingConfig
     from specdec_tools.workload import load_prompt_ids
     from target_service.engine import TargetEngine
 
     loaded = load_model(DEFAULT_TARGET, "cpu")
     gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, args.weights, loaded.path)
     engine = TargetEngine(CausalLM(loaded.model, loaded.device))
-    stack = loaded.model.model._specdec_stack
+    stack = installed(loaded.model.model)
     timings: dict[str, list[float]] = {"C call": [], "Stack.run": []}
 
     def timed(name, fn):

@@ -27,8 +27,8 @@ def main() -> None:
 
     from coordinator.clients import TargetClient
     from specdec.model.loading import DEFAULT_TARGET, load_tokenizer
-    from specdec.spec.request import VerifyCall
-    from specdec.spec.sampling import SamplingConfig
+    from specdec.calls.request import VerifyCall
+    from specdec.maths.sampling import SamplingConfig
     from specdec_tools.stacks import Stack
     from specdec_tools.workload import load_prompt_ids
 

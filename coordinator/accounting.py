@@ -10,8 +10,8 @@ loop's `cost_model`.
 from __future__ import annotations
 
 from coordinator.protocol import DraftOutcome, Stats
-from specdec.spec.draft_length import DraftLengthPolicy
-from specdec.spec.request import VerifyResult
+from specdec.maths.draft_length import DraftLengthPolicy
+from specdec.calls.request import VerifyResult
 
 
 def _finish(new: list[int], eos_token_ids: frozenset[int], remaining: int) -> tuple[list[int], str | None]:

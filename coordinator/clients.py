@@ -28,7 +28,7 @@ from specdec.serving.backend_auth import authorized
 from specdec.serving.rpc import CHANNEL_OPTIONS
 from specdec.serving.logs import REQUEST_ID_METADATA
 from specdec.serving.wire import dists_from_proto, propose_call_to_proto, verify_call_to_proto, verify_result_from_proto
-from specdec.spec.request import ProposeCall, VerifyCall, VerifyResult
+from specdec.calls.request import ProposeCall, VerifyCall, VerifyResult
 
 log = structlog.get_logger(__name__)
 

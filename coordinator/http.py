@@ -44,7 +44,7 @@ from coordinator.policy.admission import client_key
 from coordinator.validate import bearer, check_request_id, token_matches
 from specdec.errors import InvalidArgument, SpecdecError, Unavailable
 from specdec.serving.logs import bind_request
-from specdec.spec.checks import check_token_ids
+from specdec.calls.checks import check_token_ids
 from specdec.version import package_version as version
 
 log = structlog.get_logger(__name__)

@@ -13,9 +13,9 @@ import time
 
 from coordinator.protocol import DraftOutcome, Progress
 from draft_service.engine import DraftEngine
-from specdec.spec.costs import Costs
-from specdec.spec.tree import tree_depth
-from specdec.spec.request import ProposeCall, VerifyCall, VerifyResult
+from specdec.maths.costs import Costs
+from specdec.maths.tree import tree_depth
+from specdec.calls.request import ProposeCall, VerifyCall, VerifyResult
 from target_service.engine import TargetEngine
 
 

@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator
 
 import structlog
 
-from specdec.spec.costs import CostModel, Costs
-from specdec.spec.draft_length import AcceptanceMemory, DraftLengthPolicy
+from specdec.maths.costs import CostModel, Costs
+from specdec.maths.draft_length import AcceptanceMemory, DraftLengthPolicy
 from coordinator.accounting import Accounting, _finish
 from coordinator.policy.overlap import RunAheadPolicy
 from coordinator.protocol import DecodeRun, Decoder, DraftOutcome, GenerationSpec, Progress, Proposer, Stats, Verifier
@@ -33,10 +33,10 @@ from specdec.errors import SequenceNotFound, Unavailable
 from specdec.limits import MAX_DECODE_AHEAD
 from specdec.serving import metrics
 from specdec.model.features import FeatureLog
-from specdec.spec.request import ProposeCall, TreeSettings, VerifyCall, VerifyResult
-from specdec.spec.lookup import relative_costs
-from specdec.spec.sampling import TokenLogprob, derive_seed
-from specdec.spec.tree import DraftTree
+from specdec.calls.request import ProposeCall, TreeSettings, VerifyCall, VerifyResult
+from specdec.maths.lookup import relative_costs
+from specdec.maths.sampling import TokenLogprob, derive_seed
+from specdec.maths.tree import DraftTree
 
 log = structlog.get_logger(__name__)
 
@@ -89,7 +89,7 @@ class SpeculativeLoop(Accounting, Releases):
         hidden states (specdec/model/feature_draft.py), so every Verify asks for them and the next Propose
         carries the ones the draft lacks. `calibrated`: the draft's cumulative probabilities are
         calibrated chances of acceptance (the n-gram drafter), so each unseeded adaptive proposal
-        is cut where its expected tokens per second peak (specdec/spec/costs.py). `decode_ahead`: the
+        is cut where its expected tokens per second peak (specdec/maths/costs.py). `decode_ahead`: the
         most tokens the target may decode in one exchange for steps that will not draft (0: none).
         `lookup`: the draft is prompt lookup (n-gram), which the target runs itself on every pass:
         an unseeded chain request then asks no draft, and each exchange carries up to

@@ -5,7 +5,7 @@ in-process engines (coordinator/local.py) in benchmarks and tests, so the same l
 without the network. The outcomes they return, a request as the loop runs it (GenerationSpec) and
 what a run reports (Stats) are plain data, here so that every module of the coordinator can name
 them without importing the loop; a Propose's call, a Verify's call and its result are the engines'
-own types (specdec/spec/request.py), which the loop passes as they are.
+own types (specdec/calls/request.py), which the loop passes as they are.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from specdec.spec.request import ProposeCall, TreeSettings, VerifyCall, VerifyResult
-from specdec.spec.sampling import SamplingConfig, TokenLogprob
-from specdec.spec.tree import SparseDist, tree_depth
+from specdec.calls.request import ProposeCall, TreeSettings, VerifyCall, VerifyResult
+from specdec.maths.sampling import SamplingConfig, TokenLogprob
+from specdec.maths.tree import SparseDist, tree_depth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +127,7 @@ class GenerationSpec:
     draft_length: int
     adaptive: bool
     eos_token_ids: frozenset[int]
-    seeded: bool = False  # the client chose the seed: keep the run reproducible (specdec/spec/draft_length.py)
+    seeded: bool = False  # the client chose the seed: keep the run reproducible (specdec/maths/draft_length.py)
     max_context: int = 0  # 0: unbounded
     tree: TreeSettings | None = None  # draft trees instead of chains (the draft length caps their depth)
     logprobs: int | None = None  # report the target's log-probabilities, with this many alternatives (chains only)

@@ -16,7 +16,7 @@ from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, knee
+from specdec.maths.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, knee
 from coordinator.clients import REQUEST_DEADLINE, DraftClient, TargetClient
 from coordinator.config import CoordinatorConfig
 from coordinator.loop import SpeculativeLoop
@@ -32,7 +32,7 @@ from specdec.errors import DeadlineExceeded, InvalidArgument, Overloaded, Specde
 from specdec.serving.rpc import error_status, rpc_method
 from specdec.serving.logs import bind_request
 from specdec.serving.wire import logprobs_to_proto
-from specdec.spec.sampling import TokenLogprob
+from specdec.maths.sampling import TokenLogprob
 
 log = structlog.get_logger(__name__)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from specdec.spec.draft_length import DraftLengthPolicy
+from specdec.maths.draft_length import DraftLengthPolicy
 from coordinator.policy.overlap import RunAheadPolicy
 from specdec.model.features import FeatureLog, FeatureRows
 

@@ -21,10 +21,10 @@ from coordinator.protocol import GenerationSpec
 from protos import specdec_pb2 as pb
 from specdec.errors import InvalidArgument
 from specdec.limits import MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_LOOKUP_SOURCE, MAX_REQUEST_ID
-from specdec.spec.checks import check_token_ids
-from specdec.spec.request import TreeSettings
-from specdec.spec.tree import check_tree_bounds
-from specdec.spec.sampling import SamplingConfig, check_sampling
+from specdec.calls.checks import check_token_ids
+from specdec.calls.request import TreeSettings
+from specdec.maths.tree import check_tree_bounds
+from specdec.maths.sampling import SamplingConfig, check_sampling
 
 CHAT_ROLES = ("system", "user", "assistant")
 TREE_FIELDS = {"budget": "speculation.tree_budget", "top_k": "speculation.tree_top_k", "shape": "speculation.tree_shape"}

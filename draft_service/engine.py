@@ -1,7 +1,7 @@
 """The draft engine: keeps each sequence's tokens (and KV cache) and has its drafter propose after them.
 
 A thin scheduler over the Drafter protocol (draft_service/drafters/base.py): it validates a call
-(a ProposeCall, specdec/spec/request.py; its checks are specdec/spec/checks.py's), syncs the
+(a ProposeCall, specdec/calls/request.py; its checks are specdec/calls/checks.py's), syncs the
 sequence (rollback + catch-up, in the store), hands the drafter the call's target features, and
 lets the drafter draft. Every drafter yields its proposals one token at a time, so the servicer
 can stream each token the moment it exists. Which drafter to load is draft_service/loading.py's
@@ -24,8 +24,8 @@ from specdec.kv.store import Sequence, SequenceStore
 from specdec.model.features import FeatureRows
 from specdec.model.lm import feed
 from specdec.serving.batcher import Requeue
-from specdec.spec.checks import check_propose_call
-from specdec.spec.request import ProposeCall
+from specdec.calls.checks import check_propose_call
+from specdec.calls.request import ProposeCall
 
 # Catch-up tokens an n-gram Propose may bring and still be answered on the event loop (answers_inline):
 # a step's catch-up is the accepted tokens plus one (at most MAX_DRAFT_TOKENS + 1); a few hundred

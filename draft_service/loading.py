@@ -16,7 +16,7 @@ from draft_service.drafters.base import Drafter
 from draft_service.drafters.model import ModelDrafter, load_pruned_drafter
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.engine import DraftEngine
-from specdec.model import gemm
+from specdec.model.cpu import gemm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +109,7 @@ def load_engine(config: DraftConfig) -> tuple[DraftEngine, DrafterInfo]:
     """The engine over the drafter the config names, warmed up, and its info (blocking: call it
     off the event loop)."""
     drafter, info = load_drafter(config)
-    # a fixed-shape draft (specdec/model/static.py) holds at most its slots' sequences
+    # a fixed-shape draft (specdec/model/gpu/static.py) holds at most its slots' sequences
     engine = DraftEngine(drafter, sequence_bound(config.max_sequences, drafter.lm), config.idle_timeout_s,
                          config.max_prefill_tokens_per_pass)
     engine.warm_up()

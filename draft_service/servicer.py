@@ -21,8 +21,8 @@ from specdec.serving import metrics
 from specdec.serving import tls
 from specdec.serving.carriers import Carriers
 from specdec.serving.wire import propose_call_from_proto
-from specdec.spec.request import ProposeCall
-from specdec.spec.sampling import check_temperature
+from specdec.calls.request import ProposeCall
+from specdec.maths.sampling import check_temperature
 from specdec.errors import SpecdecError
 from specdec.serving.engine_host import EngineHost
 from specdec.serving.rpc import rpc_method

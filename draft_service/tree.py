@@ -12,7 +12,7 @@ Shapes:
   above its parent's, so the choice keeps ancestors). Sampling: the node of rank r gets
   max(1, top_k // (r + 1)) children drawn WITHOUT replacement from the draft's top-k truncated
   distribution, until the budget is spent; every drawn node is sent (re-ranking drawn nodes by
-  their own values would bias them; see specdec/spec/tree.py for the rule this keeps exact).
+  their own values would bias them; see specdec/maths/tree.py for the rule this keeps exact).
 - static: every node at depth d gets shape[d] children (the most probable, or drawn), level by
   level, until the budget is spent.
 In both, how many children a node gets is decided before they are drawn, from what was drawn
@@ -32,15 +32,15 @@ import torch
 
 from specdec.limits import MAX_TREE_TOP_K
 from specdec.kv.store import Sequence
-from specdec.spec.request import ProposeCall
-from specdec.spec.sampling import truncated_probs
+from specdec.calls.request import ProposeCall
+from specdec.maths.sampling import truncated_probs
 from specdec.forward.tree import forward_masked
-from specdec.spec.tree import EMPTY_DIST, DraftTree, SparseDist
+from specdec.maths.tree import EMPTY_DIST, DraftTree, SparseDist
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeDraft(DraftTree):
-    """The one tree type (specdec/spec/tree.py: DraftTree) with the draft's compute time for it."""
+    """The one tree type (specdec/maths/tree.py: DraftTree) with the draft's compute time for it."""
 
     compute_seconds: float = 0.0
 

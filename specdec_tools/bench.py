@@ -42,7 +42,7 @@ import uuid
 
 import torch
 
-from specdec.model import gemm
+from specdec.model.cpu import gemm
 from specdec.model.formats import FORMATS
 from specdec_tools import flags
 from specdec_tools import plan as planlib
@@ -133,7 +133,7 @@ def curve_context(items: list[tuple[str, list[int]]], max_new: int, room: int | 
 def measure_draft_cost(engine, context: list[int], tokens: int = 8, repeats: int = 5) -> float:
     """Seconds per drafted token with a warm cache (the draft's prefill is not a per-token cost)."""
     from specdec.model.features import FeatureRows
-    from specdec.spec.request import ProposeCall
+    from specdec.calls.request import ProposeCall
 
     times = []
     # A feature draft drafts nothing without the target's features; their values do not change the cost.
@@ -218,10 +218,10 @@ def build_configurations(opts: Options, target_spec: str, target_loaded, lm, dra
 
 def _build_configurations(opts: Options, target_spec: str, target_loaded, lm, drafters: tuple[str, ...],
                           stack: GrpcStack | None, notes: dict, engines: dict) -> tuple[list[Configuration], dict]:
-    from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
+    from specdec.maths.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
     from coordinator.local import LocalProposer, LocalVerifier
     from coordinator.loop import SpeculativeLoop
-    from specdec.spec.request import TreeSettings
+    from specdec.calls.request import TreeSettings
     from draft_service.drafters.model import ModelDrafter
     from draft_service.servicer import load_engine_with_model_info
     from specdec.model.loading import load_model, pruned_draft_folder

@@ -21,7 +21,7 @@ import time
 
 async def _one_stream(stub, pb, seq_id: str, prompt: list[int], tokens: int, steps: int) -> list[int]:
     from specdec.serving.wire import propose_call_to_proto
-    from specdec.spec.request import ProposeCall
+    from specdec.calls.request import ProposeCall
 
     out: list[int] = []
     known, append = 0, list(prompt)

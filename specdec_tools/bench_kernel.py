@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from specdec.model import gemm, gemm_kernel
+from specdec.model.cpu import gemm, gemm_kernel
 from specdec.model.formats import FORMATS
 from specdec_tools import flags
 

@@ -53,7 +53,7 @@ def hf_runner(model, max_new: int, eos: list[int], **generate_kwargs):
 
 def local_runner(loop, max_new: int, eos: list[int], draft_length: int, adaptive: bool, tree=None):
     from coordinator.protocol import GenerationSpec, Stats
-    from specdec.spec.sampling import SamplingConfig
+    from specdec.maths.sampling import SamplingConfig
 
     def run(prompt: list[int]) -> Sample:
         spec = GenerationSpec(request_id=uuid.uuid4().hex[:12], prompt_ids=list(prompt), max_new_tokens=max_new,

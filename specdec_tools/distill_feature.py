@@ -369,7 +369,7 @@ def evaluate(args) -> dict:
     args.feature_layers = ",".join(map(str, draft.feature_layers))  # the held-out data carries what the draft reads
     weights = getattr(args, "weights", "fp32")
     if weights != "fp32":  # the draft as the draft service serves it in that format
-        from specdec.model import gemm
+        from specdec.model.cpu import gemm
 
         gemm.apply(draft, torch.device("cpu"), torch.float32, gemm.DEFAULT_ROWS, 1, weights, None)
     eos = target_eos(loaded.model, loaded.tokenizer)

@@ -22,7 +22,7 @@ import dataclasses
 import math
 import statistics
 
-from specdec.spec.costs import expected_tokens
+from specdec.maths.costs import expected_tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ def greedy_generate(model, prompt: list[int], max_new: int, eos: list[int], pack
 
     import torch
 
-    from specdec.model import gemm
+    from specdec.model.cpu import gemm
 
     ids = torch.tensor([prompt], device=model.device)
     with torch.inference_mode(), contextlib.nullcontext() if packed else gemm.disabled():
@@ -63,7 +63,7 @@ def reference_outputs(target: str, prompts: list[list[int]], max_new: int, weigh
     """The target decoding alone on every prompt, up to its first end-of-sequence token: the ground
     truth. `weights`: the format the target serves (the reference is the model in that format).
     On a GPU the reference is the target engine with speculation off, in the exact numerics the
-    service runs (transformers' generate() computes other bits there: specdec/model/static.py)."""
+    service runs (transformers' generate() computes other bits there: specdec/model/gpu/static.py)."""
     from specdec.model.assembly import LMOptions, load_lm
 
     if device != "cpu":
@@ -83,8 +83,8 @@ def engine_outputs(target: str, prompts: list[list[int]], max_new: int, device: 
     """The target service's engine decoding alone (one Verify without draft tokens per token), as
     `specdec serve target --device DEVICE` computes it; cut after the first end-of-sequence token."""
     from specdec.model.assembly import LMOptions, load_lm
-    from specdec.spec.request import VerifyCall
-    from specdec.spec.sampling import SamplingConfig
+    from specdec.calls.request import VerifyCall
+    from specdec.maths.sampling import SamplingConfig
     from target_service.engine import TargetEngine
 
     engine = TargetEngine(load_lm(LMOptions(model=target, device=device, packed_gemm_rows=0)).lm)  # a GPU packs nothing

@@ -16,7 +16,7 @@ from __future__ import annotations
 import operator
 
 from specdec.serving.batcher import ContinuousBatcher
-from specdec.spec.request import VerifyCall, VerifyResult
+from specdec.calls.request import VerifyCall, VerifyResult
 
 
 def _pass_seconds(result: VerifyResult) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specdec.model import gemm
+from specdec.model.cpu import gemm
 from specdec.serving.config import (backend_token_option, check_backend_token, check_static, compute_threads_option,
                                     check_weights, event_loop_option, log_format_option, log_level_option, numerics_option,
                                     option, static_options, weights_option)

@@ -20,9 +20,9 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
-from specdec.spec.lookup import NgramIndex, in_source, lookup_draft
-from specdec.spec.request import VerifyCall, VerifyResult
-from specdec.spec.sampling import TokenLogprob
+from specdec.maths.lookup import NgramIndex, in_source, lookup_draft
+from specdec.calls.request import VerifyCall, VerifyResult
+from specdec.maths.sampling import TokenLogprob
 
 
 @dataclasses.dataclass

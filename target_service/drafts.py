@@ -24,7 +24,7 @@ from specdec.serving.backend_auth import authorized
 from specdec.serving.outbox import StreamClient
 from specdec.serving.rpc import CHANNEL_OPTIONS
 from specdec.serving.wire import propose_call_to_proto
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 
 log = structlog.get_logger(__name__)
 

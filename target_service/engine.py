@@ -24,17 +24,17 @@ from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, SequenceStore
 from specdec.model.interface import LanguageModel, sequence_bound
 from specdec.model.lm import feed, pending_only
-from specdec.spec.sampling import (SamplingConfig, TokenLogprob, ban_tokens, chosen_logprobs, generator_for, target_probs,
+from specdec.maths.sampling import (SamplingConfig, TokenLogprob, ban_tokens, chosen_logprobs, generator_for, target_probs,
                                    token_logprobs)
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch, pass_groups
-from specdec.spec.checks import check_verify_call
-from specdec.spec.lookup import LOOKUP_MAX_N, MatchCalibration
-from specdec.spec.request import VerifyCall, VerifyResult
-from specdec.spec.tree import EMPTY_DIST, SparseDist, tree_depth
-from specdec.spec.treeplan import TreePlan, plan_tree, tree_verdict
+from specdec.calls.checks import check_verify_call
+from specdec.maths.lookup import LOOKUP_MAX_N, MatchCalibration
+from specdec.calls.request import VerifyCall, VerifyResult
+from specdec.maths.tree import EMPTY_DIST, SparseDist, tree_depth
+from specdec.maths.treeplan import TreePlan, plan_tree, tree_verdict
 from specdec.serving.batcher import Requeue
-from specdec.spec.verify import verify_greedy_row, verify_rejection
+from specdec.maths.verify import verify_greedy_row, verify_rejection
 from target_service.decode_ahead import DecodeAhead
 from target_service.lookup import PassCosts, TargetLookup
 from target_service.prefill import PrefillPlanning
@@ -53,7 +53,7 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         self._step_s = self._prefill_token_s = 0.0  # measured costs that size the chunks (_chunk_budget)
         self._forward_s = self._chunk_token_s = 0.0  # the same, for a chunk riding in the rows' forward (_fuses)
         self.pass_costs = PassCosts()  # what a position adds to a forward: cuts lookup drafts in batched passes
-        # a static GPU cache (specdec/model/static.py) holds a fixed number of sequences: evict past it
+        # a static GPU cache (specdec/model/gpu/static.py) holds a fixed number of sequences: evict past it
         self.store = SequenceStore(sequence_bound(max_sequences, lm), idle_timeout_s)
         self.batchable = batchable(lm)
         self.trees = supports_trees(lm)
@@ -217,7 +217,7 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         only the accepted path in the cache, as if that path had been fed as a chain.
 
         A model whose cache cannot be gathered by position (sliding-window layers) verifies the
-        chain of first children instead (specdec/spec/treeplan.py).
+        chain of first children instead (specdec/maths/treeplan.py).
         """
         start = time.perf_counter()
         return self._tree_row(call, self._prepare(call), start, 1)

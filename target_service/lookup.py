@@ -1,7 +1,7 @@
 """Prompt lookup in the target, and what a drafted position costs a pass (no gRPC here).
 
 On passes that have no draft of their own the target drafts for itself by prompt lookup over the
-sequence's own tokens (VerifyCall.lookup_draft_length; specdec/spec/lookup.py does the matching). A
+sequence's own tokens (VerifyCall.lookup_draft_length; specdec/maths/lookup.py does the matching). A
 draft is cut where its next token is not worth what it adds to the pass: by the caller's V(n) / V(1),
 or where several rows share the pass by what a position adds to it (PassCosts), whichever costs more.
 Apart from the engine's verify path because it is a policy over the verify path, not part of it:
@@ -15,8 +15,8 @@ import dataclasses
 
 from specdec.kv.store import Sequence
 from specdec.limits import MAX_DRAFT_TOKENS
-from specdec.spec.lookup import LOOKUP_MAX_N, NgramIndex, in_source, lookup_draft
-from specdec.spec.request import VerifyCall, VerifyResult
+from specdec.maths.lookup import LOOKUP_MAX_N, NgramIndex, in_source, lookup_draft
+from specdec.calls.request import VerifyCall, VerifyResult
 
 
 class PassCosts:

@@ -16,9 +16,9 @@ import time
 
 from specdec.errors import SpecdecError
 from specdec.kv.store import Sequence
-from specdec.model import stack
+from specdec.model.cpu import stack
 from specdec.serving.batcher import RECENT_FLOOR_S, RECENT_PASSES, Requeue
-from specdec.spec.request import VerifyCall, VerifyResult
+from specdec.calls.request import VerifyCall, VerifyResult
 
 
 def _average(mean: float, sample: float) -> float:
@@ -63,7 +63,7 @@ class PrefillPlanning:
     @property
     def ragged(self) -> bool:
         """Whether a pass's rows feed only their own positions (none padded to the longest row's):
-        one forward of the compact stack (specdec/model/stack.py) takes them all so."""
+        one forward of the compact stack (specdec/model/cpu/stack.py) takes them all so."""
         return stack.applies(self.lm)
 
     def pass_positions(self, call: VerifyCall) -> int:
@@ -80,7 +80,7 @@ class PrefillPlanning:
 
     def _fuses(self, calls: list[VerifyCall], groups: list[list[tuple[int, Sequence]]]) -> bool:
         """Whether a prompt chunk rides in the rows' forward instead of one of its own: where the
-        rows are one forward of the compact stack (specdec/model/stack.py), which pads nothing, so
+        rows are one forward of the compact stack (specdec/model/cpu/stack.py), which pads nothing, so
         the chunk's positions cost only their own arithmetic and attention.
 
         Why: a forward's fixed cost (reading every weight once, and a hundred calls around the

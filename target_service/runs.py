@@ -36,10 +36,10 @@ from specdec.limits import MAX_DECODE_AHEAD
 from specdec.model.features import FeatureLog, FeatureRows
 from specdec.serving import metrics
 from specdec.serving.wire import decode_run_call_from_proto, dists_from_proto, logprobs_to_proto
-from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
-from specdec.spec.draft_length import AcceptanceMemory, DraftLengthPolicy
-from specdec.spec.request import ProposeCall, VerifyCall, VerifyResult
-from specdec.spec.sampling import TokenLogprob, derive_seed
+from specdec.maths.costs import MODEL_DRAFT_PRIOR, CostModel
+from specdec.maths.draft_length import AcceptanceMemory, DraftLengthPolicy
+from specdec.calls.request import ProposeCall, VerifyCall, VerifyResult
+from specdec.maths.sampling import TokenLogprob, derive_seed
 from target_service.drafts import DraftLink
 
 # After the draft fails, a drafted run decodes this many passes alone before asking it again (as

@@ -19,7 +19,7 @@ from specdec.serving.threads import loop_computes_alike
 from specdec.serving.wire import verify_call_from_proto, verify_result_to_proto
 from target_service.config import TargetConfig
 from target_service.batcher import VerifyBatcher
-from specdec.spec.request import VerifyCall
+from specdec.calls.request import VerifyCall
 from target_service.engine import TargetEngine
 from target_service.runs import DecodeStreams
 

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from specdec.spec.costs import NGRAM_DRAFT_PRIOR, CostModel
-from specdec.spec.draft_length import DraftLengthPolicy
+from specdec.maths.costs import NGRAM_DRAFT_PRIOR, CostModel
+from specdec.maths.draft_length import DraftLengthPolicy
 from coordinator.policy.admission import Admission
 from specdec.errors import Overloaded
 
@@ -148,9 +148,9 @@ def test_steps_the_load_cap_left_without_a_draft_are_reported(tmp_path):
 
 
 def test_budget_minus_one_is_read_off_the_measured_cost_curve():
-    """-1: the knee of the target's V(n) (specdec.spec.costs.knee): 8 on the CPU prior's curve, far more
+    """-1: the knee of the target's V(n) (specdec.maths.costs.knee): 8 on the CPU prior's curve, far more
     on a flat (GPU-like) one, and 8 until a cost model is attached."""
-    from specdec.spec.costs import MODEL_DRAFT_PRIOR, Costs, knee
+    from specdec.maths.costs import MODEL_DRAFT_PRIOR, Costs, knee
 
     assert knee(MODEL_DRAFT_PRIOR) == 8
     flat = Costs(0.001, tuple(0.003 + 1e-6 * n for n in range(len(MODEL_DRAFT_PRIOR.verify))), 0.0)

@@ -18,8 +18,8 @@ import pytest
 
 from coordinator.loop import DEFAULT_DECODE_AHEAD, SpeculativeLoop
 from specdec.limits import MAX_DECODE_AHEAD
-from specdec.spec.costs import MODEL_DRAFT_PRIOR
-from specdec.spec.request import VerifyCall
+from specdec.maths.costs import MODEL_DRAFT_PRIOR
+from specdec.calls.request import VerifyCall
 from tests import tiny
 from tests.test_hardening import counter
 from tests.test_lookup_ahead import GREEDY, RecordingVerifier, echoing_prompts, engine, ngram_loop

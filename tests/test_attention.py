@@ -1,4 +1,4 @@
-"""Row-exact attention (specdec/model/attention.py): a position's output is the same bits whether it is
+"""Row-exact attention (specdec/model/cpu/attention.py): a position's output is the same bits whether it is
 computed alone (a decode step), among other query rows (a verify), under a tree's mask or padded in a
 batch; it agrees with SDPA up to float rounding; what it does not cover goes to SDPA."""
 
@@ -11,7 +11,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdec.kv.buffers import new_cache
-from specdec.model import attention, gemm
+from specdec.model.cpu import attention, gemm
 from tests import tiny
 
 CPU = torch.device("cpu")
@@ -99,7 +99,7 @@ def test_the_compact_model_computes_a_position_alike_in_one_pass_or_several(weig
     model = copy.deepcopy(target)
     gemm.pack_linears(model, gemm.DEFAULT_ROWS, 1, weights)
     assert model.config._attn_implementation == attention.NAME
-    lean = [layer for layer in model.model.layers if hasattr(layer, "_specdec_kernel")]  # specdec/model/decoder.py
+    lean = [layer for layer in model.model.layers if hasattr(layer, "_specdec_kernel")]  # specdec/model/cpu/decoder.py
     assert len(lean) == len(model.model.layers)
     assert_alike_in_one_pass_or_several(model)
 

@@ -20,10 +20,10 @@ from specdec.forward import batching
 from specdec.errors import InvalidArgument, SequenceNotFound
 from specdec.kv.buffers import MIN_CAPACITY, arena_of
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig
+from specdec.maths.sampling import SamplingConfig
 from specdec.serving.batcher import Requeue
 from target_service.batcher import VerifyBatcher
-from specdec.spec.request import VerifyCall, VerifyResult
+from specdec.calls.request import VerifyCall, VerifyResult
 from target_service.engine import TargetEngine
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
 

@@ -17,8 +17,8 @@ import pytest
 from coordinator.clients import DraftClient, TargetClient
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec.spec.request import ProposeCall, VerifyCall
-from specdec.spec.sampling import SamplingConfig
+from specdec.calls.request import ProposeCall, VerifyCall
+from specdec.maths.sampling import SamplingConfig
 from tests import tiny
 from tests.services import Service
 from tests.stack import Stack

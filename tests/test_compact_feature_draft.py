@@ -19,7 +19,7 @@ from draft_service.engine import DraftEngine
 from draft_service.loading import load_engine
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
-from specdec.model import gemm, packed
+from specdec.model.cpu import gemm, packed
 from specdec.model.feature_draft import COMPACT_WEIGHTS, cut_head, save_feature_draft
 from specdec.model.lm import CausalLM
 from target_service.engine import TargetEngine
@@ -183,8 +183,8 @@ def test_evaluate_measures_the_compact_draft_as_the_loop_runs_it(target, tmp_pat
     from coordinator.loop import SpeculativeLoop
     from coordinator.protocol import GenerationSpec, Stats
     from specdec.model.feature_draft import load_feature_draft
-    from specdec.spec.costs import MODEL_DRAFT_PRIOR
-    from specdec.spec.sampling import SamplingConfig
+    from specdec.maths.costs import MODEL_DRAFT_PRIOR
+    from specdec.maths.sampling import SamplingConfig
     from specdec_tools import distill, distill_feature
 
     target_path = tiny.save(target, tmp_path / "target")

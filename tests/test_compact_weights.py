@@ -16,9 +16,9 @@ from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
-from specdec.model import compact, gemm, gemm_kernel
+from specdec.model.cpu import compact, gemm, gemm_kernel
 from specdec.model.lm import CausalLM
-from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
+from specdec.maths.costs import MODEL_DRAFT_PRIOR, CostModel
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
 from tests import tiny

@@ -11,8 +11,8 @@ import asyncio
 import grpc
 import pytest
 
-from specdec.spec.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
-from specdec.spec.draft_length import DraftLengthPolicy
+from specdec.maths.costs import MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel
+from specdec.maths.draft_length import DraftLengthPolicy
 from coordinator.clients import TargetClient
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import DEFAULT_DECODE_AHEAD, SpeculativeLoop
@@ -22,11 +22,11 @@ from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import InvalidArgument
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig
+from specdec.maths.sampling import SamplingConfig
 from specdec.limits import MAX_DECODE_AHEAD
 from target_service.batcher import VerifyBatcher
-from specdec.spec.tree import DraftTree
-from specdec.spec.request import VerifyCall
+from specdec.maths.tree import DraftTree
+from specdec.calls.request import VerifyCall
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.stack import Stack

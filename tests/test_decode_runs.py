@@ -148,7 +148,7 @@ def test_runs_of_a_coordinator_that_went_away_are_freed_at_once(pair, tmp_path):
         async def start_and_vanish():
             client = TargetClient(target, 5.0)
             from coordinator.protocol import DecodeRun
-            from specdec.spec.sampling import SamplingConfig
+            from specdec.maths.sampling import SamplingConfig
             runs = [client.decoder.decode(DecodeRun(f"s{i}", p, SamplingConfig(), 400, frozenset()))
                     for i, p in enumerate(tiny.prompts(3, seed=6))]
             for run in runs:

@@ -1,5 +1,5 @@
-"""The whole decoder stack in one C call (specdec/model/stack.py, csrc/stack.c): for one sequence fed
-from its cache it computes the same bits as the per-layer path (specdec/model/decoder.py) that
+"""The whole decoder stack in one C call (specdec/model/cpu/stack.py, csrc/stack.c): for one sequence fed
+from its cache it computes the same bits as the per-layer path (specdec/model/cpu/decoder.py) that
 batches, trees and masks take, in a prefill, decode steps, a verify and after a rollback; it is
 actually taken where it applies, and everything else falls back unchanged."""
 
@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specdec.kv.buffers import new_cache
-from specdec.model import gemm, gemm_kernel
+from specdec.model.cpu import gemm, gemm_kernel, stack
 from specdec.model.hfcache import cache_kwargs
 from tests import tiny
 
@@ -30,7 +30,7 @@ def _pair(weights: str, hidden: int = 64):
     model, layered = copy.deepcopy(target), copy.deepcopy(target)
     for m in (model, layered):
         gemm.pack_linears(m, gemm.DEFAULT_ROWS, 1, weights)
-        assert hasattr(m.model, "_specdec_stack"), "the stack was not installed"
+        assert stack.installed(m.model) is not None, "the stack was not installed"
     del layered.model.forward  # the instance's forward: back to transformers' (per-layer) one
     return model, layered
 
@@ -112,7 +112,6 @@ def test_a_batch_of_chains_appends_to_each_sequences_own_cache_with_the_bits_of_
     alone, and write_back keeps exactly the accepted positions."""
     from specdec.forward.batching import forward_batch, pass_groups
     from specdec.kv.store import Sequence
-    from specdec.model import stack
     from specdec.model.lm import CausalLM
 
     model, layered = _pair(weights)

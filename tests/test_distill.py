@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 from draft_service.drafters.model import load_pruned_drafter
 from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb

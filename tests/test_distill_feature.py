@@ -18,7 +18,7 @@ from safetensors import safe_open
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from coordinator.protocol import GenerationSpec, Stats
-from specdec.spec.costs import MODEL_DRAFT_PRIOR
+from specdec.maths.costs import MODEL_DRAFT_PRIOR
 from draft_service.engine import DraftEngine
 from draft_service.drafters.feature import FeatureDrafter, load_feature_drafter
 from specdec_tools import distill
@@ -26,7 +26,7 @@ from specdec_tools import distill_feature
 from specdec_tools import distill_prompts
 from specdec.model.feature_draft import WEIGHTS, load_feature_draft
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig
+from specdec.maths.sampling import SamplingConfig
 from target_service.engine import TargetEngine
 from tests import tiny
 

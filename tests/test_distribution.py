@@ -47,19 +47,19 @@ from coordinator.loop import SpeculativeLoop
 from coordinator.protocol import GenerationSpec, Stats
 from coordinator.policy.admission import Admission
 from coordinator.servicer import make_loop
-from specdec.spec.costs import Costs, cost_curve
+from specdec.maths.costs import Costs, cost_curve
 from draft_service.drafters.base import Proposal
-from specdec.spec.request import ProposeCall, TreeSettings
+from specdec.calls.request import ProposeCall, TreeSettings
 from draft_service.drafters.model import ChainState, ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.engine import DraftEngine
 from draft_service.drafters.feature import FeatureDrafter
 from protos import specdec_pb2 as pb
-from specdec.model import gemm
+from specdec.model.cpu import gemm
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig, target_probs, truncated_probs
+from specdec.maths.sampling import SamplingConfig, target_probs, truncated_probs
 from target_service.engine import TargetEngine
-from specdec.spec.verify import verify_rejection
+from specdec.maths.verify import verify_rejection
 from tests import tiny
 
 pytestmark = [pytest.mark.distribution, pytest.mark.usefixtures("one_torch_thread")]

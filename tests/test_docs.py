@@ -95,7 +95,7 @@ BACKTICKED = re.compile(r"`([^`]+)`")
 
 def _module_map() -> list[tuple[str, str]]:
     """The bullets of architecture.md's "Where the code is", each as (its head: the first path in
-    backticks, such as `specdec/spec/`, and its whole text)."""
+    backticks, such as `specdec/maths/`, and its whole text)."""
     text = (REPO / "docs" / "architecture.md").read_text()
     section = text.split("\n## Where the code is\n", 1)[1].split("\n## ", 1)[0]
     bullets: list[list[str]] = []

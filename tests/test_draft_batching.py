@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb

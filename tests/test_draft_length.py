@@ -1,10 +1,10 @@
-"""The draft-length policy (specdec/spec/draft_length.py) and the costs it weighs
-(specdec/spec/costs.py): E(g), the best length or prefix, the running cost model and its fit."""
+"""The draft-length policy (specdec/maths/draft_length.py) and the costs it weighs
+(specdec/maths/costs.py): E(g), the best length or prefix, the running cost model and its fit."""
 
 import pytest
 
-from specdec.spec.draft_length import PROBE_LENGTH, AcceptanceMemory, DraftLengthPolicy
-from specdec.spec.costs import (MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, Costs, best_length, best_prefix,
+from specdec.maths.draft_length import PROBE_LENGTH, AcceptanceMemory, DraftLengthPolicy
+from specdec.maths.costs import (MODEL_DRAFT_PRIOR, NGRAM_DRAFT_PRIOR, CostModel, Costs, best_length, best_prefix,
                                 cost_curve, expected_tokens, monotone)
 
 
@@ -267,8 +267,8 @@ def test_a_loop_without_a_draft_weighs_no_costs():
 
     from coordinator.loop import SpeculativeLoop
     from coordinator.protocol import GenerationSpec, Stats
-    from specdec.spec.request import VerifyResult
-    from specdec.spec.sampling import SamplingConfig
+    from specdec.calls.request import VerifyResult
+    from specdec.maths.sampling import SamplingConfig
 
     class Instant:
         async def verify(self, call):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draft_service.drafters.base import Drafter
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 from draft_service.drafters.feature import FeatureDrafter
 from draft_service.drafters.model import ModelDrafter
 from draft_service.drafters.ngram import NgramDrafter

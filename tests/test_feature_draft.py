@@ -9,11 +9,11 @@ import grpc
 import pytest
 import torch
 
-from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
+from specdec.maths.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from coordinator.protocol import Stats
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 from draft_service.engine import DraftEngine
 from draft_service.drafters.feature import FeatureDrafter
 from protos import specdec_pb2 as pb
@@ -21,8 +21,8 @@ from protos import specdec_pb2_grpc as pb_grpc
 from specdec.model.feature_draft import load_feature_draft, save_feature_draft
 from specdec.model.features import FeatureLog, FeatureRows
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.request import VerifyCall
+from specdec.maths.sampling import SamplingConfig
+from specdec.calls.request import VerifyCall
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.stack import Stack

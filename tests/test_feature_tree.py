@@ -24,11 +24,11 @@ from draft_service.engine import DraftEngine
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
 from specdec.model.lm import CausalLM
-from specdec.model.static import StaticLM
-from specdec.spec.costs import MODEL_DRAFT_PRIOR
-from specdec.spec.request import ProposeCall, TreeSettings, VerifyCall
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.tree import DraftTree, path_to
+from specdec.model.gpu.static import StaticLM
+from specdec.maths.costs import MODEL_DRAFT_PRIOR
+from specdec.calls.request import ProposeCall, TreeSettings, VerifyCall
+from specdec.maths.sampling import SamplingConfig
+from specdec.maths.tree import DraftTree, path_to
 from target_service.engine import TargetEngine
 from tests import tiny
 
@@ -202,7 +202,7 @@ def test_sampled_feature_trees_through_both_engines_follow_the_target_distributi
     (a peaked draft against a flat q, so rejections and second siblings are common)."""
     from scipy import stats as scipy_stats
 
-    from specdec.spec.sampling import target_probs
+    from specdec.maths.sampling import target_probs
 
     t_engine = TargetEngine(CausalLM(target, CPU))
     d_engine = DraftEngine(FeatureDrafter(tiny.feature_draft_of(target, noise=0.3), CPU, [tiny.EOS], top_k=8))

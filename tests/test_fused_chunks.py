@@ -12,11 +12,11 @@ import torch
 from transformers import LlamaForCausalLM
 
 from specdec.kv.buffers import arena_of
-from specdec.model import gemm, stack
+from specdec.model.cpu import gemm, stack
 from specdec.model.lm import CausalLM
 from specdec.serving.batcher import ContinuousBatcher, Requeue
-from specdec.spec.request import VerifyCall, VerifyResult
-from specdec.spec.sampling import SamplingConfig
+from specdec.calls.request import VerifyCall, VerifyResult
+from specdec.maths.sampling import SamplingConfig
 from target_service import engine as engine_module
 from target_service.batcher import VerifyBatcher
 from target_service.engine import TargetEngine

@@ -562,7 +562,7 @@ def test_regression_request_id_must_fit_in_metadata(env):
 def test_regression_tiny_temperature_samples_the_argmax(env):
     # Was INTERNAL: logits / 1e-40 overflowed to inf, the softmax gave NaN, the target answered
     # token -1 and the draft's multinomial raised. The limit of a vanishing temperature is greedy.
-    from specdec.spec.sampling import SamplingConfig, target_probs, truncated_probs
+    from specdec.maths.sampling import SamplingConfig, target_probs, truncated_probs
 
     logits = torch.tensor([1.0, 3.0, -2.0, 2.5])
     q = target_probs(logits, SamplingConfig(temperature=1e-40))

@@ -1,4 +1,4 @@
-"""specdec's small-M GEMM kernel for target forwards (specdec/model/gemm_kernel.py, specdec/model/gemm.py):
+"""specdec's small-M GEMM kernel for target forwards (specdec/model/cpu/gemm_kernel.py, specdec/model/cpu/gemm.py):
 the same results as the stock kernel, rows that do not interact, the same tokens."""
 
 from __future__ import annotations
@@ -9,17 +9,17 @@ import copy
 import pytest
 import torch
 
-from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
+from specdec.maths.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
-from specdec.model import gemm
-from specdec.model import gemm_kernel
+from specdec.model.cpu import gemm
+from specdec.model.cpu import gemm_kernel
 from specdec.kv.store import Sequence
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.request import VerifyCall
+from specdec.maths.sampling import SamplingConfig
+from specdec.calls.request import VerifyCall
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
 from tests import tiny

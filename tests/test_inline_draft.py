@@ -9,7 +9,7 @@ import asyncio
 import threading
 import time
 
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.engine import INLINE_APPEND, DraftEngine
 from draft_service.servicer import DraftServicer

@@ -7,14 +7,14 @@ import random
 import pytest
 import torch
 
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
 from specdec.errors import SequenceNotFound, SequenceReleased
 from specdec.kv.store import SequenceStore
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.request import VerifyCall
+from specdec.maths.sampling import SamplingConfig
+from specdec.calls.request import VerifyCall
 from target_service.engine import TargetEngine
 from tests import tiny
 

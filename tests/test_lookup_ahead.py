@@ -1,5 +1,5 @@
 """VerifyRequest.lookup_max_tokens: on the passes without a draft of their own, the target drafts by
-prompt lookup itself (specdec/spec/lookup.py), so an n-gram step costs no exchange.
+prompt lookup itself (specdec/maths/lookup.py), so an n-gram step costs no exchange.
 
 Greedy tokens must be exactly the target's own, whatever was drafted; the accepted drafts must
 save forward passes; the coordinator must ask for it only where it keeps its guarantees (an n-gram
@@ -25,10 +25,10 @@ from protos import specdec_pb2_grpc as pb_grpc
 from specdec.errors import InvalidArgument
 from specdec.model.lm import CausalLM
 from specdec.limits import MAX_DECODE_AHEAD
-from specdec.spec.costs import NGRAM_DRAFT_PRIOR, CostModel
-from specdec.spec.lookup import MatchCalibration, NgramIndex, best_cut, lookup_draft, relative_costs
-from specdec.spec.request import VerifyCall
-from specdec.spec.sampling import SamplingConfig
+from specdec.maths.costs import NGRAM_DRAFT_PRIOR, CostModel
+from specdec.maths.lookup import MatchCalibration, NgramIndex, best_cut, lookup_draft, relative_costs
+from specdec.calls.request import VerifyCall
+from specdec.maths.sampling import SamplingConfig
 from target_service.engine import PassCosts, TargetEngine
 from tests import tiny
 from tests.stack import Stack

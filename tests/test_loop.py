@@ -7,14 +7,14 @@ import asyncio
 import pytest
 import torch
 
-from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
+from specdec.maths.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from coordinator.protocol import GenerationSpec, Stats
 from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig
+from specdec.maths.sampling import SamplingConfig
 from target_service.engine import TargetEngine
 from tests import tiny
 
@@ -144,7 +144,7 @@ def test_the_cost_model_charges_the_draft_round_trip_to_asking_steps_only(pair):
 def test_fixed_costs_are_what_the_cost_model_learns(pair):
     """coordinator/local.py's `fixed_costs`: each pass reports the seconds given, not the ones it
     took, and the cost model learns exactly those (the distribution tests' deterministic costs)."""
-    from specdec.spec.costs import Costs, cost_curve
+    from specdec.maths.costs import Costs, cost_curve
 
     fixed = Costs(draft_per_token=0.002, verify=cost_curve(0.02, 1.1, 0.001), wire_per_step=0.0005, draft_per_ask=0.0007)
     target, draft = engines(pair)

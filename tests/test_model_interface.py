@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from specdec.kv.store import Sequence
-from specdec.model import gemm, interface, stack
+from specdec.model.cpu import gemm, stack
+from specdec.model import interface
 from specdec.model.assembly import LMOptions, load_lm
 from specdec.model.interface import LanguageModel, ModelDescription
 from specdec.model.lm import CausalLM
 from specdec.model.pruned import PrunedCausalLM, PrunedDraft
-from specdec.model.static import StaticLM
+from specdec.model.gpu.static import StaticLM
 from tests import tiny
 
 CPU = torch.device("cpu")

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 from draft_service.drafters.ngram import NgramDrafter
 from draft_service.engine import DraftEngine
 from draft_service.drafters.ngram import MatchCalibration, NgramIndex, ngram_propose

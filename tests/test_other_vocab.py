@@ -22,13 +22,13 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from draft_service.drafters.other_vocab import CrossVocabDrafter, build_cross_drafter
 from draft_service.drafters.base import Drafter
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig, derive_seed, target_probs
+from specdec.maths.sampling import SamplingConfig, derive_seed, target_probs
 from specdec.model.vocab import TokenText, VocabMap, common_prefix, incomplete_tail, utf8_segments
-from specdec.spec.request import VerifyCall
+from specdec.calls.request import VerifyCall
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.stack import Stack

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import torch
 
-from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel
+from specdec.maths.costs import MODEL_DRAFT_PRIOR, CostModel
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from coordinator.protocol import GenerationSpec, Stats
@@ -20,7 +20,7 @@ from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig, target_probs
+from specdec.maths.sampling import SamplingConfig, target_probs
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.services import Service

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from specdec.spec.costs import expected_tokens
+from specdec.maths.costs import expected_tokens
 from specdec_tools import plan
 
 CURVE = plan.CostCurve.parse("1:44,2:70,4:67,8:70,16:85")

@@ -12,8 +12,8 @@ import pytest
 
 from specdec.errors import InvalidArgument
 from specdec.limits import MAX_LOOKUP_SOURCE
-from specdec.spec.lookup import NgramIndex
-from specdec.spec.request import VerifyCall
+from specdec.maths.lookup import NgramIndex
+from specdec.calls.request import VerifyCall
 from tests import tiny
 from tests.test_lookup_ahead import GREEDY, RecordingVerifier, engine, ngram_loop
 from tests.test_loop import run

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from protos import specdec_pb2 as pb
-from specdec.model import gemm
+from specdec.model.cpu import gemm
 from specdec.model.loading import DEFAULT_TARGET, load_model
 from tests.stack import Stack
 

@@ -1,4 +1,4 @@
-"""The reference speculative loop (specdec/spec/reference.py) as an oracle: greedy, its output is the
+"""The reference speculative loop (specdec/maths/reference.py) as an oracle: greedy, its output is the
 target decoding alone, and specdec's own loop (coordinator/loop.py over the in-process engines)
 gives the same tokens."""
 
@@ -9,8 +9,8 @@ import torch
 
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
-from specdec.spec.costs import MODEL_DRAFT_PRIOR
-from specdec.spec.reference import speculative_generate
+from specdec.maths.costs import MODEL_DRAFT_PRIOR
+from specdec.maths.reference import speculative_generate
 from tests import tiny
 from tests.test_loop import engines, run
 

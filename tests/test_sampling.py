@@ -11,7 +11,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specdec.spec.sampling import SamplingConfig, derive_seed, target_probs, truncated_probs, warp_logits
+from specdec.maths.sampling import SamplingConfig, derive_seed, target_probs, truncated_probs, warp_logits
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.2, 0, 0.9), (0.5, 20, 0.5), (2.0, 3, 0.3), (1.0, 1, 1.0)])
@@ -66,7 +66,7 @@ def test_derived_seeds_are_stable_and_distinct():
 def test_one_sampling_check_names_the_wire_field(sampling, field):
     """The coordinator's validator and the target engine call this one check: the same field, the same error."""
     from specdec.errors import InvalidArgument
-    from specdec.spec.sampling import check_sampling
+    from specdec.maths.sampling import check_sampling
 
     with pytest.raises(InvalidArgument) as caught:
         check_sampling(sampling)

@@ -14,12 +14,12 @@ import torch
 from scipy import stats
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig, derive_seed, target_probs
-from specdec.spec.request import VerifyCall
+from specdec.maths.sampling import SamplingConfig, derive_seed, target_probs
+from specdec.calls.request import VerifyCall
 from target_service.engine import TargetEngine
 
 VOCAB, SAMPLES, FALSE_ALARM = 12, 4_000, 1e-4

@@ -11,9 +11,9 @@ import pytest
 
 from coordinator.clients import DraftClient, TargetClient
 from specdec.errors import SequenceNotFound
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.tree import EMPTY_DIST
-from specdec.spec.request import ProposeCall, VerifyCall
+from specdec.maths.sampling import SamplingConfig
+from specdec.maths.tree import EMPTY_DIST
+from specdec.calls.request import ProposeCall, VerifyCall
 from tests import tiny
 from tests.stack import Stack
 

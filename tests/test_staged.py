@@ -14,16 +14,16 @@ import random
 import pytest
 import torch
 
-from specdec.spec.costs import MODEL_DRAFT_PRIOR
+from specdec.maths.costs import MODEL_DRAFT_PRIOR
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from coordinator.protocol import GenerationSpec, Stats
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 from draft_service.drafters.model import ModelDrafter
 from draft_service.engine import DraftEngine
 from protos import specdec_pb2 as pb
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig
+from specdec.maths.sampling import SamplingConfig
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.stack import Stack

@@ -1,4 +1,4 @@
-"""Fixed-shape passes over a static cache (specdec/model/static.py): every position's logits are the
+"""Fixed-shape passes over a static cache (specdec/model/gpu/static.py): every position's logits are the
 same bits decoded alone, verified in a chain, in a tree, or batched with other sequences, so greedy
 speculation returns exactly the engine's own tokens. On the CPU always; on CUDA (bf16, fp16, fp32,
 with CUDA graphs and the Triton attention) where a GPU is present.
@@ -14,11 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec.errors import Overloaded
 from specdec.kv.store import Sequence
-from specdec.model import static
-from specdec.model.static import StaticLM, attention_reference, exact_lm, static_supported
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.tree import DraftTree
-from specdec.spec.request import VerifyCall
+from specdec.model.gpu import static
+from specdec.model.gpu.static import StaticLM, attention_reference, exact_lm, static_supported
+from specdec.maths.sampling import SamplingConfig
+from specdec.maths.tree import DraftTree
+from specdec.calls.request import VerifyCall
 from target_service.engine import TargetEngine
 from specdec_tools.tinymodels import real_shape
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.errors import InvalidArgument
-from specdec.spec.tree import (
+from specdec.maths.tree import (
     ancestor_mask,
     check_parents,
     children,

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-from specdec.spec.costs import MODEL_DRAFT_PRIOR
+from specdec.maths.costs import MODEL_DRAFT_PRIOR
 from coordinator.local import LocalProposer, LocalVerifier
 from coordinator.loop import SpeculativeLoop
 from coordinator.protocol import GenerationSpec, Stats
@@ -26,11 +26,11 @@ from draft_service.tree import TreeBuilder
 from specdec.errors import InvalidArgument
 from specdec.kv.store import Sequence
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.tree import DraftTree
-from specdec.spec.request import ProposeCall, TreeSettings, VerifyCall
+from specdec.maths.sampling import SamplingConfig
+from specdec.maths.tree import DraftTree
+from specdec.calls.request import ProposeCall, TreeSettings, VerifyCall
 from target_service.engine import TargetEngine
-from specdec.spec.tree import depths, path_to
+from specdec.maths.tree import depths, path_to
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
 
 CPU = torch.device("cpu")
@@ -192,7 +192,7 @@ def test_sampled_trees_through_both_engines_follow_the_target_distribution(pair)
     prompt = prompts(1, seed=21)[0]
     sampling = SamplingConfig(temperature=2.0, top_k=6)  # a flat q on 6 tokens; a peaked draft p on its top 8
     seq = Sequence("q", list(prompt))
-    from specdec.spec.sampling import target_probs
+    from specdec.maths.sampling import target_probs
 
     q = target_probs(t_engine.lm.forward(seq, keep=1)[0], sampling).double()
     counts = torch.zeros_like(q)
@@ -213,7 +213,7 @@ def test_sampled_trees_through_both_engines_follow_the_target_distribution(pair)
 
 @pytest.mark.parametrize("seeded", [False, True])
 def test_the_load_cap_bounds_tree_nodes_except_for_seeded_requests(pair, seeded):
-    from specdec.spec.costs import CostModel
+    from specdec.maths.costs import CostModel
 
     target, draft = pair
     cost_model = CostModel(MODEL_DRAFT_PRIOR)

@@ -15,9 +15,9 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.tree import DraftTree
-from specdec.spec.request import VerifyCall
+from specdec.maths.sampling import SamplingConfig
+from specdec.maths.tree import DraftTree
+from specdec.calls.request import VerifyCall
 from target_service.engine import TargetEngine
 from tests.tiny import EOS, prompts, reference_greedy, tiny_pair
 

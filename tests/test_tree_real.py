@@ -15,8 +15,8 @@ import torch
 
 from specdec.model.lm import CausalLM
 from specdec.model.loading import DEFAULT_TARGET, load_model
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.request import VerifyCall
+from specdec.maths.sampling import SamplingConfig
+from specdec.calls.request import VerifyCall
 from target_service.engine import TargetEngine
 from tests.test_tree_engine import random_tree
 

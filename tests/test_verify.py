@@ -6,8 +6,8 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec.spec.sampling import SamplingConfig, target_probs
-from specdec.spec.verify import sample_from, verify_greedy, verify_greedy_row, verify_rejection
+from specdec.maths.sampling import SamplingConfig, target_probs
+from specdec.maths.verify import sample_from, verify_greedy, verify_greedy_row, verify_rejection
 
 # Each chi-square test below fails by chance with probability FALSE_ALARM when the maths is right.
 FALSE_ALARM = 1e-4

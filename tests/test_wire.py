@@ -14,9 +14,9 @@ from specdec.errors import InvalidArgument
 from specdec.model.features import FeatureRows
 from specdec.serving.wire import (propose_call_from_proto, propose_call_to_proto, verify_call_from_proto,
                                   verify_call_to_proto)
-from specdec.spec.request import ProposeCall, TreeSettings, VerifyCall
-from specdec.spec.sampling import SamplingConfig
-from specdec.spec.tree import DraftTree
+from specdec.calls.request import ProposeCall, TreeSettings, VerifyCall
+from specdec.maths.sampling import SamplingConfig
+from specdec.maths.tree import DraftTree
 
 
 def _wire(message):

@@ -13,11 +13,11 @@
   on a 2-core CPU: 8 streams through the three services made more tokens per second with budget 8
   than with 16 (one draft token each), on chat prompts and on long grounded ones alike, although
   the n-gram drafts were accepted half the time there. A GPU's knee is far higher (the gpu overlay
-  sets 128). -1 reads the budget off the measured cost curve instead (specdec/spec/costs.py: knee):
+  sets 128). -1 reads the budget off the measured cost curve instead (specdec/maths/costs.py: knee):
   the most positions a pass verifies before it costs 1.5 times one position, 8 on the CPU prior's
   curve. Not the default: the per-request V(n) it reads is noisy on a busy machine (a clean-clone
   run read a knee of 2 off a tiny model's). The draft-length policy
-  (specdec/spec/draft_length.py) still chooses within that cap by acceptance and cost.
+  (specdec/maths/draft_length.py) still chooses within that cap by acceptance and cost.
 - Prompts the target feeds over several passes (longer than its prefill chunk) are bounded as
   vLLM bounds partial prefills: at most `max_partial_prefills` are admitted and not yet at their
   first token, and at most `max_long_partial_prefills` of those longer than

@@ -21,8 +21,8 @@ from draft_service.tree import TreeDraft
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
 from specdec.model.interface import ModelDescription
-from specdec.spec.request import ProposeCall
-from specdec.spec.tree import EMPTY_DIST, SparseDist
+from specdec.calls.request import ProposeCall
+from specdec.maths.tree import EMPTY_DIST, SparseDist
 
 
 @dataclasses.dataclass(frozen=True)

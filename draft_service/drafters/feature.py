@@ -31,7 +31,7 @@ from specdec.model.feature_draft import FeatureDraft
 from specdec.errors import InvalidArgument
 from specdec.model.features import FeatureRows
 from specdec.kv.store import Sequence, crop_to
-from specdec.spec.request import ProposeCall
+from specdec.calls.request import ProposeCall
 
 
 @dataclasses.dataclass

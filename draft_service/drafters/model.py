@@ -21,9 +21,9 @@ from specdec.forward.batching import batchable
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
 from specdec.model.interface import LanguageModel
-from specdec.spec.sampling import truncated_probs
-from specdec.spec.tree import EMPTY_DIST
-from specdec.spec.request import ProposeCall
+from specdec.maths.sampling import truncated_probs
+from specdec.maths.tree import EMPTY_DIST
+from specdec.calls.request import ProposeCall
 
 
 class ModelDrafter:

@@ -10,7 +10,7 @@ time, and after a 4-token match 84-88% of the time, with long agreeing runs. `Ma
 turns that into each proposed token's probability of being right, learned online from what each
 sequence turned out to be, so the coordinator can choose the draft length that pays for each match.
 
-`NgramDrafter` is the draft service's drafter over `NgramIndex` (specdec/spec/lookup.py, shared
+`NgramDrafter` is the draft service's drafter over `NgramIndex` (specdec/maths/lookup.py, shared
 with the target, which drafts with it on the passes it decodes ahead): an incremental index of every n-gram (min_n..max_n)
 of a sequence to the position that followed its most recent occurrence, updated in O(max_n) per
 token and rolled back in O(max_n) per dropped token, so a step costs the same at 100 tokens as at
@@ -26,9 +26,9 @@ from draft_service.drafters.base import Proposal, chain_tree
 from draft_service.tree import TreeDraft
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
-from specdec.spec.lookup import MatchCalibration, NgramIndex
-from specdec.spec.tree import EMPTY_DIST
-from specdec.spec.request import ProposeCall
+from specdec.maths.lookup import MatchCalibration, NgramIndex
+from specdec.maths.tree import EMPTY_DIST
+from specdec.calls.request import ProposeCall
 
 
 class NgramDrafter:

@@ -34,10 +34,10 @@ from draft_service.tree import TreeDraft
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
 from specdec.model.lm import CausalLM
-from specdec.spec.sampling import truncated_probs
+from specdec.maths.sampling import truncated_probs
 from specdec.model.vocab import VocabMap, common_prefix, incomplete_tail, is_char_start
-from specdec.spec.tree import EMPTY_DIST
-from specdec.spec.request import ProposeCall
+from specdec.maths.tree import EMPTY_DIST
+from specdec.calls.request import ProposeCall
 
 # Draft tokens re-tokenized behind the first changed byte: a new token can merge with a few before it.
 LOOK_BEHIND = 3

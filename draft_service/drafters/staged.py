@@ -21,10 +21,10 @@ from collections.abc import Iterator
 import torch
 
 from draft_service.drafters.base import Proposal
-from specdec.spec.lookup import NgramIndex
+from specdec.maths.lookup import NgramIndex
 from specdec.kv.store import Sequence
-from specdec.spec.tree import EMPTY_DIST
-from specdec.spec.request import ProposeCall
+from specdec.maths.tree import EMPTY_DIST
+from specdec.calls.request import ProposeCall
 
 MAX_GUESS = 8  # guessed positions per draft forward: past a few, a wrong guess only costs compute
 

@@ -12,7 +12,7 @@ plus its g_i draft tokens; P = max c_i, N = max n_i):
     input_ids, position_ids [B, N]              row i's tokens at positions c_i, c_i + 1, ...
     attention_mask          [B, P + N]          1 exactly on row i's real positions
 
-A row may carry a draft tree (specdec/spec/tree.py): its nodes follow its pending tokens, sit at
+A row may carry a draft tree (specdec/maths/tree.py): its nodes follow its pending tokens, sit at
 position c_i + m_i - 1 + depth, and see the row's cache, its pending tokens and their own ancestors;
 then the mask is given per query as [B, 1, N, P + N] instead of [B, P + N], and write_back gathers
 the accepted path after the canonical positions.
@@ -40,16 +40,16 @@ from transformers import DynamicCache
 from specdec.model.hfcache import cache_kwargs, returned_cache
 from specdec.kv.buffers import GrowingLayer, arena_of, arena_shape, bind_arena, move_to_arena, new_arena, set_arena_length
 from specdec.kv.store import Sequence
-from specdec.model import stack
+from specdec.model.cpu import stack
 from specdec.model.interface import LanguageModel
 from specdec.forward.tree import tree_attention
-from specdec.spec.tree import depths
+from specdec.maths.tree import depths
 
 
 def batchable(lm: LanguageModel) -> bool:
     """Only full-attention caches line up position by position; sliding-window layers (Gemma 3)
     keep a trimmed window, so such models verify row by row (still one worker call per batch).
-    Fixed-shape passes (specdec/model/static.py) batch anything, and say so."""
+    Fixed-shape passes (specdec/model/gpu/static.py) batch anything, and say so."""
     return lm.full_attention_cache()
 
 
@@ -86,7 +86,7 @@ def pad_groups(cached: list[int], budget: int = PAD_KEYS) -> list[list[int]]:
 
 def pass_groups(lm: LanguageModel, cached: list[int]) -> list[list[int]]:
     """The passes a batch of rows with these cache lengths runs as (indices): fixed-shape passes
-    (specdec/model/static.py) and the compact model's one-call stack (specdec/model/stack.py) pad
+    (specdec/model/gpu/static.py) and the compact model's one-call stack (specdec/model/cpu/stack.py) pad
     nothing and take them all; otherwise pad_groups."""
     if lm.fixed_shape or stack.applies(lm):
         return [list(range(len(cached)))] if cached else []

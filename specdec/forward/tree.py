@@ -22,12 +22,12 @@ import torch
 from specdec.model.hfcache import cache_kwargs, returned_cache
 from specdec.kv.store import Sequence
 from specdec.model.interface import LanguageModel
-from specdec.spec.tree import ancestor_mask
+from specdec.maths.tree import ancestor_mask
 
 
 def supports_trees(lm: LanguageModel) -> bool:
     """Sliding-window layers (Gemma 3) keep a trimmed window that a gather by index would break;
-    fixed-shape passes (specdec/model/static.py) gather in their own slots, and say so."""
+    fixed-shape passes (specdec/model/gpu/static.py) gather in their own slots, and say so."""
     return lm.full_attention_cache()
 
 
@@ -92,7 +92,7 @@ def forward_tree(lm: LanguageModel, seq: Sequence, tree_tokens: list[int], paren
 
 def keep_positions(seq: Sequence, prefix: int, extra: list[int]) -> None:
     """Keeps cache positions [0, prefix) followed by the positions `extra` (in that order)."""
-    if hasattr(seq.cache, "keep"):  # a slot of the static cache (specdec/model/static.py)
+    if hasattr(seq.cache, "keep"):  # a slot of the static cache (specdec/model/gpu/static.py)
         seq.cache.keep(prefix, list(extra))
         seq.cached = prefix + len(extra)
         return

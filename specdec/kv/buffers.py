@@ -40,7 +40,7 @@ class GrowingLayer(DynamicLayer):
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # the keys/values this layer exposed
 
     # keys/values are views made when read, not each time the end moves: the one-call stack
-    # (specdec/model/stack.py) appends to every layer of every row in a pass and reads none of
+    # (specdec/model/cpu/stack.py) appends to every layer of every row in a pass and reads none of
     # them back, and two views a layer a row were ~5% of an 8-row pass's time.
     @property
     def keys(self) -> torch.Tensor | None:
@@ -106,7 +106,7 @@ class GrowingLayer(DynamicLayer):
 
     def open_rows(self, count: int, template: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The key and value buffers [1, H, capacity, D] with room for `count` more positions, for a
-        caller that writes them itself (specdec/model/stack.py, in C); `advance(count)` then makes
+        caller that writes them itself (specdec/model/cpu/stack.py, in C); `advance(count)` then makes
         them part of the cache. `template` [1, H, 0, D] gives the shape and dtype of a first append.
         None where the layer holds keys it did not make (someone replaced them): that caller then
         goes through `update`, which adopts them."""

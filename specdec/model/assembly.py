@@ -16,10 +16,10 @@ import dataclasses
 
 import torch
 
-from specdec.model import gemm
+from specdec.model.cpu import gemm
 from specdec.model.interface import LanguageModel
 from specdec.model.loading import LoadedModel, load_model
-from specdec.model.static import exact_lm
+from specdec.model.gpu.static import exact_lm
 
 
 @dataclasses.dataclass(frozen=True)

@@ -117,7 +117,7 @@ def layer_outputs(decoder: torch.nn.Module, layers: tuple[int, ...]) -> Iterator
     """Within the block, each forward of `decoder` (a LlamaModel) appends the output hidden states
     [B, T, H] of each named decoder layer (the residual stream after it, before any norm) to
     outputs[layer]. The hooks exist only inside the block: a hooked layer keeps the one-call
-    decoder stack (specdec/model/stack.py) from running, so no forward without it pays for them."""
+    decoder stack (specdec/model/cpu/stack.py) from running, so no forward without it pays for them."""
     outputs: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     handles = []
 

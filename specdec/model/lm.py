@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from specdec.model import stack
+from specdec.model.cpu import stack
 from specdec.model.hfcache import cache_kwargs, returned_cache
 from specdec.kv.buffers import full_attention, new_cache
 from specdec.kv.store import Sequence

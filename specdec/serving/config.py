@@ -39,7 +39,7 @@ def event_loop_option() -> Any:
 
 
 def weights_option(draft: bool = False) -> Any:
-    """The model services' `weights` field (specdec/model/compact.py says what each format is); the
+    """The model services' `weights` field (specdec/model/cpu/compact.py says what each format is); the
     draft's `auto` also covers feature drafts (specdec/model/feature_draft.py: COMPACT_WEIGHTS)."""
     feature = ("; a feature draft (no GGUF of its own): int8-a8 on any CPU the kernel serves, its fastest format "
                "measured, which changes only its proposals, never the output") if draft else ""
@@ -73,7 +73,7 @@ NUMERICS = ("exact", "fast")
 
 
 def numerics_option() -> Any:
-    """The model services' `numerics` field (specdec/model/static.py says how exact is kept)."""
+    """The model services' `numerics` field (specdec/model/gpu/static.py says how exact is kept)."""
     return option(
         "exact",
         "GPU only. exact: every forward of a Llama-family model runs as passes of --pass-rows rows over a static "

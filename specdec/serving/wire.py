@@ -1,5 +1,5 @@
 """Engine values <-> their protobuf messages: the values more than one service sends, and the step's
-calls and result (specdec/spec/request.py): a ProposeCall, a VerifyCall and a VerifyResult. Each
+calls and result (specdec/calls/request.py): a ProposeCall, a VerifyCall and a VerifyResult. Each
 one's two translations sit side by side, so that a field added to one is seen missing from the
 other; a field the engine cannot take as it comes (features' bytes) is refused here, by its name."""
 
@@ -9,9 +9,9 @@ from collections.abc import Iterable
 
 from protos import specdec_pb2 as pb
 from specdec.model.features import FeatureRows
-from specdec.spec.request import ProposeCall, TreeSettings, VerifyCall, VerifyResult
-from specdec.spec.sampling import SamplingConfig, TokenLogprob
-from specdec.spec.tree import EMPTY_DIST, DraftTree, SparseDist
+from specdec.calls.request import ProposeCall, TreeSettings, VerifyCall, VerifyResult
+from specdec.maths.sampling import SamplingConfig, TokenLogprob
+from specdec.maths.tree import EMPTY_DIST, DraftTree, SparseDist
 
 
 def sampling_to_proto(sampling: SamplingConfig) -> pb.SamplingParams:
@@ -75,7 +75,7 @@ def propose_call_to_proto(call: ProposeCall) -> pb.ProposeRequest | pb.ProposeTr
 def propose_call_from_proto(request: pb.ProposeRequest | pb.ProposeTreeRequest) -> ProposeCall:
     """The draft engine's call for a Propose (a chain) or a ProposeTree (a tree) request. Features
     whose bytes do not match their sizes are refused here, by name; ranges are the engine's to
-    check (specdec/spec/checks.py), so that an in-process call meets the same ones."""
+    check (specdec/calls/checks.py), so that an in-process call meets the same ones."""
     features = features_from_proto(request.features, "features") if request.HasField("features") else None
     if isinstance(request, pb.ProposeTreeRequest):
         t = request.tree
@@ -111,7 +111,7 @@ def verify_call_to_proto(call: VerifyCall) -> pb.VerifyRequest:
 
 def verify_call_from_proto(request: pb.VerifyRequest) -> VerifyCall:
     """The target engine's call for a VerifyRequest. Distributions stay as sent (an empty id list
-    with probabilities included): the engine's checks (specdec/spec/checks.py) name a bad one."""
+    with probabilities included): the engine's checks (specdec/calls/checks.py) name a bad one."""
     tree = None
     if request.HasField("draft_tree"):
         t = request.draft_tree

@@ -1,7 +1,7 @@
 import sys, torch
 from specdec.model.loading import load_model
 from specdec.model.feature_draft import load_feature_draft
-from specdec.model import gemm
+from specdec.model.cpu import gemm
 from specdec_tools.workload import load_prompt_ids
 torch.set_num_threads(1)
 loaded = load_model("smollm2-135m-instruct", "cpu", "float32")

@@ -2,9 +2,9 @@
 measures it) and each draft variant's ms per drafted token (bench's measure_draft_cost over a draft
 engine built as the draft service builds it), round after round, so machine drift hits all alike."""
 import dataclasses, statistics, sys, torch
-from specdec.model import gemm
+from specdec.model.cpu import gemm
 from specdec.model.loading import load_model, load_tokenizer
-from specdec.model.static import exact_lm
+from specdec.model.gpu.static import exact_lm
 from specdec_tools.bench import measure_cost_curve, measure_draft_cost, curve_context, load_prompts
 from specdec_tools.stacks import draft_config
 from draft_service.loading import load_engine

@@ -1,5 +1,5 @@
 """Row-exact attention: a transformers attention implementation in which a query row's output does
-not depend on the other rows of the forward (specdec/model/csrc/attention.c says why and how).
+not depend on the other rows of the forward (specdec/model/cpu/csrc/attention.c says why and how).
 
 The model served with compact weights uses it (gemm.apply): speculation is exact only if a position
 computes the same in a decode step and in a verify pass, and torch's CPU attention blocks one query
@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specdec.model import gemm_kernel, packed
+from specdec.model.cpu import gemm_kernel, packed
 
 NAME = "specdec_rows"
 _UNSUPPORTED = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")

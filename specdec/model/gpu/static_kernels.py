@@ -1,4 +1,4 @@
-"""The pieces of a fixed-shape pass (specdec/model/static.py): RMS norm and rotary positions as
+"""The pieces of a fixed-shape pass (specdec/model/gpu/static.py): RMS norm and rotary positions as
 transformers computes them, and attention over each query's logical key list in blocks of BLOCK
 keys with an online softmax: a torch loop (`attention_reference`, also the tests' oracle) and the
 same blocks as one Triton kernel on CUDA (`_attention_triton`).

@@ -7,7 +7,7 @@ This module gives the model's decoder (`model.model`) a forward that, for one se
 own cache (what a decode step, a chain verify and a prompt chunk are), embeds the tokens, takes
 transformers' rotary cos/sin, makes room in each layer's GrowingLayer, and hands everything else to
 `sg_stack`; the final norm and the output layer stay in Python (the norm's hook feeds the feature
-drafts). The C stack calls the same functions as the per-layer path (specdec/model/decoder.py), so
+drafts). The C stack calls the same functions as the per-layer path (specdec/model/cpu/decoder.py), so
 its rows are bit-identical to that path's, which batches, trees and masks keep taking
 (tests/test_decoder_stack.py holds the two against each other).
 
@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from specdec.kv.buffers import GrowingLayer
-from specdec.model import gemm_kernel, packed
+from specdec.model.cpu import gemm_kernel, packed
 from specdec.model.hfcache import output_field
 
 _p = ctypes.c_void_p
@@ -182,7 +182,7 @@ def _forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.
              position_ids: torch.Tensor | None = None, cache=None, inputs_embeds: torch.Tensor | None = None,
              use_cache: bool | None = None, **kwargs):
     cache = kwargs.pop("past_key_values", cache)
-    stack: Stack = self._specdec_stack
+    stack = installed(self)
     if (input_ids is None or inputs_embeds is not None or attention_mask is not None or position_ids is not None
             or cache is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or any(kwargs.get(name) for name in _REFUSED)
             or not stack.usable()):
@@ -209,9 +209,18 @@ def use(model: torch.nn.Module) -> bool:
     config = decoder.config
     if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ["full_attention"])):
         return False
-    decoder._specdec_stack = Stack(decoder, kernel)
+    setattr(decoder, _INSTALLED, Stack(decoder, kernel))
     decoder.forward = types.MethodType(_forward, decoder)
     return True
+
+
+def installed(decoder: torch.nn.Module) -> Stack | None:
+    """The Stack `use` gave this decoder, or None. It rides on the decoder itself (not in a table
+    here) so that a deep copy of a packed model carries its own, as it carries its own weights."""
+    return getattr(decoder, _INSTALLED, None)
+
+
+_INSTALLED = "_specdec_stack"
 
 
 def applies(lm) -> bool:
@@ -219,7 +228,7 @@ def applies(lm) -> bool:
     decoder `use` gave the stack, which the loader's gemm.apply does for compact weights. The head
     is transformers' own, over the whole vocabulary (a pruned draft is another type)."""
     model = lm.model
-    return type(model).__name__ == "LlamaForCausalLM" and getattr(model.get_decoder(), "_specdec_stack", None) is not None
+    return type(model).__name__ == "LlamaForCausalLM" and installed(model.get_decoder()) is not None
 
 
 def forward_rows(lm, seqs: list, pending: list[list[int]], keeps: list[int]) -> list[torch.Tensor] | None:
@@ -235,7 +244,7 @@ def forward_rows(lm, seqs: list, pending: list[list[int]], keeps: list[int]) -> 
         return None
     model = lm.model
     decoder = model.get_decoder()
-    stack: Stack = decoder._specdec_stack
+    stack = installed(decoder)
     if lm.capturing or not stack.usable():
         return None  # features wanted (the padded batch hands them out per row), or hooks, or no kernel
     caches = []
@@ -266,7 +275,7 @@ def forward_rows(lm, seqs: list, pending: list[list[int]], keeps: list[int]) -> 
 
 class DirectBatch:
     """forward_rows' state: every row already holds its keys in its own cache, so writing back is
-    cropping to the accepted positions (as specdec/model/static.py's StaticBatch does on a GPU)."""
+    cropping to the accepted positions (as specdec/model/gpu/static.py's StaticBatch does on a GPU)."""
 
     def write_back(self, i: int, seq, lm, length: int, extra: list[int] = ()) -> None:
         if extra:

@@ -5,7 +5,7 @@ Why: speculative decoding pays off when a forward over n new positions costs abo
 over one does. On a GPU that holds; on a CPU with fp32 weights the stock (MKL) kernels do not get
 there: their small-M GEMMs are neither bandwidth- nor compute-bound, so a forward over a few
 rows costs markedly more than one over a single row, on AMD and Intel cores alike. The kernel
-in specdec/model/csrc/gemm.c (built by specdec/model/gemm_kernel.py) streams each weight once from a panel
+in specdec/model/cpu/csrc/gemm.c (built by specdec/model/cpu/gemm_kernel.py) streams each weight once from a panel
 layout and reads it at about the memory's speed, so one row and a few rows cost about the same.
 Past 16 rows it takes the rows 16 at a time through each panel while the panel sits in the
 core's caches, and stayed ahead of the stock kernel at every row count measured (docs/benchmarks.md),
@@ -33,11 +33,11 @@ import structlog
 import torch
 from transformers import PreTrainedModel
 
-from specdec.model import attention, compact, decoder, gemm_kernel, stack
-from specdec.model.compact import Compact
-# The layers and the switch live below the forwards that read them (specdec/model/packed.py); they
+from specdec.model.cpu import attention, compact, decoder, gemm_kernel, stack
+from specdec.model.cpu.compact import Compact
+# The layers and the switch live below the forwards that read them (specdec/model/cpu/packed.py); they
 # are named here too, where their callers have always found them (gemm.disabled(), gemm.PackedLinear).
-from specdec.model.packed import MAX_ROWS, SIBLINGS, LinearGroup, PackedLinear, disabled, enabled, group_siblings  # noqa: F401
+from specdec.model.cpu.packed import MAX_ROWS, SIBLINGS, LinearGroup, PackedLinear, disabled, enabled, group_siblings  # noqa: F401
 
 log = structlog.get_logger(__name__)
 
@@ -49,7 +49,7 @@ DEFAULT_MIN_ROWS = 1
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """The kernel serves float32 on CPUs, where a C compiler could build it (specdec/model/gemm_kernel.py)."""
+    """The kernel serves float32 on CPUs, where a C compiler could build it (specdec/model/cpu/gemm_kernel.py)."""
     return device.type == "cpu" and dtype == torch.float32 and gemm_kernel.load() is not None
 
 
@@ -127,7 +127,7 @@ def pack_linears(model: torch.nn.Module, rows: int, min_rows: int, weights: str 
     group_siblings(model)
     # Row-exact attention for every format, fp32 included: torch's CPU SDPA computes one query row
     # differently from several, so with it a position's logits differ in the last bits between a decode
-    # step and a verify pass, and a greedy near-tie could flip (specdec/model/attention.py). fp32 then
+    # step and a verify pass, and a greedy near-tie could flip (specdec/model/cpu/attention.py). fp32 then
     # agrees with transformers' generate() (SDPA) rather than equalling it bit for bit.
     attention.use(model)
     if weights != "fp32":

@@ -8,7 +8,7 @@ that dominates a step once the forward itself is fast. Pure Python over token id
 
 from __future__ import annotations
 
-from specdec.spec.costs import Costs
+from specdec.maths.costs import Costs
 
 # Longest suffix the target's prompt lookup matches: the n-gram drafter's default (draft_service/config.py).
 LOOKUP_MAX_N = 4

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 
-from specdec.spec.costs import MODEL_DRAFT_PRIOR, CostModel, Costs, best_length, best_prefix
+from specdec.maths.costs import MODEL_DRAFT_PRIOR, CostModel, Costs, best_length, best_prefix
 
 
 # Drafted steps' worth of trials the shared acceptance needs before a new request starts from it.

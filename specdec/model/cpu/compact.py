@@ -1,7 +1,7 @@
 """Compact weight formats for the GEMM kernel: what a layer's weight is held as, and how it gets there.
 
 Why: on a CPU a decode step reads every weight once, so its time is the weights' bytes over the
-memory's bandwidth. fp32 weights cost 4 bytes each; the kernel (specdec/model/csrc/gemm.c) can
+memory's bandwidth. fp32 weights cost 4 bytes each; the kernel (specdec/model/cpu/csrc/gemm.c) can
 read them as bf16/f16 (2 bytes), int8 blocks (1.125: one fp32 scale per 32 weights) or 4-bit blocks
 (0.75: a scale and a minimum per 32), expanding them in registers. The choice is `--weights`:
 
@@ -228,7 +228,7 @@ def joinable(parts: list[Compact]) -> bool:
 
 def concatenate(parts: list[Compact]) -> Compact:
     """One weight holding `parts` one after another along the output dimension (their panels and
-    scales concatenated): the kernel computes them in one call (specdec.model.gemm.LinearGroup)."""
+    scales concatenated): the kernel computes them in one call (specdec.model.cpu.gemm.LinearGroup)."""
     if not joinable(parts):
         raise ValueError("only parts of one kind and input size, whole panels and aligned sizes can be joined")
 

@@ -1,4 +1,4 @@
-"""Builds, loads and calls specdec's CPU kernels on CPUs: the small-M GEMM (specdec/model/csrc/gemm.c: float32
+"""Builds, loads and calls specdec's CPU kernels on CPUs: the small-M GEMM (specdec/model/cpu/csrc/gemm.c: float32
 and compact weights) and, in the same library, row-exact attention and RMS norm (csrc/attention.c).
 
 The kernel is compiled on first use with the machine's C compiler (`$CC`, else `cc`) and
@@ -26,7 +26,7 @@ import tempfile
 import structlog
 import torch
 
-from specdec.model.compact import Compact
+from specdec.model.cpu.compact import Compact
 
 log = structlog.get_logger(__name__)
 
@@ -53,15 +53,15 @@ class Kernel:
         self._linear_c.argtypes, self._linear_c.restype = [i, p, i, i, p, p, p, i, p, p], ctypes.c_int
         self._parts = lib.sg_linear_parts
         self._parts.argtypes, self._parts.restype = [i, p, i, i, p, p, p, i, p, p, p], ctypes.c_int
-        self.attention = lib.sg_attention  # specdec/model/attention.py calls it
+        self.attention = lib.sg_attention  # specdec/model/cpu/attention.py calls it
         L = ctypes.c_long
         self.attention.argtypes = [p, L, L, L, p, L, L, L, p, L, L, L, p, L, L, L, i, i, i, i, i, i, ctypes.c_float, p]
         self.attention.restype = ctypes.c_int
-        self.rmsnorm = lib.sg_rmsnorm  # specdec/model/decoder.py calls it
+        self.rmsnorm = lib.sg_rmsnorm  # specdec/model/cpu/decoder.py calls it
         self.rmsnorm.argtypes, self.rmsnorm.restype = [p, i, i, p, ctypes.c_float, p], None
         self.silu_mul = lib.sg_silu_mul  # the compact model's gated-MLP activation, in every path
         self.silu_mul.argtypes, self.silu_mul.restype = [p, p, ctypes.c_size_t, p], None
-        self.stack = lib.sg_stack  # specdec/model/stack.py calls it
+        self.stack = lib.sg_stack  # specdec/model/cpu/stack.py calls it
         self.stack.argtypes = [p, i, i, p, p, p, p, p, i, i, i, i, i, p, p]
         self.stack.restype = ctypes.c_int
         self.max_rows: int = lib.sg_max_rows()

@@ -42,7 +42,7 @@ from specdec.errors import Overloaded
 from specdec.kv.store import Sequence
 from specdec.model.interface import LanguageModel
 from specdec.model.lm import CausalLM
-from specdec.model.static_kernels import _attention_triton, _rms_norm, _rotate, attention_reference, triton
+from specdec.model.gpu.static_kernels import _attention_triton, _rms_norm, _rotate, attention_reference, triton
 
 MAX_TAIL = 65  # explicit key indices per query: a tree node's ancestors and itself (MAX_TREE_NODES + 1)
 _FIELDS = 6  # token, position, slot, slot index, prefix, tail length; then MAX_TAIL tail indices

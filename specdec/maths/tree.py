@@ -36,7 +36,7 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.limits import MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
-from specdec.spec.verify import sample_from
+from specdec.maths.verify import sample_from
 
 # A sparse distribution as the services exchange it: token ids and their probabilities, in the
 # order drawn. Empty ids mean none: the token was chosen deterministically, so its p is one-hot.

@@ -12,8 +12,8 @@
  *
  * The path covers the chains of one or several sequences, each fed from its own cache: a sequence's
  * new rows see its cached keys and its new keys up to their own (the causal rule). Trees and
- * transformers' padded batches take the per-layer path (specdec/model/decoder.py).
- * specdec/model/stack.py says when a forward is eligible and keeps the caches' bookkeeping.
+ * transformers' padded batches take the per-layer path (specdec/model/cpu/decoder.py).
+ * specdec/model/cpu/stack.py says when a forward is eligible and keeps the caches' bookkeeping.
  *
  * x [M][E] (the embeddings in, the last layer's output out, in place); cos, sin [M][D] as
  * transformers' rotary embedding computes them; each sequence's key and value buffers per layer,

@@ -9,7 +9,7 @@ V(n) target seconds for a forward over n new tokens (kept per n and fitted non-d
 t_wire the target exchange's. For a draft whose cumulative probabilities are calibrated (the n-gram
 drafter's), E(g) = 1 + the sum of its first g cumulative probabilities (best_prefix).
 
-How a request uses them (the threshold, probes, rests): specdec/spec/draft_length.py.
+How a request uses them (the threshold, probes, rests): specdec/maths/draft_length.py.
 """
 
 from __future__ import annotations

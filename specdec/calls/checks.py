@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from specdec.errors import InvalidArgument
 from specdec.limits import (MAX_DECODE_AHEAD, MAX_DRAFT_TOKENS, MAX_LOGPROBS, MAX_LOOKUP_SOURCE, MAX_TREE_DEPTH,
                             MAX_TREE_NODES, MAX_VERIFY_POSITIONS)
-from specdec.spec.request import ProposeCall, VerifyCall
-from specdec.spec.sampling import check_sampling, check_temperature
-from specdec.spec.tree import SparseDist, check_parents, check_tree_bounds
-from specdec.spec.treeplan import draft_probs
+from specdec.calls.request import ProposeCall, VerifyCall
+from specdec.maths.sampling import check_sampling, check_temperature
+from specdec.maths.tree import SparseDist, check_parents, check_tree_bounds
+from specdec.maths.treeplan import draft_probs
 
 TREE_FIELDS = {"budget": "tree.budget", "top_k": "tree.top_k", "shape": "tree.shape"}  # ProposeTreeRequest's
 NOT_A_DISTRIBUTION = "needs distinct in-vocabulary ids, one prob each, in [0, 1], summing to 1"

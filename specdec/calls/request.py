@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from specdec.spec.sampling import SamplingConfig, TokenLogprob
-from specdec.spec.tree import DraftTree, SparseDist
+from specdec.maths.sampling import SamplingConfig, TokenLogprob
+from specdec.maths.tree import DraftTree, SparseDist
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +42,7 @@ class ProposeCall:
     # chains: stop once the product of the drafted tokens' probabilities falls under this (0: never)
     min_cumulative_prob: float = 0.0
     temperature: float = 0.0  # the draft's; 0 proposes its argmax with p = 1
-    seed: int = 0  # this call's draws (derived from the request's seed and position: specdec/spec/sampling.py)
+    seed: int = 0  # this call's draws (derived from the request's seed and position: specdec/maths/sampling.py)
     # for a feature draft (chains and trees): the target's hidden states it does not hold yet, a FeatureRows
     # (specdec/model/features.py), which the maths may not import
     features: Any = None
@@ -67,7 +67,7 @@ class VerifyCall:
     eos_banned_until: int = 0  # positions below this never get an end-of-sequence token (a request's min_tokens)
     # on each pass without a draft of its own (this one's if draft_tokens is empty, each one decoded
     # ahead), the target drafts by prompt lookup over the sequence's own tokens, at most this many
-    # tokens, cut where the expected tokens per unit of `lookup_costs` peak (specdec/spec/lookup.py)
+    # tokens, cut where the expected tokens per unit of `lookup_costs` peak (specdec/maths/lookup.py)
     lookup_draft_length: int = 0  # wire: lookup_max_tokens
     lookup_costs: tuple[float, ...] = ()  # V(n) / V(1) for n = 1, 2, ...; empty: no cut
     decode_ahead_passes: int = 0  # with decode_ahead: at most this many passes after this one (0: decode_ahead's tokens bound them)

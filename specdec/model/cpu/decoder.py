@@ -8,7 +8,7 @@ that. This forward computes the same layer with fewer, larger steps: one call fo
 (gemm_kernel's sg_rmsnorm), one kernel call for q/k/v and one for gate/up (their LinearGroups), the
 row-exact attention called directly, the MLP's activation in C (sg_silu_mul), and transformers' own
 rotary embedding and cache update. A single sequence's forward skips even this loop:
-specdec/model/stack.py runs the whole stack in one C call through the same functions.
+specdec/model/cpu/stack.py runs the whole stack in one C call through the same functions.
 
 It is installed only where it computes exactly what the layer means (`use`): a LlamaDecoderLayer
 whose projections are grouped compact layers, with SiLU and the row-exact attention; anything else
@@ -25,7 +25,7 @@ import types
 
 import torch
 
-from specdec.model import attention, gemm_kernel, packed
+from specdec.model.cpu import attention, gemm_kernel, packed
 
 
 def _rmsnorm(kernel: gemm_kernel.Kernel, x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:

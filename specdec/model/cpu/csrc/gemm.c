@@ -29,7 +29,7 @@
  * alone (a decode step), among the positions of a verification pass or in a prefill. That is what
  * keeps the target's verify logits equal to its own decode logits.
  *
- * Built at run time with -march=native (specdec/model/gemm_kernel.py): plain C with GCC vector extensions,
+ * Built at run time with -march=native (specdec/model/cpu/gemm_kernel.py): plain C with GCC vector extensions,
  * which the compiler maps to AVX-512, AVX2 or whatever the CPU has. OpenMP splits the panels over
  * the calling thread's team (the same libgomp that torch uses, so no second thread pool).
  */

@@ -11,8 +11,8 @@ import dataclasses
 
 import torch
 
-from specdec.spec.sampling import SamplingConfig, generator_for, target_probs
-from specdec.spec.tree import verify_tree_greedy, verify_tree_rejection, without_replacement_probs
+from specdec.maths.sampling import SamplingConfig, generator_for, target_probs
+from specdec.maths.tree import verify_tree_greedy, verify_tree_rejection, without_replacement_probs
 
 
 @dataclasses.dataclass(frozen=True)

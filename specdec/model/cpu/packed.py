@@ -1,6 +1,6 @@
 """The packed linear layers that forward through specdec's GEMM kernel, and the switch that turns
-them off: the pieces the model's forwards (specdec/model/attention.py, specdec/model/decoder.py)
-read. specdec/model/gemm.py puts them into a model (pack_linears, apply) and says why the kernel
+them off: the pieces the model's forwards (specdec/model/cpu/attention.py, specdec/model/cpu/decoder.py)
+read. specdec/model/cpu/gemm.py puts them into a model (pack_linears, apply) and says why the kernel
 exists; this module imports none of that, so the forwards never import gemm.
 """
 
@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from specdec.model import compact, gemm_kernel
-from specdec.model.compact import Compact
+from specdec.model.cpu import compact, gemm_kernel
+from specdec.model.cpu.compact import Compact
 
-MAX_ROWS = 1 << 20  # the kernel's own bound (SG_MAX_ROWS in specdec/model/csrc/gemm.c)
+MAX_ROWS = 1 << 20  # the kernel's own bound (SG_MAX_ROWS in specdec/model/cpu/csrc/gemm.c)
 
 # Off within gemm.disabled() (this thread or task): packed layers and the row-exact attention then
 # compute as stock transformers does.
@@ -42,7 +42,7 @@ def disabled() -> Iterator[None]:
 
 class PackedLinear(torch.nn.Linear):
     """An nn.Linear that also keeps its weight in the kernel's panels (shares weight and bias), as
-    fp32 panels or in a compact format (specdec/model/compact.py).
+    fp32 panels or in a compact format (specdec/model/cpu/compact.py).
 
     The panels are a copy taken when the layer is built: serving never changes weights after
     loading, and code that does (training, load_state_dict) must pack again or call `disabled()`.
