@@ -26,17 +26,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    from specdec.model.cpu import gemm
-    from specdec.model.lm import CausalLM
-    from specdec.model.loading import DEFAULT_TARGET, load_model
+    from specdec.model.assembly import LMOptions, load_lm
+    from specdec.model.loading import DEFAULT_TARGET
     from specdec.calls.request import VerifyCall
     from specdec.maths.sampling import SamplingConfig
     from specdec_tools.workload import load_prompt_ids
     from target_service.engine import TargetEngine
 
-    loaded = load_model(DEFAULT_TARGET, "cpu")
-    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, args.weights, loaded.path)
-    engine = TargetEngine(CausalLM(loaded.model, loaded.device))
+    served = load_lm(LMOptions(model=DEFAULT_TARGET, device="cpu", weights=args.weights))  # as the target service serves it
+    loaded, engine = served.loaded, TargetEngine(served.lm)
     greedy = SamplingConfig()
     for rows in (int(r) for r in args.rows.split(",")):
         prompts = (load_prompt_ids(loaded.tokenizer, "chat", rows) * rows)[:rows]

@@ -28,15 +28,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
 
-    from specdec.model.cpu import gemm
-    from specdec.model.lm import CausalLM
-    from specdec.model.loading import DEFAULT_TARGET, load_model
+    from specdec.model.assembly import LMOptions, load_lm
+    from specdec.model.loading import DEFAULT_TARGET
     from specdec_tools.workload import load_prompt_ids
     from target_service.engine import TargetEngine
 
-    loaded = load_model(DEFAULT_TARGET, "cpu")
-    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, args.weights, loaded.path)
-    engine = TargetEngine(CausalLM(loaded.model, loaded.device))
+    served = load_lm(LMOptions(model=DEFAULT_TARGET, device="cpu", weights=args.weights))  # as the target service serves it
+    loaded, engine = served.loaded, TargetEngine(served.lm)
     keys, sizes = [int(k) for k in args.keys.split(",")], [int(n) for n in args.tokens.split(",")]
     prompts = (load_prompt_ids(loaded.tokenizer, "chat", args.rows) * args.rows)[:args.rows]
     long_prompt = (sum(load_prompt_ids(loaded.tokenizer, "grounded", 8), []) * 20)[:max(keys) + max(sizes) + 1]

@@ -24,13 +24,11 @@ def main() -> None:
     args = parser.parse_args()
 
     from specdec.kv.store import Sequence
-    from specdec.model.cpu import gemm
-    from specdec.model.lm import CausalLM, feed
-    from specdec.model.loading import DEFAULT_TARGET, load_model
+    from specdec.model.assembly import LMOptions, load_lm
+    from specdec.model.lm import feed
+    from specdec.model.loading import DEFAULT_TARGET
 
-    loaded = load_model(DEFAULT_TARGET, "cpu")
-    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, args.weights, loaded.path)
-    lm = CausalLM(loaded.model, loaded.device)
+    lm = load_lm(LMOptions(model=DEFAULT_TARGET, device="cpu", weights=args.weights)).lm  # as the target service serves it
     contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
     rng = random.Random(0)
     ids = [rng.randrange(1000, 40000) for _ in range(max([512, *contexts]) + 32)]

@@ -20,19 +20,17 @@ import time
 
 
 def decode(weights: str, tokens: int, runs: int) -> None:
-    from specdec.model.cpu import gemm
-    from specdec.model.lm import CausalLM
-    from specdec.model.loading import DEFAULT_TARGET, load_model
+    from specdec.model.assembly import LMOptions, load_lm
+    from specdec.model.loading import DEFAULT_TARGET
     from specdec.calls.request import VerifyCall
     from specdec.maths.sampling import SamplingConfig
     from target_service.engine import TargetEngine
 
-    loaded = load_model(DEFAULT_TARGET, "cpu")
-    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, weights, loaded.path)
-    ids = loaded.tokenizer.apply_chat_template([{"role": "user", "content": "Write a short story about a robot learning to paint."}],
-                                               add_generation_prompt=True, tokenize=True, return_dict=False)
+    served = load_lm(LMOptions(model=DEFAULT_TARGET, device="cpu", weights=weights))  # as the target service serves it
+    prompt = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
+    ids = served.loaded.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    engine = TargetEngine(CausalLM(loaded.model, loaded.device))
+    engine = TargetEngine(served.lm)
     for run in range(runs):
         out, known = list(ids), 0
         start = time.perf_counter()

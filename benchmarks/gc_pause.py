@@ -16,14 +16,11 @@ def main() -> None:
     parser.add_argument("--weights", default="gguf-a8")
     args = parser.parse_args()
 
-    from specdec.model.cpu import gemm
-    from specdec.model.lm import CausalLM
-    from specdec.model.loading import DEFAULT_TARGET, load_model
+    from specdec.model.assembly import LMOptions, load_lm
+    from specdec.model.loading import DEFAULT_TARGET
     from specdec.serving.server import settle_heap
 
-    loaded = load_model(DEFAULT_TARGET, "cpu")
-    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, args.weights, loaded.path)
-    lm = CausalLM(loaded.model, loaded.device)  # noqa: F841 - held, as a service holds it
+    served = load_lm(LMOptions(model=DEFAULT_TARGET, device="cpu", weights=args.weights))  # noqa: F841 - held, as a service holds it
     gc.collect()
 
     def full_ms() -> float:

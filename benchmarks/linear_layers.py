@@ -28,13 +28,13 @@ def best_of(fn, repeats: int = 5, calls: int = 20) -> float:
 
 
 def main(rows: int) -> None:
-    from specdec.model.cpu import gemm
+    from specdec.model.assembly import LMOptions, load_lm
     from specdec.model.cpu.stack import installed
-    from specdec.model.loading import DEFAULT_TARGET, load_model
+    from specdec.model.loading import DEFAULT_TARGET
 
     torch.set_grad_enabled(False)
-    loaded = load_model(DEFAULT_TARGET, "cpu")
-    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, "gguf-a8", loaded.path)
+    # the target as the target service serves it in gguf-a8; the calls below are its stack's own kernel calls
+    loaded = load_lm(LMOptions(model=DEFAULT_TARGET, device="cpu", weights="gguf-a8")).loaded
     stack = installed(loaded.model.model)
     table, kernel = stack._build(), stack.kernel
     x = torch.randn(rows, 1536)

@@ -19,14 +19,12 @@ import time
 
 
 def _engine(weights: str, max_prefill_tokens: int = 0):
-    from specdec.model.cpu import gemm
-    from specdec.model.lm import CausalLM
-    from specdec.model.loading import DEFAULT_TARGET, load_model
+    from specdec.model.assembly import LMOptions, load_lm
+    from specdec.model.loading import DEFAULT_TARGET
     from target_service.engine import TargetEngine
 
-    loaded = load_model(DEFAULT_TARGET, "cpu")
-    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, weights, loaded.path)
-    return TargetEngine(CausalLM(loaded.model, loaded.device), max_prefill_tokens=max_prefill_tokens)
+    served = load_lm(LMOptions(model=DEFAULT_TARGET, device="cpu", weights=weights))  # as the target service serves it
+    return TargetEngine(served.lm, max_prefill_tokens=max_prefill_tokens)
 
 
 def mix(weights: str, long: int, split: bool) -> None:

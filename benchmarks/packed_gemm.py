@@ -24,8 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specdec.model.cpu import gemm  # noqa: E402
 from specdec_tools.bench import measure_cost_curve  # noqa: E402
 from specdec.kv.store import Sequence  # noqa: E402
-from specdec.model.lm import CausalLM  # noqa: E402
-from specdec.model.loading import load_model  # noqa: E402
+from specdec.model.assembly import LMOptions, load_lm  # noqa: E402
 
 
 def mode(arm: str):
@@ -40,11 +39,14 @@ def main() -> None:
     parser.add_argument("--positions", default="1,2,3,4,5,6,8,9,12,16,17,24,40,64")
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    loaded = load_model(args.model, "cpu", "float32")
-    report = gemm.pack_linears(loaded.model, args.rows, args.min_rows)
+    # fp32 weights: the stock arm (gemm.disabled) computes the same weights, so the kernel is the only difference
+    served = load_lm(LMOptions(model=args.model, device="cpu", dtype="float32", weights="fp32", packed_gemm_rows=args.rows,
+                               packed_gemm_min_rows=args.min_rows))
+    report, lm = served.packed, served.lm
+    if report is None:
+        parser.error("nothing packed: the kernel needs --rows > 0 and a C compiler to build it (see the log)")
     grown = "unknown" if report.resident_bytes is None else f"+{report.resident_bytes / 2**20:.0f} MiB"
     print(f"packed {report.layers} linear layers for the small-M kernel at {args.min_rows}-{args.rows} rows (resident memory {grown})")
-    lm = CausalLM(loaded.model, loaded.device)
     context = [100 + (i * 37) % 40000 for i in range(300)]
     ns = [int(x) for x in args.positions.split(",")]
     curves: dict[str, list] = {"stock": [], "packed": []}

@@ -18,19 +18,19 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=8)
     args = parser.parse_args()
 
-    from specdec.model.cpu import gemm
+    from specdec.model.assembly import LMOptions, load_lm
     from specdec.model.cpu.stack import installed
-    from specdec.model.lm import CausalLM
-    from specdec.model.loading import DEFAULT_TARGET, load_model
+    from specdec.model.loading import DEFAULT_TARGET
     from specdec.calls.request import VerifyCall
     from specdec.maths.sampling import SamplingConfig
     from specdec_tools.workload import load_prompt_ids
     from target_service.engine import TargetEngine
 
-    loaded = load_model(DEFAULT_TARGET, "cpu")
-    gemm.apply(loaded.model, loaded.device, loaded.dtype, gemm.DEFAULT_ROWS, gemm.DEFAULT_MIN_ROWS, args.weights, loaded.path)
-    engine = TargetEngine(CausalLM(loaded.model, loaded.device))
-    stack = installed(loaded.model.model)
+    served = load_lm(LMOptions(model=DEFAULT_TARGET, device="cpu", weights=args.weights))  # as the target service serves it
+    loaded, engine = served.loaded, TargetEngine(served.lm)
+    stack = installed(loaded.model.model)  # the one-call C stack, which packing installs for compact weights only
+    if stack is None:
+        parser.error(f"--weights {args.weights} runs no one-call stack: choose a compact format (gguf-a8, q4, int8, ...)")
     timings: dict[str, list[float]] = {"C call": [], "Stack.run": []}
 
     def timed(name, fn):

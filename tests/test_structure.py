@@ -11,6 +11,10 @@ in at one sitting, and no new attribute probe for the model kind.
 - Probes: `getattr(lm, "static", False)` and its kin told the model's kind by poking at it, so the
   code that did it sat above every backend. Issue 58 item 1 (one model Protocol, chosen once at
   load) removed them all; the check stays, so that none comes back.
+- Hand assembly: specdec/model/assembly.py `load_lm` is the one way to serve a model (load, pack,
+  choose the forward). The benchmarks and the tools once built theirs by hand (gemm.apply, then
+  CausalLM), and each copy could drift from what the services run; none may again, bar the few
+  listed with their reasons.
 """
 
 from __future__ import annotations
@@ -169,3 +173,67 @@ def test_the_probe_check_has_teeth(tmp_path):
     sample.write_text("def f(lm, self, cfg):\n    a = getattr(lm, 'static', False)\n    b = hasattr(self.model, 'x')\n"
                       "    c = getattr(cfg, 'static', False)\n    d = getattr(lm, name)\n")
     assert _probes(sample) == ["getattr(lm, 'static', False)", "hasattr(self.model, 'x')"]
+
+
+# -- models assembled by hand ------------------------------------------------------------------------
+
+# The calls that assemble a served model, which only specdec/model/assembly.py (load_lm) and the
+# services it serves should make: packing (gemm.apply, pack_linears) and choosing the forward (CausalLM,
+# StaticLM). Checked in the scripts and tools, which serve models through load_lm(LMOptions(...)).
+ASSEMBLY_CALLS = {"gemm.apply", "pack_linears", "CausalLM", "StaticLM"}
+ASSEMBLED_IN = ("benchmarks", "specdec_tools")
+# A run's own scripts, kept beside its figures as what was run then (benchmarks/results/<run>/): a record, not a tool.
+RECORDS = REPO / "benchmarks" / "results"
+
+# The calls left, by file and call, with how often each occurs. Each is not a served model:
+KNOWN_ASSEMBLY: dict[tuple[str, str], int] = {
+    # the exact fixed-shape passes against transformers' forward over one in-memory model of a real
+    # shape with random weights (tinymodels.real_shape: no spec for load_lm to load), StaticLM on the
+    # CPU too (how its code path is tested), where exact_lm would choose CausalLM
+    ("benchmarks/cuda_step.py", "CausalLM"): 3,
+    ("benchmarks/cuda_step.py", "StaticLM"): 1,
+    # on a GPU, the numerics=fast comparison row over the very model load_lm served with fixed-shape
+    # passes: a second load_lm would hold the weights twice
+    ("specdec_tools/bench.py", "CausalLM"): 1,
+    # a feature draft (load_feature_draft), which load_lm does not load: packed as the draft service
+    # packs one (draft_service/loading.py, _packed)
+    ("specdec_tools/distill_feature.py", "gemm.apply"): 1,
+}
+
+
+def _assembly_calls(path: pathlib.Path) -> list[str]:
+    """The ASSEMBLY_CALLS a file makes: `gemm.apply(...)`, and `X(...)` or `module.X(...)` for the others."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in ASSEMBLY_CALLS:
+            found.append(func.id)
+        elif isinstance(func, ast.Attribute):
+            dotted = f"{func.value.id}.{func.attr}" if isinstance(func.value, ast.Name) else None
+            if dotted in ASSEMBLY_CALLS:
+                found.append(dotted)
+            elif func.attr in ASSEMBLY_CALLS:
+                found.append(func.attr)
+    return found
+
+
+def test_no_model_assembled_by_hand_outside_load_lm():
+    """The hand assemblies found are exactly the known ones: a new one fails (serve the model through
+    load_lm(LMOptions(...)), or give LMOptions what it lacks), and so does a known one that is gone."""
+    files = [path for folder in ASSEMBLED_IN for path in sorted((REPO / folder).rglob("*.py")) if not path.is_relative_to(RECORDS)]
+    found = collections.Counter((path.relative_to(REPO).as_posix(), call) for path in files for call in _assembly_calls(path))
+    new = sorted(f"{where}: {call} (x{count})" for (where, call), count in (found - collections.Counter(KNOWN_ASSEMBLY)).items())
+    assert not new, ("models assembled by hand (use specdec.model.assembly.load_lm, the one way the services "
+                     "serve a model; issue 58 item 1):\n" + "\n".join(new))
+    gone = sorted(f"{where}: {call}" for (where, call), count in (collections.Counter(KNOWN_ASSEMBLY) - found).items())
+    assert not gone, "hand assemblies removed from the code: remove them from KNOWN_ASSEMBLY too:\n" + "\n".join(gone)
+
+
+def test_the_assembly_check_has_teeth(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f(loaded, m):\n    gemm.apply(m, 1, 2, 3, 4)\n    lm = CausalLM(m, 'cpu')\n"
+                      "    g = cpu.gemm.pack_linears(m, 8, 1)\n    s = static.StaticLM(m, 'cuda')\n"
+                      "    other.apply(m)\n    load_lm(options)\n")
+    assert _assembly_calls(sample) == ["gemm.apply", "CausalLM", "pack_linears", "StaticLM"]
