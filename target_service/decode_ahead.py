@@ -63,8 +63,8 @@ class _RowAhead:
 
 
 class DecodeAhead:
-    """Decoding ahead, as methods of TargetEngine: they read the engine's `lm`, `calibration` and
-    `on_tokens`, and take their passes through its `_verdict` (a lone row) or `_rows` (a batch)."""
+    """Decoding ahead, as methods of TargetEngine: they read the engine's `lm`, `calibration`,
+    `pass_costs` and `on_tokens`, and take their passes through its `_verdict` (a lone row) or `_rows` (a batch)."""
 
     def _decode_ahead(self, call: VerifyCall, seq: Sequence, result: VerifyResult, start: float,
                       interrupt: Callable[[], bool] | None = None) -> VerifyResult:
@@ -92,6 +92,7 @@ class DecodeAhead:
         rows = []
         self._report([row])
         while row.going(eos, context) and not (interrupt is not None and interrupt()):
+            began = time.perf_counter()
             step = self._ahead_pass(row)
             with self._capturing(call.return_features) as hidden:
                 logits = self.lm.forward(seq, step.draft_tokens, keep=len(step.draft_tokens) + 1)  # [1 + len(draft), V]
@@ -101,6 +102,7 @@ class DecodeAhead:
             seq.tokens.extend(step.draft_tokens[:taken])
             seq.crop_cache(len(seq.tokens))
             self._ahead_taken(row, taken, pending, chosen)
+            self.pass_costs.observe_lone(1 + len(step.draft_tokens), time.perf_counter() - began)
             self._report([row])
         features = result.features
         if rows and features is not None:

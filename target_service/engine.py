@@ -171,11 +171,14 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         (decoding ahead would hold the other rows up for several forwards)."""
         if call.tree is not None:
             return self._tree_row(call, seq, start, batch_size)
-        before = seq.cached
+        before, began = seq.cached, time.perf_counter()
+        positions = len(seq.tokens) - before + len(call.draft_tokens)
         with self._capturing(call.return_features) as hidden:
             logits = self.lm.forward(seq, call.draft_tokens, keep=len(call.draft_tokens) + 1)
         result = self._finish(call, seq, logits, start, batch_size, hidden[0][0] if hidden else None, before)
         seq.crop_cache(len(seq.tokens))
+        if seq.cached > 0 and before > 0:  # a step's pass (a prompt's first, which attends to nothing cached, is not one)
+            self.pass_costs.observe_lone(positions, time.perf_counter() - began)
         return self._decode_ahead(call, seq, result, start, interrupt) if decode_ahead else result
 
     def _rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]], start: float, batch_size: int,

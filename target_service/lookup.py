@@ -12,9 +12,10 @@ planning (prefill.py) call them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from specdec.kv.store import Sequence
-from specdec.limits import MAX_DRAFT_TOKENS
+from specdec.limits import MAX_DRAFT_TOKENS, MAX_VERIFY_POSITIONS
 from specdec.maths.lookup import LOOKUP_MAX_N, NgramIndex, in_source, lookup_draft
 from specdec.calls.request import VerifyCall, VerifyResult
 
@@ -40,15 +41,44 @@ class PassCosts:
     # this costs at most a few positions, never a token's correctness.
     EXPLORE_EVERY = 16
 
+    # Decayed readings a size of lone pass needs before its own mean replaces the caller's figure.
+    MIN_LONE = 3.0
+
     def __init__(self, decay: float = 0.98):
         self.decay = decay
         self._sums = [0.0] * 5  # weight, x, y, xx, xy
         self._asked = 0  # lookup_costs calls while the line was unknown
+        # One row's passes, by positions: [decayed weight, decayed seconds] per size (index = positions).
+        self._lone = [[0.0, 0.0] for _ in range(MAX_VERIFY_POSITIONS + 1)]
 
     def observe(self, positions: int, seconds: float) -> None:
         d, x, y = self.decay, float(positions), seconds
         w, sx, sy, sxx, sxy = self._sums
         self._sums = [w * d + 1, sx * d + x, sy * d + y, sxx * d + x * x, sxy * d + x * y]
+
+    def observe_lone(self, positions: int, seconds: float) -> None:
+        """A pass of one row over `positions` new positions took `seconds` (its lookup, forward and verdict)."""
+        if 1 <= positions <= MAX_VERIFY_POSITIONS:
+            cell = self._lone[positions]
+            cell[0], cell[1] = cell[0] * self.decay + 1, cell[1] * self.decay + seconds
+
+    def lone_costs(self, caller: tuple[float, ...]) -> tuple[float, ...]:
+        """V(1 + g) / V(1) for a lone row's lookup draft: the caller's figures, each size this engine
+        has timed often enough replaced by its own mean, then made non-decreasing.
+
+        Why: a caller that sees a request only as bursts decoded ahead (answered whole, or streamed by
+        a drafted run) never times a step, so it hands on its priors; on a CPU with an fp32 target
+        those put 4 positions at 1.3 passes where they cost ~1.5, and a 1-token match (right one time
+        in ten on arithmetic) was drafted 3 long, each such pass slower than no draft. Sizes the cut
+        picks get timed, so a size the prior makes too cheap is corrected by its own use."""
+        lone = self._lone
+        if not caller or lone[1][0] < self.MIN_LONE:
+            return caller
+        single = lone[1][1] / lone[1][0]
+        own = [seconds / weight / single if weight >= self.MIN_LONE else cost
+               for cost, (weight, seconds) in zip(caller, lone[1:])]
+        own[0] = 1.0
+        return tuple(itertools.accumulate(own, max))
 
     def line(self) -> tuple[float, float] | None:
         """(a, b) in seconds and seconds a position, or None while the readings cannot say."""
@@ -110,12 +140,15 @@ class TargetLookup:
 
     def _lookup_costs(self, call: VerifyCall, rows: int) -> tuple[float, ...]:
         """The relative costs that cut a row's lookup draft: the caller's V(n) / V(1) (its own
-        requests' steps), or where `rows` rows share the pass and it costs more, what each drafted
-        position adds to the pass against the row's share of it (PassCosts). None asked (a fixed
-        draft length): none given."""
+        requests' steps) with the sizes this engine has timed for a lone row in its own passes
+        (PassCosts.lone_costs), or where `rows` rows share the pass and it costs more, what each
+        drafted position adds to the pass against the row's share of it (PassCosts). None asked
+        (a fixed draft length): none given."""
         mine = call.lookup_costs
-        if not mine or rows < 2:
+        if not mine:
             return mine
+        if rows < 2:
+            return self.pass_costs.lone_costs(mine)
         pass_costs = self.pass_costs.lookup_costs(rows, len(mine) - 1)
         return tuple(max(c, s) for c, s in zip(mine, pass_costs)) if pass_costs else mine
 

@@ -137,6 +137,42 @@ def test_a_lookup_draft_beside_other_rows_pays_for_what_its_positions_add_to_the
     assert target._with_lookup(call, seq, rows=8).draft_tokens == alone
 
 
+def test_a_lone_rows_sizes_it_has_timed_replace_its_callers_figures():
+    costs = PassCosts()
+    caller = (1.0, 1.2, 1.25, 1.3, 1.35)
+    assert costs.lone_costs(caller) == caller  # nothing timed: the caller's
+    assert costs.lone_costs(()) == ()  # a fixed draft length: no cut either way
+    for _ in range(4):  # an fp32 target on 2 cores: 1, 2 and 4 positions
+        for positions, seconds in ((1, 0.084), (2, 0.095), (4, 0.128)):
+            costs.observe_lone(positions, seconds)
+    got = costs.lone_costs(caller)
+    # timed sizes are its own; 3 positions, never timed, keeps the caller's 1.25; 5 positions
+    # (caller 1.35) may not cost less than the 4 it holds more than
+    assert got == pytest.approx((1.0, 0.095 / 0.084, 1.25, 0.128 / 0.084, 0.128 / 0.084))
+    costs.observe_lone(40, 1.0)  # past any verify pass: ignored
+    assert costs.lone_costs(caller) == got
+
+
+def test_a_lone_rows_lookup_draft_is_cut_by_what_its_own_passes_cost(pair):
+    """A caller that never times a step hands on its priors; the target's own lone passes correct
+    them: where 2 or more positions cost twice one, the draft a cheap prior allowed is not verified.
+    Passes decoded ahead are what teaches it."""
+    target = engine(pair)
+    prompt = echoing_prompts(pair, 1)[0]
+    call = VerifyCall("x", 0, prompt, [], [], GREEDY, lookup_draft_length=4, lookup_costs=(1.0, 1.01, 1.02, 1.03, 1.04))
+    seq = target._prepare(call)
+    assert len(target._with_lookup(call, seq, rows=1).draft_tokens) == 4
+    for _ in range(4):
+        for positions in range(1, 6):
+            target.pass_costs.observe_lone(positions, 0.01 if positions == 1 else 0.02 * positions)
+    assert target._with_lookup(call, seq, rows=1).draft_tokens == []
+    fresh = engine(pair)
+    ahead = VerifyCall("y", 0, prompt, [], [], GREEDY, decode_ahead=8, decode_ahead_passes=8, lookup_draft_length=4,
+                       lookup_costs=(1.0,) * 5)
+    fresh.verify_batch([ahead])
+    assert fresh.pass_costs._lone[1][0] + sum(cell[0] for cell in fresh.pass_costs._lone[2:]) >= 4  # the passes ahead were timed
+
+
 def test_greedy_tokens_are_the_targets_own_and_accepted_drafts_save_passes(pair):
     target = engine(pair)
     accepted = saved = 0
