@@ -147,7 +147,7 @@ class DecodeAhead:
         sequence), then `next_token`, pending."""
         draft, proposal, n = row.proposal
         if n:
-            self.calibration.observe(n, proposal, draft[:taken] + [next_token])
+            self.calibration.observe(n, proposal, draft[:taken] + [next_token], row.lookup.odds)
         row.decoded += draft[:taken] + [next_token]
         row.pending = next_token
         row.logprobs += logprobs

@@ -153,9 +153,9 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
             self.pass_costs.observe(positions, time.perf_counter() - start)
         if decode_ahead and len(groups) == 1:  # the rows' passes are one forward each
             self._decode_ahead_rows(calls, rows, results, start, interrupt)
-        for index, _ in rows:
+        for index, seq in rows:
             if calls[index].lookup_match and isinstance(results[index], VerifyResult):
-                results[index] = self._as_decoded(calls[index], results[index])
+                results[index] = self._as_decoded(calls[index], results[index], seq)
         return results
 
     def _groups(self, rows: list[tuple[int, Sequence]]) -> list[list[tuple[int, Sequence]]]:

@@ -162,12 +162,13 @@ class TargetLookup:
         draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_draft_length, self._lookup_costs(call, rows), room)
         return dataclasses.replace(call, draft_tokens=draft, draft_dists=[], lookup_match=(n, tuple(proposal))) if n else call
 
-    def _as_decoded(self, call: VerifyCall, result: VerifyResult) -> VerifyResult:
+    def _as_decoded(self, call: VerifyCall, result: VerifyResult, seq: Sequence) -> VerifyResult:
         """A result whose draft was the target's own, as the caller sees it: the caller knows no
         draft tokens, so the accepted ones come first among the tokens made canonical (next_token,
         then decoded), and count with the lookup drafts of the passes decoded ahead."""
         n, proposal = call.lookup_match
-        self.calibration.observe(n, list(proposal), [*call.draft_tokens[:result.accepted], result.next_token])
+        odds = seq.side.odds if isinstance(seq.side, NgramIndex) else None
+        self.calibration.observe(n, list(proposal), [*call.draft_tokens[:result.accepted], result.next_token], odds)
         tokens = [*call.draft_tokens[:result.accepted], result.next_token, *result.decoded]
         predicted = (len(call.draft_tokens), result.accepted) if in_source(n) else (0, 0)
         return dataclasses.replace(result, accepted=0, next_token=tokens[0], decoded=tuple(tokens[1:]),

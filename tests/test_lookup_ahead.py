@@ -26,7 +26,7 @@ from specdec.errors import InvalidArgument
 from specdec.model.lm import CausalLM
 from specdec.limits import MAX_DECODE_AHEAD
 from specdec.maths.costs import NGRAM_DRAFT_PRIOR, CostModel
-from specdec.maths.lookup import MatchCalibration, NgramIndex, best_cut, lookup_draft, relative_costs
+from specdec.maths.lookup import MatchCalibration, MatchOdds, NgramIndex, best_cut, lookup_draft, relative_costs
 from specdec.calls.request import VerifyCall
 from specdec.maths.sampling import SamplingConfig
 from target_service.engine import PassCosts, TargetEngine
@@ -70,6 +70,32 @@ def test_lookup_draft_is_cut_where_expected_tokens_per_cost_peak():
     for _ in range(50):
         calibration.observe(2, [9, 5, 7], [1])
     assert before > 0 and lookup_draft(index, calibration, 8, curve, room=10)[0] == []
+
+
+def test_a_sequence_whose_matches_keep_missing_stops_drafting_them_on_the_others_odds():
+    """The calibration is shared; a sequence's own first-token misses (drafted or not: the truth is
+    known either way) lower its chances, so its 1-token matches stop being drafted while another
+    sequence's, on the same shared table, still are. Hits bring the factor back."""
+    calibration = MatchCalibration(4)
+    curve = (1.0, 1.135, 1.26, 1.53, 1.85)  # an fp32 target on 2 cores
+    unlucky, fresh = NgramIndex(4, 1), NgramIndex(4, 1)
+    for index in (unlucky, fresh):
+        index.extend([5, 1, 2, 5])  # the last 5 matches once (n = 1): 1, 2, 5 are proposed
+    assert lookup_draft(fresh, calibration, 4, curve, room=10)[0] == [1]  # the shared odds: worth one token
+    others = MatchOdds()
+    for _ in range(12):  # this sequence's 1-token matches miss; the others' are right one time in four
+        calibration.observe(1, [1, 2, 5], [9], unlucky.odds)
+        for truth in ([1, 2, 5], [9], [9], [9]):
+            calibration.observe(1, [1, 2, 5], truth, others)
+    assert unlucky.odds.factor() < 0.5
+    assert lookup_draft(unlucky, calibration, 4, curve, room=10)[0] == []
+    assert lookup_draft(fresh, calibration, 4, curve, room=10)[0][:1] == [1]  # the shared table still drafts it
+    for _ in range(30):
+        calibration.observe(1, [1, 2, 5], [1, 2, 5], unlucky.odds)
+    assert unlucky.odds.factor() > 1 and lookup_draft(unlucky, calibration, 4, curve, room=10)[0]
+    odds = MatchOdds()
+    assert odds.factor() == 1.0
+    assert calibration.survival(1, 3, odds) == calibration.survival(1, 3)
 
 
 def test_pass_costs_read_what_a_position_adds_to_a_forward():

@@ -75,7 +75,7 @@ class NgramDrafter:
         proposal, n = index.propose(call.draft_length)
         if proposal:
             index.last = (len(seq.tokens), seq.tokens[-1], proposal, n)
-        for token, cumulative in zip(proposal, self.calibration.survival(n, len(proposal))):
+        for token, cumulative in zip(proposal, self.calibration.survival(n, len(proposal), index.odds)):
             seq.tokens.append(token)
             one_hot = ([token], [1.0]) if call.temperature > 0 else EMPTY_DIST
             yield Proposal(token, one_hot, cumulative, time.perf_counter() - start)
@@ -88,7 +88,7 @@ class NgramDrafter:
             return
         position, before, proposal, n = index.last
         if len(tokens) > position and tokens[position - 1] == before:
-            self.calibration.observe(n, proposal, tokens[position:])
+            self.calibration.observe(n, proposal, tokens[position:], index.odds)
             index.last = None
 
 

@@ -43,6 +43,7 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, pos) + 1):
                 self._next[self.source[pos - n: pos]] = ~pos
         self._undo: list[list[tuple[tuple[int, ...], int | None]]] = []  # per token: (key, previous value)
+        self.odds = MatchOdds()  # this sequence's luck against the shared calibration (not rolled back by crop)
         # The last proposal, to learn from once the sequence has moved past it (MatchCalibration):
         # (position of its first token, the token before it, the tokens, n of the match).
         self.last: tuple[int, int, list[int], int] | None = None
@@ -106,6 +107,30 @@ PRIOR_FIRST = {1: 0.2, 2: 0.55, 3: 0.7, 4: 0.85}
 PRIOR_LATER = {1: 0.6, 2: 0.7, 3: 0.8, 4: 0.9}
 
 
+class MatchOdds:
+    """One sequence's first-token hits against what the shared calibration expected of them: a
+    factor on the calibration's chances for this sequence's proposals.
+
+    Why: MatchCalibration is shared by every sequence (it learns a match length's chances from all
+    of them), so a request whose text repeats less than the others' (arithmetic, where a 1-token
+    match is a digit or an operator) had its matches drafted on the others' odds: 1-token matches
+    drafted 2-3 long, right about one time in ten, each pass slower than no draft. Every proposal
+    made counts, drafted or not, since its first token's truth is known once the sequence moves on.
+    The factor starts at 1 (`prior` expected hits' worth of agreement) and follows the text (`decay`)."""
+
+    def __init__(self, prior: float = 1.0, decay: float = 0.95):
+        self.prior, self.decay = prior, decay
+        self.hits = 0.0
+        self.expected = 0.0
+
+    def observe(self, expected: float, hit: bool) -> None:
+        self.hits = self.hits * self.decay + hit
+        self.expected = self.expected * self.decay + expected
+
+    def factor(self) -> float:
+        return (self.hits + self.prior) / (self.expected + self.prior)
+
+
 class MatchCalibration:
     """P(the first k proposed tokens are all right | the match was n tokens long), learned online.
 
@@ -130,24 +155,28 @@ class MatchCalibration:
             self._hits[n] = [prior_weight * (first if k == 0 else later) for k in range(self.MAX_K)]
             self._trials[n] = [prior_weight] * self.MAX_K
 
-    def observe(self, n: int, proposal: list[int], truth: list[int]) -> None:
-        """`truth`: the canonical tokens from the proposal's first position on, as far as known."""
+    def observe(self, n: int, proposal: list[int], truth: list[int], odds: MatchOdds | None = None) -> None:
+        """`truth`: the canonical tokens from the proposal's first position on, as far as known.
+        `odds`: the proposing sequence's, which learns its first token's outcome."""
         if n not in self._hits:
             return
+        if odds is not None and proposal and truth:
+            odds.observe(self._hits[n][0] / self._trials[n][0], proposal[0] == truth[0])
         for k, (guess, actual) in enumerate(zip(proposal[: self.MAX_K], truth)):
             self._trials[n][k] += 1
             if guess != actual:
                 return
             self._hits[n][k] += 1
 
-    def survival(self, n: int, length: int) -> list[float]:
-        """P(tokens 1..k all right) for k = 1..length: each proposed token's cumulative probability."""
+    def survival(self, n: int, length: int, odds: MatchOdds | None = None) -> list[float]:
+        """P(tokens 1..k all right) for k = 1..length: each proposed token's cumulative probability;
+        with `odds`, its first token's chance taken to that sequence's own (MatchOdds)."""
         out: list[float] = []
-        p = 1.0
+        p = 1.0 if odds is None else odds.factor()
         for k in range(length):
             j = min(k, self.MAX_K - 1)
             p *= self._hits[n][j] / self._trials[n][j] if n in self._hits else 0.0
-            out.append(p)
+            out.append(min(p, 1.0))
         return out
 
 
@@ -180,4 +209,4 @@ def lookup_draft(index: NgramIndex, calibration: MatchCalibration, draft_length:
     proposal, n = index.propose(min(draft_length, room))
     if not n:
         return [], [], 0
-    return proposal[: best_cut(calibration.survival(n, len(proposal)), relative)], proposal, n
+    return proposal[: best_cut(calibration.survival(n, len(proposal), index.odds), relative)], proposal, n
