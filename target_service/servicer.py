@@ -125,6 +125,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
 
     `ready` (tests, `specdec up` in-process) receives the Server once it is serving.
     """
+    from specdec.forward.selfcheck import row_exactness
     from specdec.model.assembly import LMOptions, load_lm
 
     servicer = TargetServicer(config.batch_window_ms, config.max_batch_size, config.max_batch_tokens)
@@ -144,13 +145,19 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
                         static_context=config.static_context)
     served = await server.loading(servicer.host.run(load_lm, options))  # on the compute thread
     loaded = served.loaded
+    numerics = served.numerics
+    if numerics == "exact":  # claimed only once checked on this device (specdec/forward/selfcheck.py)
+        differs = await server.loading(servicer.host.run(row_exactness, served.lm))
+        if differs:
+            log.warning("numerics are not exact here: serving as 'fast'", reason=differs)
+            numerics = "fast"
     engine = TargetEngine(served.lm, config.max_sequences, config.idle_timeout_s, config.max_prefill_tokens_per_pass)
     await server.loading(servicer.host.run(engine.warm_up))
     info = pb.ModelInfo(
         model=config.model, vocab_size=engine.lm.vocab_size, max_context=engine.lm.max_context,
         eos_token_ids=engine.lm.eos_token_ids, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
         weights=served.weights, weight_bytes=served.weight_bytes, draft=config.draft,
-        prefill_chunk_tokens=config.max_prefill_tokens_per_pass, numerics=served.numerics,
+        prefill_chunk_tokens=config.max_prefill_tokens_per_pass, numerics=numerics,
     )
     engine.store.on_start = metrics.target().sequences_started.inc
     engine.on_tokens = servicer.runs.on_tokens
@@ -164,7 +171,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     metrics.follow_store(engine.store, metrics.target().sequences, metrics.target().kv_usage)
     servicer.host.attach(engine, info)
     await server.mark_serving()
-    log.info("target serving", port=server.port, vocab_size=engine.lm.vocab_size, weights=served.weights, numerics=served.numerics)
+    log.info("target serving", port=server.port, vocab_size=engine.lm.vocab_size, weights=served.weights, numerics=numerics)
     server.servicer = servicer  # lets tests and tools inspect the engine behind the server
     if ready is not None:
         ready.set_result(server)
