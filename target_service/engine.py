@@ -177,7 +177,7 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
             logits = self.lm.forward(seq, call.draft_tokens, keep=len(call.draft_tokens) + 1)
         result = self._finish(call, seq, logits, start, batch_size, hidden[0][0] if hidden else None, before)
         seq.crop_cache(len(seq.tokens))
-        if seq.cached > 0 and before > 0:  # a step's pass (a prompt's first, which attends to nothing cached, is not one)
+        if before:  # a step's pass (a prompt's first, which attends to nothing cached, is not one)
             self.pass_costs.observe_lone(positions, time.perf_counter() - began)
         return self._decode_ahead(call, seq, result, start, interrupt) if decode_ahead else result
 

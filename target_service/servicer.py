@@ -120,12 +120,22 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         return released
 
 
+def _checked(lm) -> str | None:
+    """row_exactness, or why it could not run: a model the check cannot drive is served, not refused,
+    and claims nothing it was not seen to do."""
+    from specdec.forward.selfcheck import row_exactness
+
+    try:
+        return row_exactness(lm)
+    except Exception as exc:  # noqa: BLE001 - any failure of the check means: not shown exact
+        return f"the check could not run ({type(exc).__name__}: {exc})"
+
+
 async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signals: bool = True) -> None:
     """Binds at once (health NOT_SERVING), loads and warms the model, then reports SERVING.
 
     `ready` (tests, `specdec up` in-process) receives the Server once it is serving.
     """
-    from specdec.forward.selfcheck import row_exactness
     from specdec.model.assembly import LMOptions, load_lm
 
     servicer = TargetServicer(config.batch_window_ms, config.max_batch_size, config.max_batch_tokens)
@@ -147,7 +157,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     loaded = served.loaded
     numerics = served.numerics
     if numerics == "exact":  # claimed only once checked on this device (specdec/forward/selfcheck.py)
-        differs = await server.loading(servicer.host.run(row_exactness, served.lm))
+        differs = await server.loading(servicer.host.run(_checked, served.lm))
         if differs:
             log.warning("numerics are not exact here: serving as 'fast'", reason=differs)
             numerics = "fast"
