@@ -161,11 +161,17 @@ def test_no_new_attribute_probes_for_the_model_kind():
     is gone and still listed (the list only shrinks)."""
     files = [*_runtime_files(), *sorted((REPO / "specdec_tools").rglob("*.py"))]
     found = collections.Counter((path.relative_to(REPO).as_posix(), probe) for path in files for probe in _probes(path))
-    new = sorted(f"{where}: {probe} (x{count})" for (where, probe), count in (found - collections.Counter(KNOWN_PROBES)).items())
-    assert not new, ("attribute probes for the model's kind (give the model interface what the code needs to know; "
-                     "issue 58 item 1):\n" + "\n".join(new))
-    gone = sorted(f"{where}: {probe}" for (where, probe), count in (collections.Counter(KNOWN_PROBES) - found).items())
-    assert not gone, "probes removed from the code: remove them from KNOWN_PROBES too:\n" + "\n".join(gone)
+    _exactly_known(found, KNOWN_PROBES, "attribute probes for the model's kind (give the model interface what the code "
+                   "needs to know; issue 58 item 1)", "KNOWN_PROBES")
+
+
+def _exactly_known(found: collections.Counter, known: dict, what: str, listed_in: str) -> None:
+    """found (file, finding) counts are exactly `known`'s: a new finding fails, and so does a known
+    one that is gone and still listed, so a list of exceptions can only shrink."""
+    new = sorted(f"{where}: {finding} (x{count})" for (where, finding), count in (found - collections.Counter(known)).items())
+    assert not new, f"{what}:\n" + "\n".join(new)
+    gone = sorted(f"{where}: {finding}" for (where, finding), count in (collections.Counter(known) - found).items())
+    assert not gone, f"gone from the code: remove them from {listed_in} too:\n" + "\n".join(gone)
 
 
 def test_the_probe_check_has_teeth(tmp_path):
@@ -224,11 +230,8 @@ def test_no_model_assembled_by_hand_outside_load_lm():
     load_lm(LMOptions(...)), or give LMOptions what it lacks), and so does a known one that is gone."""
     files = [path for folder in ASSEMBLED_IN for path in sorted((REPO / folder).rglob("*.py")) if not path.is_relative_to(RECORDS)]
     found = collections.Counter((path.relative_to(REPO).as_posix(), call) for path in files for call in _assembly_calls(path))
-    new = sorted(f"{where}: {call} (x{count})" for (where, call), count in (found - collections.Counter(KNOWN_ASSEMBLY)).items())
-    assert not new, ("models assembled by hand (use specdec.model.assembly.load_lm, the one way the services "
-                     "serve a model; issue 58 item 1):\n" + "\n".join(new))
-    gone = sorted(f"{where}: {call}" for (where, call), count in (collections.Counter(KNOWN_ASSEMBLY) - found).items())
-    assert not gone, "hand assemblies removed from the code: remove them from KNOWN_ASSEMBLY too:\n" + "\n".join(gone)
+    _exactly_known(found, KNOWN_ASSEMBLY, "models assembled by hand (use specdec.model.assembly.load_lm, the one way the "
+                   "services serve a model; issue 58 item 1)", "KNOWN_ASSEMBLY")
 
 
 def test_the_assembly_check_has_teeth(tmp_path):
