@@ -7,9 +7,9 @@ there: their small-M GEMMs are neither bandwidth- nor compute-bound, so a forwar
 rows costs markedly more than one over a single row, on AMD and Intel cores alike. The kernel
 in specdec/model/cpu/csrc/gemm.c (built by specdec/model/cpu/gemm_kernel.py) streams each weight once from a panel
 layout and reads it at about the memory's speed, so one row and a few rows cost about the same.
-Past 16 rows it takes the rows 16 at a time through each panel while the panel sits in the
-core's caches, and stayed ahead of the stock kernel at every row count measured (docs/benchmarks.md),
-so batched verification and prefills take it too.
+Several rows go through each panel a few at a time (as many as the CPU's vector registers hold
+accumulators for) while the panel sits in the core's caches, and stayed ahead of the stock kernel
+at every row count measured (docs/benchmarks.md), so batched verification and prefills take it too.
 
 Rows `min_rows`..`rows` take the kernel (`min_rows` can keep short forwards on the stock kernel;
 `rows` caps it). A row's result does not depend on the other rows (one multiply-add chain

@@ -18,8 +18,8 @@
  * 25.2-25.9 -> 18.8-19.5 ms; one row is as fast without (the hardware prefetcher keeps up), so
  * one row does not prefetch.
  *
- * More than 16 rows (a batch of several sequences' verifies, a prefill): each panel takes the rows in
- * groups of 16, so it is read from memory once and from the caches for the other groups. The same
+ * Several rows (a batch of several sequences' verifies, a prefill): each panel takes the rows in
+ * groups of ROWS_AT_ONCE, so it is read from memory once and from the caches for the other groups. The same
  * 211 layers, stock (MKL) against this kernel (2 cores, AMD EPYC, median of 5): 24 rows 87.5 / 40.2
  * ms, 32 rows 105.3 / 52.5, 64 rows 138.9-166.2 / 85.6-88.1, 256 rows 419.2 / 321.0, 1024 rows
  * 1576 / 1276: faster than the stock kernel at every row count measured.
@@ -52,27 +52,55 @@ typedef float vec_u __attribute__((vector_size(LANES * 4), aligned(4)));   /* un
  * whichever thread runs it, so the choice changes no bit. */
 static inline int sg_parallel(long M, long K, long N) { return K * N >= (1L << 16) || M * K * N >= (1L << 20); }
 
-/* One panel (16 output features) for MM input rows: MM accumulators live in registers. */
-#define PANEL(MM)                                                                                     \
-    static void panel_##MM(const float *restrict x, int ldx, const float *restrict wp, int K,         \
-                           vec *restrict out) {                                                        \
-        vec acc[MM];                                                                                   \
-        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[m] = (vec){0};                       \
+/* The CPU's own vector: 16 floats with AVX-512, 8 without. A panel's 16 lanes are NH of them. Without
+ * AVX-512 a compiler has no register for a 16-float vector: a kernel written on `vec` kept every
+ * accumulator on the stack (a store and a reload per multiply-add, and partial-width copies between
+ * them). Written on `vw` the accumulators stay in registers. Each lane's arithmetic is unchanged. */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+#define NH (LANES / VW)
+typedef float vw __attribute__((vector_size(VW * 4)));
+/* Rows through a panel at a time: their accumulators (rows x NH, times the panels side by side) must
+ * fit the vector registers with the weight vectors, a broadcast and a product (32 registers with
+ * AVX-512, 16 without). */
+#define ROWS_AT_ONCE (VW == 16 ? 16 : 5)
+
+/* NP panels (pstride floats apart) for MM input rows; out[p * MM + m] gets panel p's row m. One row
+ * leaves one addition chain per lane, which waits on the adder's latency rather than on memory: 1 and 2
+ * rows run 4 and 2 panels side by side (separate chains, each output still summed in k order). */
+#define PANEL(MM, NP)                                                                                 \
+    static void panel_##MM##_##NP(const float *restrict x, int ldx, const float *restrict wp, size_t pstride, \
+                                  int K, vec *restrict out) {                                         \
+        vw acc[NP][MM][NH];                                                                            \
+        for (int p = 0; p < NP; p++)                                                                   \
+            _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++)                                      \
+                for (int h = 0; h < NH; h++) acc[p][m][h] = (vw){0};                                   \
         for (int k = 0; k < K; k++) {                                                                  \
-            if (MM > 1) __builtin_prefetch((const void *)((uintptr_t)wp + ((size_t)k + AHEAD) * LANES * 4), 0, 0); \
-            vec w = *(const vec *)(wp + (size_t)k * LANES);                                            \
-            _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[m] += x[(size_t)m * ldx + k] * w; \
+            _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                     \
+                const float *w = wp + p * pstride + (size_t)k * LANES;                                 \
+                if (MM > 1) __builtin_prefetch((const void *)(w + AHEAD * LANES), 0, 0);               \
+                _Pragma("GCC unroll 2") for (int h = 0; h < NH; h++) {                                 \
+                    vw wh = *(const vw *)(w + h * VW);                                                 \
+                    _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m][h] += x[(size_t)m * ldx + k] * wh; \
+                }                                                                                      \
+            }                                                                                          \
         }                                                                                              \
-        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) out[m] = acc[m];                         \
+        for (int p = 0; p < NP; p++)                                                                   \
+            _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++)                                      \
+                for (int h = 0; h < NH; h++) __builtin_memcpy((float *)&out[p * MM + m] + h * VW, &acc[p][m][h], sizeof(vw)); \
     }
 
-PANEL(1) PANEL(2) PANEL(3) PANEL(4) PANEL(5) PANEL(6) PANEL(7) PANEL(8)
-PANEL(9) PANEL(10) PANEL(11) PANEL(12) PANEL(13) PANEL(14) PANEL(15) PANEL(16)
+PANEL(1, 4) PANEL(2, 2)
+PANEL(1, 1) PANEL(2, 1) PANEL(3, 1) PANEL(4, 1) PANEL(5, 1) PANEL(6, 1) PANEL(7, 1) PANEL(8, 1)
+PANEL(9, 1) PANEL(10, 1) PANEL(11, 1) PANEL(12, 1) PANEL(13, 1) PANEL(14, 1) PANEL(15, 1) PANEL(16, 1)
 
-typedef void (*panel_fn)(const float *, int, const float *, int, vec *);
+typedef void (*panel_fn)(const float *, int, const float *, size_t, int, vec *);
 static const panel_fn PANELS[LANES + 1] = {
-    0, panel_1, panel_2, panel_3, panel_4, panel_5, panel_6, panel_7, panel_8,
-    panel_9, panel_10, panel_11, panel_12, panel_13, panel_14, panel_15, panel_16};
+    0, panel_1_1, panel_2_1, panel_3_1, panel_4_1, panel_5_1, panel_6_1, panel_7_1, panel_8_1,
+    panel_9_1, panel_10_1, panel_11_1, panel_12_1, panel_13_1, panel_14_1, panel_15_1, panel_16_1};
 
 int sg_max_rows(void) { return SG_MAX_ROWS; }
 
@@ -88,30 +116,44 @@ void sg_pack(const float *w, int N, int K, float *wp) {
             }
 }
 
+/* Output features of panel p that exist (16, or fewer in the last panel). */
+static int width_of(int p, int N) { return N - p * LANES < LANES ? N - p * LANES : LANES; }
+
+static void store_rows(const vec *out, int rows, int width, const float *bias, int p, int N, float *y) {
+    for (int m = 0; m < rows; m++) {
+        float *dst = y + (size_t)m * N + (size_t)p * LANES;
+        if (width == LANES) {
+            vec r = out[m];
+            if (bias) r += *(const vec_u *)(bias + (size_t)p * LANES);
+            *(vec_u *)dst = r;
+        } else {
+            for (int j = 0; j < width; j++) dst[j] = out[m][j] + (bias ? bias[p * LANES + j] : 0.0f);
+        }
+    }
+}
+
 /* y[M][N] = x[M][K] @ w^T + bias, for 1 <= M <= SG_MAX_ROWS; x and y row-major and contiguous; bias
- * may be NULL. Rows go through each panel in groups of 16, so a panel (K * 64 bytes: 36 KB for
+ * may be NULL. Rows go through each panel ROWS_AT_ONCE at a time, so a panel (K * 64 bytes: 36 KB for
  * K = 576) is read from memory once and from the core's caches for the other groups.
  * Returns 0, or -1 (and writes nothing) for a row count or size outside the kernel's range. */
 int sg_linear(const float *x, int M, int K, const float *wp, int N, const float *bias, float *y) {
     if (M < 1 || M > SG_MAX_ROWS || K < 0 || N < 0) return -1;
     int panels = (N + LANES - 1) / LANES;
+    int np = M == 1 ? 4 : M == 2 ? 2 : 1, groups = (panels + np - 1) / np;
+    size_t pstride = (size_t)K * LANES;
 #pragma omp parallel for schedule(static) if (sg_parallel(M, K, N))
-    for (int p = 0; p < panels; p++) {
-        int width = N - p * LANES < LANES ? N - p * LANES : LANES;
-        for (int g = 0; g < M; g += LANES) {
-            int rows = M - g < LANES ? M - g : LANES;
+    for (int q = 0; q < groups; q++) {
+        int p0 = q * np, pn = panels - p0 < np ? panels - p0 : np;
+        for (int g = 0; g < M; g += ROWS_AT_ONCE) {
+            int rows = M - g < ROWS_AT_ONCE ? M - g : ROWS_AT_ONCE;
+            const float *xg = x + (size_t)g * K;
             vec out[LANES];
-            PANELS[rows](x + (size_t)g * K, K, wp + (size_t)p * K * LANES, K, out);
-            for (int m = 0; m < rows; m++) {
-                float *dst = y + (size_t)(g + m) * N + (size_t)p * LANES;
-                if (width == LANES) {
-                    vec r = out[m];
-                    if (bias) r += *(const vec_u *)(bias + (size_t)p * LANES);
-                    *(vec_u *)dst = r;
-                } else {
-                    for (int j = 0; j < width; j++) dst[j] = out[m][j] + (bias ? bias[p * LANES + j] : 0.0f);
-                }
-            }
+            if (pn == 4 && rows == 1) panel_1_4(xg, K, wp + p0 * pstride, pstride, K, out);
+            else if (pn == 2 && rows == 2) panel_2_2(xg, K, wp + p0 * pstride, pstride, K, out);
+            else
+                for (int i = 0; i < pn; i++) PANELS[rows](xg, K, wp + (p0 + i) * pstride, 0, K, out + i * rows);
+            for (int i = 0; i < pn; i++)
+                store_rows(out + i * rows, rows, width_of(p0 + i, N), bias, p0 + i, N, y + (size_t)g * N);
         }
     }
     return 0;
@@ -135,7 +177,7 @@ int sg_linear(const float *x, int M, int K, const float *wp, int N, const float 
  * Numerics: as in the fp32 kernel, each output is one multiply-add chain in k order, whatever M is;
  * the weight a row sees is the same expression of the same bytes in every path. Up to 16 rows the
  * weights are expanded in registers; past 16 rows each panel is expanded once into a buffer in the
- * core's cache and the rows run through it 16 at a time (the expansion is then paid once per panel,
+ * core's cache and the rows run through it ROWS_AT_ONCE at a time (the expansion is then paid once per panel,
  * not once per 16 rows, so a prefill costs what the fp32 kernel's does). These functions contract
  * a * b + c into fused multiply-adds (the fp32 kernel above does not, to keep its results as they
  * were): both paths are compiled alike, so a row's result is bit-identical alone or in a batch.
@@ -150,35 +192,30 @@ int sg_linear(const float *x, int M, int K, const float *wp, int N, const float 
 enum { SG_F32 = 0, SG_BF16 = 1, SG_F16 = 2, SG_Q8 = 3, SG_Q4 = 4 };
 #define QK 32 /* weights per scale block along k */
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef _Float16 f16x16 __attribute__((vector_size(32)));
-typedef int8_t i8x16 __attribute__((vector_size(16)));
-typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-/* 16 bytes -> 16 int32. GCC's __builtin_convertvector does this one byte at a time (GCC 12), so
+/* The integer vectors one `vw` of weights widens from. */
+typedef uint16_t u16v __attribute__((vector_size(VW * 2)));
+typedef _Float16 f16v __attribute__((vector_size(VW * 2)));
+typedef int8_t i8v __attribute__((vector_size(VW)));
+typedef uint8_t u8v __attribute__((vector_size(VW)));
+typedef int32_t i32v __attribute__((vector_size(VW * 4)));
+typedef uint32_t u32v __attribute__((vector_size(VW * 4)));
+
+/* VW bytes -> VW int32. GCC's __builtin_convertvector does this one byte at a time (GCC 12), so
  * the CPU's widening loads are named where the compiler has them. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-static inline i32x16 widen_i8(const char *p) { return (i32x16)_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)p)); }
-static inline i32x16 widen_u8(const char *p) { return (i32x16)_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)p)); }
+static inline i32v widen_i8(const char *p) { return (i32v)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline i32v widen_u8(const char *p) { return (i32v)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 #elif defined(__AVX2__)
 #include <immintrin.h>
-typedef union { i32x16 v; __m256i h[2]; } i32x16_halves;
-static inline i32x16 widen_i8(const char *p) {
-    i32x16_halves r = {.h = {_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)),
-                             _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))}};
-    return r.v;
-}
-static inline i32x16 widen_u8(const char *p) {
-    i32x16_halves r = {.h = {_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)),
-                             _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)))}};
-    return r.v;
-}
+static inline i32v widen_i8(const char *p) { return (i32v)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+static inline i32v widen_u8(const char *p) { return (i32v)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 #else
-static inline i32x16 widen_i8(const char *p) { return __builtin_convertvector(*(const i8x16 *)p, i32x16); }
-static inline i32x16 widen_u8(const char *p) { return __builtin_convertvector(*(const u8x16 *)p, i32x16); }
+static inline i32v widen_i8(const char *p) { return __builtin_convertvector(*(const i8v *)p, i32v); }
+static inline i32v widen_u8(const char *p) { return __builtin_convertvector(*(const u8v *)p, i32v); }
 #endif
 
 /* Bytes of one k step of one panel (Q4: of one pair of k steps). */
@@ -192,20 +229,18 @@ static size_t panel_bytes(int fmt, int K) {
 }
 
 /* The 16 weights of step k (for SG_Q4: of the pair holding k, low nibble when k is even). */
-static inline vec expand(int fmt, const char *restrict w, int k, vec d, vec m) {
+/* Part h (lanes h * VW ..) of the 16 weights at k of a panel, as floats; d and m that part's scales. */
+static inline vw expand(int fmt, const char *restrict w, int k, int h, vw d, vw m) {
     switch (fmt) {
-    case SG_BF16: {
-        u16x16 h = *(const u16x16 *)(w + (size_t)k * 32);
-        return (vec)(__builtin_convertvector(h, u32x16) << 16);
-    }
-    case SG_F16: return __builtin_convertvector(*(const f16x16 *)(w + (size_t)k * 32), vec);
-    case SG_Q8: return __builtin_convertvector(widen_i8(w + (size_t)k * 16), vec) * d;
+    case SG_BF16: return (vw)(__builtin_convertvector(*(const u16v *)(w + (size_t)k * 32 + h * VW * 2), u32v) << 16);
+    case SG_F16: return __builtin_convertvector(*(const f16v *)(w + (size_t)k * 32 + h * VW * 2), vw);
+    case SG_Q8: return __builtin_convertvector(widen_i8(w + (size_t)k * 16 + h * VW), vw) * d;
     case SG_Q4: {
-        i32x16 v = widen_u8(w + (size_t)(k >> 1) * 16);
+        i32v v = widen_u8(w + (size_t)(k >> 1) * 16 + h * VW);
         v = (k & 1) ? v >> 4 : v & 15;
-        return __builtin_convertvector(v, vec) * d + m;
+        return __builtin_convertvector(v, vw) * d + m;
     }
-    default: return *(const vec *)(w + (size_t)k * 64);
+    default: return *(const vw *)(w + (size_t)k * 64 + h * VW * 4);
     }
 }
 
@@ -214,39 +249,45 @@ static inline vec expand(int fmt, const char *restrict w, int k, vec d, vec m) {
     static void cpanel_##FMT##_##MM##_##NP(const float *restrict x, int ldx, const char *restrict wp, size_t pstride, \
                                            const float *restrict sc, const float *restrict mn, size_t sstride, int K,   \
                                            vec *restrict out) {                                                       \
-        vec acc[NP][MM];                                                                                              \
-        for (int p = 0; p < NP; p++) _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] = (vec){0};     \
+        vw acc[NP][MM][NH];                                                                                           \
+        for (int p = 0; p < NP; p++)                                                                                   \
+            _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) for (int h = 0; h < NH; h++) acc[p][m][h] = (vw){0}; \
         for (int k0 = 0; k0 < K; k0 += QK) {                                                                           \
             int k1 = K - k0 < QK ? K : k0 + QK;                                                                        \
-            vec d[NP], mi[NP];                                                                                         \
-            for (int p = 0; p < NP; p++) {                                                                             \
-                d[p] = FMT == SG_Q8 || FMT == SG_Q4 ? *(const vec *)(sc + p * sstride + (size_t)(k0 / QK) * LANES) : (vec){0}; \
-                mi[p] = FMT == SG_Q4 ? *(const vec *)(mn + p * sstride + (size_t)(k0 / QK) * LANES) : (vec){0};       \
-            }                                                                                                          \
+            vw d[NP][NH], mi[NP][NH];                                                                                  \
+            for (int p = 0; p < NP; p++)                                                                               \
+                for (int h = 0; h < NH; h++) {                                                                         \
+                    size_t at = p * sstride + (size_t)(k0 / QK) * LANES + h * VW;                                      \
+                    d[p][h] = FMT == SG_Q8 || FMT == SG_Q4 ? *(const vw *)(sc + at) : (vw){0};                         \
+                    mi[p][h] = FMT == SG_Q4 ? *(const vw *)(mn + at) : (vw){0};                                       \
+                }                                                                                                      \
             /* SG_Q4 steps over whole pairs; an odd K's last k (the low nibble of its pair) is taken below */          \
             int kend = FMT == SG_Q4 ? k1 - ((k1 - k0) & 1) : k1;                                                        \
             for (int k = k0; k < kend; k += FMT == SG_Q4 ? 2 : 1) {                                                   \
                 if (MM > 1) __builtin_prefetch(wp + (size_t)k * step_bytes(FMT) / (FMT == SG_Q4 ? 2 : 1) + AHEAD * 64, 0, 0); \
-                _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) {                                                 \
+                _Pragma("GCC unroll 4") for (int p = 0; p < NP; p++) _Pragma("GCC unroll 2") for (int h = 0; h < NH; h++) { \
                     if (FMT == SG_Q4) { /* one load and widening for the pair k, k + 1 */                              \
-                        i32x16 v = widen_u8(wp + p * pstride + (size_t)(k >> 1) * 16);                                  \
-                        vec w = __builtin_convertvector(v & 15, vec) * d[p] + mi[p];                                   \
-                        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + k] * w; \
-                        w = __builtin_convertvector(v >> 4, vec) * d[p] + mi[p];                                       \
-                        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + k + 1] * w; \
+                        i32v v = widen_u8(wp + p * pstride + (size_t)(k >> 1) * 16 + h * VW); \
+                        vw w = __builtin_convertvector(v & 15, vw) * d[p][h] + mi[p][h];                               \
+                        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m][h] += x[(size_t)m * ldx + k] * w; \
+                        w = __builtin_convertvector(v >> 4, vw) * d[p][h] + mi[p][h];                                  \
+                        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m][h] += x[(size_t)m * ldx + k + 1] * w; \
                     } else {                                                                                           \
-                        vec w = expand(FMT, wp + p * pstride, k, d[p], mi[p]);                                         \
-                        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + k] * w; \
+                        vw w = expand(FMT, wp + p * pstride, k, h, d[p][h], mi[p][h]);                                 \
+                        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m][h] += x[(size_t)m * ldx + k] * w; \
                     }                                                                                                  \
                 }                                                                                                      \
             }                                                                                                          \
             if (kend < k1)                                                                                             \
-                for (int p = 0; p < NP; p++) {                                                                         \
-                    vec w = expand(FMT, wp + p * pstride, kend, d[p], mi[p]);                                          \
-                    _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m] += x[(size_t)m * ldx + kend] * w; \
-                }                                                                                                      \
+                for (int p = 0; p < NP; p++)                                                                           \
+                    for (int h = 0; h < NH; h++) {                                                                     \
+                        vw w = expand(FMT, wp + p * pstride, kend, h, d[p][h], mi[p][h]);                              \
+                        _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) acc[p][m][h] += x[(size_t)m * ldx + kend] * w; \
+                    }                                                                                                  \
         }                                                                                                              \
-        for (int p = 0; p < NP; p++) _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) out[p * MM + m] = acc[p][m]; \
+        for (int p = 0; p < NP; p++)                                                                                   \
+            _Pragma("GCC unroll 16") for (int m = 0; m < MM; m++) for (int h = 0; h < NH; h++)                          \
+                __builtin_memcpy((float *)&out[p * MM + m] + h * VW, &acc[p][m][h], sizeof(vw));                       \
     }
 
 #define CPANELS(FMT)                                                                                              \
@@ -271,24 +312,11 @@ static const cpanel_fn CPANELS_2x2[5] = {cpanel_0_2_2, cpanel_1_2_2, cpanel_2_2_
 static void expand_panel(int fmt, const char *wp, const float *sc, const float *mn, int K, float *buf) {
     for (int k0 = 0; k0 < K; k0 += QK) {
         int k1 = K - k0 < QK ? K : k0 + QK;
-        vec d = fmt == SG_Q8 || fmt == SG_Q4 ? *(const vec *)(sc + (size_t)(k0 / QK) * LANES) : (vec){0};
-        vec mi = fmt == SG_Q4 ? *(const vec *)(mn + (size_t)(k0 / QK) * LANES) : (vec){0};
-        for (int k = k0; k < k1; k++) *(vec *)(buf + (size_t)k * LANES) = expand(fmt, wp, k, d, mi);
-    }
-}
-
-/* Output features of panel p that exist (16, or fewer in the last panel). */
-static int width_of(int p, int N) { return N - p * LANES < LANES ? N - p * LANES : LANES; }
-
-static void store_rows(const vec *out, int rows, int width, const float *bias, int p, int N, float *y) {
-    for (int m = 0; m < rows; m++) {
-        float *dst = y + (size_t)m * N + (size_t)p * LANES;
-        if (width == LANES) {
-            vec r = out[m];
-            if (bias) r += *(const vec_u *)(bias + (size_t)p * LANES);
-            *(vec_u *)dst = r;
-        } else {
-            for (int j = 0; j < width; j++) dst[j] = out[m][j] + (bias ? bias[p * LANES + j] : 0.0f);
+        for (int h = 0; h < NH; h++) {
+            size_t at = (size_t)(k0 / QK) * LANES + h * VW;
+            vw d = fmt == SG_Q8 || fmt == SG_Q4 ? *(const vw *)(sc + at) : (vw){0};
+            vw mi = fmt == SG_Q4 ? *(const vw *)(mn + at) : (vw){0};
+            for (int k = k0; k < k1; k++) *(vw *)(buf + (size_t)k * LANES + h * VW) = expand(fmt, wp, k, h, d, mi);
         }
     }
 }
@@ -342,12 +370,14 @@ static int linear_parts(int fmt, const float *x, int M, int K, const char *wp, c
     if (M <= LANES) {
         if (first < panels) {
 #pragma omp parallel for schedule(static) if (team)
-            for (int p = first; p < panels; p++) {
-                vec out[LANES];
-                CPANELS1[fmt][M](x, K, wp + p * pstride, pstride, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0,
-                                 sstride, K, out);
-                put(o, out, M, p, 0);
-            }
+            for (int p = first; p < panels; p++)
+                for (int g = 0; g < M; g += ROWS_AT_ONCE) {
+                    int rows = M - g < ROWS_AT_ONCE ? M - g : ROWS_AT_ONCE;
+                    vec out[LANES];
+                    CPANELS1[fmt][rows](x + (size_t)g * K, K, wp + p * pstride, pstride, sc ? sc + p * sstride : 0,
+                                        mn ? mn + p * sstride : 0, sstride, K, out);
+                    put(o, out, rows, p, g);
+                }
         }
         return 0;
     }
@@ -368,8 +398,8 @@ static int linear_parts(int fmt, const float *x, int M, int K, const char *wp, c
                 expand_panel(fmt, panel, sc ? sc + p * sstride : 0, mn ? mn + p * sstride : 0, K, buf);
                 panel = (const char *)buf;
             }
-            for (int g = 0; g < M; g += LANES) {
-                int rows = M - g < LANES ? M - g : LANES;
+            for (int g = 0; g < M; g += ROWS_AT_ONCE) {
+                int rows = M - g < ROWS_AT_ONCE ? M - g : ROWS_AT_ONCE;
                 vec out[LANES];
                 CPANELS1[SG_F32][rows](x + (size_t)g * K, K, panel, 0, 0, 0, 0, K, out);
                 put(o, out, rows, p, g);
