@@ -76,9 +76,9 @@ def _packed(config: DraftConfig, drafter: Drafter, info: DrafterInfo) -> Drafter
     weights = config.weights
     if (info.needs_features and weights == gemm.AUTO and config.packed_gemm_rows > 0
             and gemm.available(parameter.device, parameter.dtype)):
-        from specdec.model.feature_draft import COMPACT_WEIGHTS
+        from specdec.model.feature_draft import compact_weights
 
-        weights = COMPACT_WEIGHTS  # a feature draft has no GGUF of its own: its auto is the format measured fastest
+        weights = compact_weights()  # a feature draft has no GGUF of its own: its auto is the format measured fastest
     packed = gemm.apply(model, parameter.device, parameter.dtype, config.packed_gemm_rows, gemm.DEFAULT_MIN_ROWS,
                         weights, drafter.source)
     return dataclasses.replace(info, weights=packed.weights if packed else str(parameter.dtype).removeprefix("torch."),

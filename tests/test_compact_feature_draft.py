@@ -1,4 +1,4 @@
-"""A feature draft served in a compact format (specdec/model/feature_draft.py: COMPACT_WEIGHTS) and a cut head.
+"""A feature draft served in a compact format (specdec/model/feature_draft.py: compact_weights) and a cut head.
 
 The draft's numerics choose only its proposals: whatever they are, greedy output is the target's own,
 in process and through the services. How often the compact draft proposes what the fp32 draft would
@@ -20,7 +20,7 @@ from draft_service.loading import load_engine
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from specdec.model.cpu import gemm, packed
-from specdec.model.feature_draft import COMPACT_WEIGHTS, cut_head, save_feature_draft
+from specdec.model.feature_draft import compact_weights, cut_head, save_feature_draft
 from specdec.model.lm import CausalLM
 from target_service.engine import TargetEngine
 from tests import tiny
@@ -37,9 +37,9 @@ def target():
     return tiny.one_layer_target(seed=3)
 
 
-def compact_draft(target, weights: str = COMPACT_WEIGHTS, **kwargs):
+def compact_draft(target, weights: str | None = None, **kwargs):
     draft = tiny.feature_draft_of(target, **kwargs)
-    gemm.apply(draft, CPU, torch.float32, gemm.DEFAULT_ROWS, 1, weights, None)
+    gemm.apply(draft, CPU, torch.float32, gemm.DEFAULT_ROWS, 1, weights or compact_weights(), None)
     return draft
 
 
@@ -87,7 +87,7 @@ def test_a_cut_head_keeps_the_rows_it_keeps_and_the_output(target):
     assert torch.isinf(ours[..., [t for t in range(tiny.VOCAB) if t not in keep]]).all()
     with pytest.raises(ValueError):
         cut_head(cut, [1])  # 1 is not in the cut head
-    gemm.apply(cut, CPU, torch.float32, gemm.DEFAULT_ROWS, 1, COMPACT_WEIGHTS, None)
+    gemm.apply(cut, CPU, torch.float32, gemm.DEFAULT_ROWS, 1, compact_weights(), None)
     verifier_engine, draft_engine = TargetEngine(CausalLM(target, CPU)), DraftEngine(FeatureDrafter(cut, CPU, [tiny.EOS]))
     loop = loop_over(LocalVerifier(verifier_engine), LocalProposer(draft_engine))
     for prompt in tiny.prompts(4, seed=5):
@@ -108,7 +108,7 @@ def test_the_draft_service_serves_a_feature_draft_compact_unless_told(saved):
     _, draft_path = saved
     config = dataclasses.replace(DraftConfig(port=0, metrics_port=-1, device="cpu"), drafter="model", model=draft_path)
     engine, info = load_engine(config)
-    assert info.drafter == "feature" and info.weights == COMPACT_WEIGHTS
+    assert info.drafter == "feature" and info.weights == compact_weights()
     assert all(m.compact is not None for m in engine.drafter.model.modules() if isinstance(m, packed.PackedLinear))
     _, info = load_engine(dataclasses.replace(config, weights="fp32"))
     assert info.weights == "fp32"
@@ -125,7 +125,7 @@ def test_over_grpc_greedy_equals_the_target_alone_with_the_compact_draft(target,
 
         with grpc.insecure_channel(draft_addr) as channel:
             info = pb_grpc.DraftServiceStub(channel).GetInfo(pb.DraftServiceGetInfoRequest(), timeout=10).info
-        assert info.drafter == "feature" and info.weights == COMPACT_WEIGHTS
+        assert info.drafter == "feature" and info.weights == compact_weights()
         client = stack.client(stack.coordinator(target_addr, draft_addr, tiny.byte_tokenizer()))
         accepted = 0
         for prompt in tiny.prompts(8):
@@ -157,7 +157,7 @@ def test_the_committed_draft_in_int8_a8_proposes_what_fp32_does_on_most_position
     loaded = load_model(DEFAULT_TARGET, "cpu", "float32")
     reference, _ = load_feature_draft(folder, "cpu", torch.float32)
     ours, _ = load_feature_draft(folder, "cpu", torch.float32)
-    gemm.apply(ours, CPU, torch.float32, gemm.DEFAULT_ROWS, 1, COMPACT_WEIGHTS, None)
+    gemm.apply(ours, CPU, torch.float32, gemm.DEFAULT_ROWS, 1, compact_weights(), None)
     prompts = load_prompt_ids(loaded.tokenizer, "grounded", 4) + load_prompt_ids(loaded.tokenizer, "chat", 8)
     same = agree_ref = agree_ours = positions = 0
     with torch.inference_mode():
@@ -194,12 +194,12 @@ def test_evaluate_measures_the_compact_draft_as_the_loop_runs_it(target, tmp_pat
     corpus.write_text("\n\n".join(f"passage {i}: the quick brown fox jumps over the lazy dog, then naps." for i in range(60)))
     argv = ["--method", "feature", "--target-model", target_path, "--corpus", str(corpus), "--out", str(folder),
             "--heldout-prompts", "4", "--eval-tokens", "24", "--gen-batch", "4", "--threads", "1", "--draft-length", "3",
-            "--evaluate", "--weights", COMPACT_WEIGHTS]
+            "--evaluate", "--weights", compact_weights()]
     args = distill.parse_args(argv)
     report = distill_feature.evaluate(args)
-    assert report["weights"] == COMPACT_WEIGHTS and "weights int8-a8" in distill.format_evaluation(report)
+    assert report["weights"] == compact_weights() and f"weights {compact_weights()}\n" in distill.format_evaluation(report)
     draft, _ = load_feature_draft(folder)
-    gemm.apply(draft, CPU, torch.float32, gemm.DEFAULT_ROWS, 1, COMPACT_WEIGHTS, None)
+    gemm.apply(draft, CPU, torch.float32, gemm.DEFAULT_ROWS, 1, compact_weights(), None)
     heldout = distill_feature.build_data(args, target, tiny.byte_tokenizer(), distill.load_corpus(args.corpus), {tiny.EOS}, heldout=True)
     loop = SpeculativeLoop(LocalVerifier(TargetEngine(CausalLM(target, CPU))),
                            LocalProposer(DraftEngine(FeatureDrafter(draft, CPU, [tiny.EOS]))), None, MODEL_DRAFT_PRIOR, features=True)

@@ -221,7 +221,7 @@ def test_pack_linears_rejects_a_bad_range(pair):
         gemm.pack_linears(copy.deepcopy(pair[0]), gemm.MAX_ROWS + 1, 1)
 
 
-def test_weights_auto_picks_gguf_a8_only_for_a_gguf_model_on_a_cpu_with_int8_dot_products(tmp_path, monkeypatch):
+def test_weights_auto_picks_the_gguf_blocks_of_a_gguf_model_against_int8_activations_where_the_cpu_has_vnni(tmp_path, monkeypatch):
     """The services' default: the fastest exact format where the kernel can serve it, else fp32."""
     import json
 
@@ -232,14 +232,14 @@ def test_weights_auto_picks_gguf_a8_only_for_a_gguf_model_on_a_cpu_with_int8_dot
     from_gguf = tmp_path / "converted"
     from_gguf.mkdir()
     (from_gguf / "specdec_source.json").write_text(json.dumps({"gguf": str(gguf_file)}))
-    monkeypatch.setattr(gemm, "_int8_dot_products", lambda: True)
+    monkeypatch.setattr(gemm, "int8_dot_products", lambda: True)
     assert gemm.resolve_weights("auto", CPU, torch.float32, 8, str(from_gguf)) == "gguf-a8"
     assert gemm.resolve_weights("auto", CPU, torch.float32, 8, str(tmp_path)) == "fp32"  # not from a GGUF
     assert gemm.resolve_weights("auto", CPU, torch.float32, 0, str(from_gguf)) == "fp32"  # kernel off
     assert gemm.resolve_weights("auto", torch.device("cuda"), torch.float32, 8, str(from_gguf)) == "fp32"
     assert gemm.resolve_weights("q4", CPU, torch.float32, 8, str(tmp_path)) == "q4"  # asked for: as asked
-    monkeypatch.setattr(gemm, "_int8_dot_products", lambda: False)
-    assert gemm.resolve_weights("auto", CPU, torch.float32, 8, str(from_gguf)) == "fp32"
+    monkeypatch.setattr(gemm, "int8_dot_products", lambda: False)
+    assert gemm.resolve_weights("auto", CPU, torch.float32, 8, str(from_gguf)) == "gguf"
 
 
 def test_weights_auto_on_a_model_not_from_gguf_serves_fp32(pair):

@@ -184,13 +184,17 @@ def load_feature_draft(folder: str | pathlib.Path, device: torch.device | str = 
     return model, meta
 
 
-# What `--weights auto` serves a feature draft as on a CPU (draft_service/loading.py). The draft's
-# numerics only choose its proposals, never the output (the target verifies every token), so the
-# format is picked for speed at the proposals' agreement: int8 weights against activations rounded to
-# int8 (the target's `-a8` arithmetic) were the fastest per drafted token on an AVX2-only CPU, where
-# the integer products run without VNNI, and they agree with the fp32 draft's top-1 on nearly every
-# position (the model card has the figures; tests/test_compact_feature_draft.py bounds it).
-COMPACT_WEIGHTS = "int8-a8"
+def compact_weights() -> str:
+    """What `--weights auto` serves a feature draft as on a CPU (draft_service/loading.py). The draft's
+    numerics only choose its proposals, never the output (the target verifies every token), so the
+    format is picked for speed at the proposals' agreement: int8 weights, against activations rounded
+    to int8 (the target's `-a8` arithmetic) where the CPU has 8-bit dot-product instructions, else
+    expanded to floats in registers (without VNNI the integer products take several instructions
+    each and the float path is faster). Both agree with the fp32 draft's top-1 on nearly every
+    position (the model card has the figures; tests/test_compact_feature_draft.py bounds it)."""
+    from specdec.model.cpu import gemm
+
+    return "int8-a8" if gemm.int8_dot_products() else "int8"
 
 
 def cut_head(model: FeatureDraft, keep: list[int]) -> FeatureDraft:

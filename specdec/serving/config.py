@@ -41,13 +41,13 @@ def event_loop_option() -> Any:
 def weights_option(draft: bool = False) -> Any:
     """The model services' `weights` field (specdec/model/cpu/compact.py says what each format is); the
     draft's `auto` also covers feature drafts (specdec/model/feature_draft.py: COMPACT_WEIGHTS)."""
-    feature = ("; a feature draft (no GGUF of its own): int8-a8 on any CPU the kernel serves, its fastest format "
-               "measured, which changes only its proposals, never the output") if draft else ""
+    feature = ("; a feature draft (no GGUF of its own): int8-a8 with those instructions, else int8, its fastest "
+               "formats measured, which change only its proposals, never the output") if draft else ""
     return option(
         "auto",
-        "What the CPU GEMM kernel reads the linear layers' weights as. auto: gguf-a8 for a model loaded from a GGUF "
-        "file on a CPU with 8-bit dot-product instructions (AVX-512 VNNI or AVX-VNNI), the fastest exact format there"
-        f"{feature}; else fp32 (a GPU always serves fp32 here). fp32: the tokens transformers' generate() gives; "
+        "What the CPU GEMM kernel reads the linear layers' weights as. auto: for a model loaded from a GGUF file, "
+        "its own blocks, as gguf-a8 on a CPU with 8-bit dot-product instructions (AVX-512 VNNI or AVX-VNNI) and as "
+        f"gguf without them, the fastest exact format on each{feature}; else fp32 (a GPU always serves fp32 here). fp32: the tokens transformers' generate() gives; "
         "bf16 or f16; int8 or q4 (blocks of "
         "32 with their own scales, quantized at load); gguf (the blocks of the GGUF file the model came from, as "
         "they are); int8-a8, q4-a8, gguf-a8 (the same weights against activations rounded to int8 per block of 32, "

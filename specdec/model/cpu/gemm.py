@@ -149,19 +149,20 @@ AUTO = "auto"
 
 def resolve_weights(weights: str, device: torch.device, dtype: torch.dtype, rows: int, source: str | None) -> str:
     """`auto` (the services' default): the fastest format that keeps a model's greedy tokens exact
-    under speculation on this machine, which is its own GGUF blocks against 8-bit activations
-    (gguf-a8, llama.cpp's arithmetic) where the model came from a GGUF file and the CPU has 8-bit
-    dot-product instructions (AVX-512 VNNI or AVX-VNNI); else fp32. Every format is exact against
+    under speculation on this machine. For a model that came from a GGUF file that is its own GGUF
+    blocks: against 8-bit activations (gguf-a8, llama.cpp's arithmetic) where the CPU has 8-bit
+    dot-product instructions (AVX-512 VNNI or AVX-VNNI), else expanded to floats in registers (gguf:
+    without VNNI the integer products take several instructions each). Any other model: fp32. Every format is exact against
     itself at any row count; only fp32 also matches transformers' generate() (up to attention's
     last bits), which is why it stays one flag away. A GPU, or the kernel off, serves fp32."""
     if weights != AUTO:
         return weights
     if rows <= 0 or not available(device, dtype) or not source or compact.gguf_source(source) is None:
         return "fp32"
-    return "gguf-a8" if _int8_dot_products() else "fp32"
+    return "gguf-a8" if int8_dot_products() else "gguf"
 
 
-def _int8_dot_products() -> bool:
+def int8_dot_products() -> bool:
     return bool({"avx512_vnni", "avx_vnni"} & gemm_kernel.cpu_flags())
 
 
