@@ -47,8 +47,8 @@ def weights_option(draft: bool = False) -> Any:
         "auto",
         "What the CPU GEMM kernel reads the linear layers' weights as. auto: for a model loaded from a GGUF file, "
         "its own blocks, as gguf-a8 on a CPU with 8-bit dot-product instructions (AVX-512 VNNI or AVX-VNNI) and as "
-        f"gguf without them, the fastest exact format on each{feature}; else fp32 (a GPU always serves fp32 here). fp32: the tokens transformers' generate() gives; "
-        "bf16 or f16; int8 or q4 (blocks of "
+        f"gguf without them, the fastest exact format on each{feature}; else fp32 (a GPU always serves fp32 here). "
+        "fp32: the tokens transformers' generate() gives; bf16 or f16; int8 or q4 (blocks of "
         "32 with their own scales, quantized at load); gguf (the blocks of the GGUF file the model came from, as "
         "they are); int8-a8, q4-a8, gguf-a8 (the same weights against activations rounded to int8 per block of 32, "
         "multiplied with the CPU's 8-bit dot-product instructions, as llama.cpp computes). Fewer bytes a weight and "
