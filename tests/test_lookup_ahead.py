@@ -4,7 +4,7 @@ prompt lookup itself (specdec/maths/lookup.py), so an n-gram step costs no excha
 Greedy tokens must be exactly the target's own, whatever was drafted; the accepted drafts must
 save forward passes; the coordinator must ask for it only where it keeps its guarantees (an n-gram
 drafter, not seeded sampling), and a bad value must name its field. The sampled distribution with
-it is checked in tests/test_distribution.py (test_ngram_drafted_by_the_target).
+it is checked in tests/test_distribution_drafters.py (test_ngram_drafted_by_the_target).
 """
 
 from __future__ import annotations
