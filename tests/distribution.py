@@ -19,11 +19,14 @@ The check is a chi-square test over the cells (token triples; a sequence that en
 is a cell of its own), pooling cells expected fewer than 5 times, at a false-alarm rate of 1e-4
 per case. Each case prints its sample count and the smallest bias it detects with power 0.9: the
 mass moved from the likeliest cell to the next that the test would catch 9 times in 10
-(`detectable_shift`); each asserts that bias is small. The power is shown, not only computed: the
+(`detectable_shift`); each asserts that bias is small. A case is sized by that bias, not by a count:
+it takes the fewest requests whose check detects a shift of SIZED_SHIFT (`samples_for`), so a
+case whose target spreads its mass over few cells needs fewer requests than one over many. The power is shown, not only computed: the
 same check applied to two wrong rules (a verifier that accepts every draft token; a drafter that
 cuts a drawn token by its own probability, the bias this suite was written to catch) fails.
 
-SPECDEC_DISTRIBUTION_SAMPLES scales every case (default 1,000 requests each; 833 through gRPC).
+SPECDEC_DISTRIBUTION_SHIFT sets the shift every case is sized to detect (default 0.075), and
+SPECDEC_DISTRIBUTION_SAMPLES the most requests a case takes (default 1,000; 5/6 of it through gRPC).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ from specdec.maths.sampling import SamplingConfig, target_probs
 from target_service.engine import TargetEngine
 
 
-SAMPLES = int(os.environ.get("SPECDEC_DISTRIBUTION_SAMPLES", "1000"))
+SAMPLES = int(os.environ.get("SPECDEC_DISTRIBUTION_SAMPLES", "1000"))  # the most requests a case takes
+SIZED_SHIFT = float(os.environ.get("SPECDEC_DISTRIBUTION_SHIFT", "0.075"))  # what each case is sized to detect
 FALSE_ALARM = 1e-4  # per case
 BASELINE_REQUESTS = 200  # requests of a case that only counts (what is drafted without a prediction)
 POWER = 0.9
@@ -198,6 +202,22 @@ def chi_square(samples: list[Cell], exact: dict[Cell, float]) -> tuple[float, fl
     return float(stats.chisquare(observed, expected).pvalue), detectable_shift(probs, n)
 
 
+def samples_for(exact: dict[Cell, float], shift: float = SIZED_SHIFT, most: int = SAMPLES) -> int:
+    """The fewest requests (at most `most`) whose check detects `shift` with power POWER. The
+    detectable shift depends only on the exact distribution and the count (the pooling too), so the
+    size is known before sampling."""
+    def detects(n: int) -> bool:
+        return detectable_shift(pooled(exact, collections.Counter(), n)[0], n) <= shift
+
+    if not detects(most):
+        return most
+    low, high = 1, most  # detects(high) holds
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if detects(middle) else (middle, high)
+    return high
+
+
 def assert_target_distribution(name: str, samples: list[Cell], exact: dict[Cell, float], stats_: Stats | None = None):
     pvalue, shift = chi_square(samples, exact)
     extra = ""
@@ -254,22 +274,26 @@ PROMPT = [3, 1, 4, 1, 5]
 PLAIN = SamplingConfig(temperature=1.0)
 
 
-def check_case(name, models, drafter, sampling=PLAIN, prompt=PROMPT, loop_kwargs=None, n=SAMPLES,
+def check_case(name, models, drafter, sampling=PLAIN, prompt=PROMPT, loop_kwargs=None, n: int | None = None,
                target_engine=TargetEngine, acceptance=(0.1, 0.9), min_drafted=0.3, costs: Costs | None = FIXED_COSTS,
-               verifier_type=LocalVerifier, **spec):
-    """Runs the case and asserts the target's distribution. The case must test speculation, not the
-    target alone: it drafts at least `min_drafted` tokens per request on average, and accepts a
-    share of them inside `acceptance`. `costs`: what each pass reports it cost (None: measured)."""
+               verifier_type=LocalVerifier, **spec) -> int:
+    """Runs the case (n requests; by default as many as `samples_for` says) and asserts the target's
+    distribution; returns n. The case must test speculation, not the target alone: it drafts at
+    least `min_drafted` tokens per request on average, and accepts a share of them inside
+    `acceptance`. `costs`: what each pass reports it cost (None: measured)."""
     target = models["target"]
     verifier = verifier_type(target_engine(CausalLM(target, CPU)), fixed_costs=costs)
     proposer = LocalProposer(DraftEngine(drafter), fixed_costs=costs)
     loop = default_loop(verifier, proposer, **(loop_kwargs or {}))
     eos = eos_of(target)
+    exact = exact_joint(target, prompt, sampling, eos)
+    n = n or samples_for(exact)
     samples, total = sample_loop(loop, prompt, sampling, eos, n=n, **spec)
     low, high = acceptance
     assert total.draft_tokens > min_drafted * n and low * total.draft_tokens <= total.accepted_tokens <= high * total.draft_tokens, \
         f"{name}: {total.accepted_tokens} of {total.draft_tokens} draft tokens accepted"
-    assert_target_distribution(name, samples, exact_joint(target, prompt, sampling, eos), total)
+    assert_target_distribution(name, samples, exact, total)
+    return n
 
 
 

@@ -23,6 +23,7 @@ from specdec.maths.sampling import SamplingConfig
 from target_service.engine import TargetEngine
 from tests import tiny
 from tests.distribution import (
+    samples_for,
     pair_models,
     BASELINE_REQUESTS,
     CPU,
@@ -56,9 +57,9 @@ def test_ngram_drafted_by_the_target(models):
     one-hot draft. Requests run past the three tokens checked, so that the second step's passes
     have room to draft inside them."""
     LookupCounting.drafted = LookupCounting.accepted = 0
-    check_case("n-gram, drafted by the target", models, NgramDrafter(4, 1), prompt=[1, 0, 4, 1, 0, 4],
-               loop_kwargs={"drafter": "ngram"}, verifier_type=LookupCounting, max_new=DEPTH + 5)
-    assert LookupCounting.drafted > 0.3 * SAMPLES and 0 < LookupCounting.accepted < LookupCounting.drafted
+    n = check_case("n-gram, drafted by the target", models, NgramDrafter(4, 1), prompt=[1, 0, 4, 1, 0, 4],
+                   loop_kwargs={"drafter": "ngram"}, verifier_type=LookupCounting, max_new=DEPTH + 5)
+    assert LookupCounting.drafted > 0.3 * n and 0 < LookupCounting.accepted < LookupCounting.drafted
 
 
 def test_prediction_drafted_by_the_target(models):
@@ -67,10 +68,10 @@ def test_prediction_drafted_by_the_target(models):
     against those one-hot drafts keeps the target's distribution."""
     prediction = tuple(PROMPT[-2:] + tiny.reference_greedy(models["target"], PROMPT, DEPTH + 5))
     LookupCounting.drafted = LookupCounting.accepted = 0
-    check_case("prediction, drafted by the target", models, NgramDrafter(4, 1), loop_kwargs={"drafter": "ngram"},
-               verifier_type=LookupCounting, max_new=DEPTH + 5, prediction_ids=prediction, min_drafted=0.0)
+    n = check_case("prediction, drafted by the target", models, NgramDrafter(4, 1), loop_kwargs={"drafter": "ngram"},
+                   verifier_type=LookupCounting, max_new=DEPTH + 5, prediction_ids=prediction, min_drafted=0.0)
     assert 0 < LookupCounting.accepted < LookupCounting.drafted
-    with_prediction = LookupCounting.drafted / SAMPLES
+    with_prediction = LookupCounting.drafted / n
     # The same requests without a prediction draft only from their own repeats: counted, not checked
     # again (test_ngram_drafted_by_the_target checks that path's distribution), on fewer requests.
     LookupCounting.drafted = 0
@@ -187,14 +188,15 @@ def test_through_grpc_services(wide_models, stack, concurrency, adaptive):
     cases are `slow`, and the suite's own ask for two draft tokens a step (not adaptive)."""
     target, eos = wide_models["target"], eos_of(wide_models["target"])
     speculation = None if adaptive else pb.SpeculationParams(draft_length=2, adaptive=False)
-    samples, total = sample_grpc(stack[concurrency], PROMPT, PLAIN, eos, concurrency, speculation)
+    exact = exact_joint(target, PROMPT, PLAIN, eos)
+    samples, total = sample_grpc(stack[concurrency], PROMPT, PLAIN, eos, concurrency, speculation, samples_for(exact, most=GRPC_SAMPLES))
     # Adaptive: the learned costs count the draft's round trip here, so fewer steps draft than in
     # process. Two tokens a step: the first step of every request drafts 2.
     least = 0.1 if adaptive else 1.0
     assert total.draft_tokens > least * len(samples) and 0.1 * total.draft_tokens <= total.accepted_tokens <= 0.9 * total.draft_tokens, \
         f"{total.accepted_tokens} of {total.draft_tokens} draft tokens accepted"
     name = f"gRPC, {concurrency} at once, {'adaptive' if adaptive else 'two tokens a step'}"
-    assert_target_distribution(name, samples, exact_joint(target, PROMPT, PLAIN, eos), total)
+    assert_target_distribution(name, samples, exact, total)
 
 
 # pipelined over gRPC in test-all (the suite's time): test_overlap_on and the lost-bet case check it in process
@@ -209,10 +211,12 @@ def test_through_grpc_drafted_runs(wide_models, stack, mode, concurrency):
     speculation = pb.SpeculationParams(draft_length=1, adaptive=False)
     runs = stack["servers"][4].servicer.runs  # the target with --draft
     hits = runs.hits
-    samples, total = sample_grpc(stack[mode], PROMPT, PLAIN, eos, concurrency, speculation, max_new=DEPTH + 2)
+    exact = exact_joint(target, PROMPT, PLAIN, eos)
+    samples, total = sample_grpc(stack[mode], PROMPT, PLAIN, eos, concurrency, speculation, samples_for(exact, most=GRPC_SAMPLES),
+                                 max_new=DEPTH + 2)
     assert total.draft_tokens > len(samples) and 0.1 * total.draft_tokens <= total.accepted_tokens <= 0.9 * total.draft_tokens, \
         f"{total.accepted_tokens} of {total.draft_tokens} draft tokens accepted"
     if mode == "pipelined":
         assert runs.hits - hits > 0.05 * len(samples), f"{runs.hits - hits} steps drafted ahead in {len(samples)} requests"
-    assert_target_distribution(f"gRPC drafted runs, {mode}, {concurrency} at once", samples, exact_joint(target, PROMPT, PLAIN, eos), total)
+    assert_target_distribution(f"gRPC drafted runs, {mode}, {concurrency} at once", samples, exact, total)
 
