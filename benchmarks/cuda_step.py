@@ -7,7 +7,8 @@ each: tokens per second decoding alone (one stream, 128 tokens) with transformer
 with the target engine on transformers' forward (--numerics fast) and with the fixed-shape passes
 (--numerics exact, CUDA graphs); the cost of one verification pass over n = 1..16 positions and of
 8 sequences batched; whether speculation with drafts copied from the reference equals decoding
-alone; and a torch profiler table of one fast-mode decode step (kernel launches vs GPU time).
+alone; transformers' generate() with its static cache; and torch profiler tables of fast-mode
+decode steps and of the exact pass run without its CUDA graph (the kernels the graph replays).
 Runs on the CPU too (--device cpu, small counts), which is how its code path is tested.
 """
 
@@ -104,7 +105,8 @@ def batch_ms(engine: TargetEngine, contexts: list[list[int]], gamma: int, repeat
     return 1000 * statistics.median(times)
 
 
-def profile_step(lm, context: list[int], device: torch.device) -> str:
+def profile_step(lm, context: list[int], device: torch.device) -> tuple[str, float]:
+    """A profiler table of 3 decode steps, and the kernels launched a step (0 on the CPU)."""
     seq = Sequence("prof", tokens=list(context))
     lm.forward(seq, [], keep=1)
     seq.tokens.append(5)
@@ -115,7 +117,9 @@ def profile_step(lm, context: list[int], device: torch.device) -> str:
             seq.tokens.append(5)
         sync(device)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort, row_limit=15)
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    return events.table(sort_by=sort, row_limit=20), kernels / 3
 
 
 def run_model(name: str, device: torch.device, tokens: int, repeats: int, pass_rows: int) -> tuple[dict, str]:
@@ -132,6 +136,14 @@ def run_model(name: str, device: torch.device, tokens: int, repeats: int, pass_r
         sync(device)
     row["hf_generate_tok_s"] = tokens / (time.perf_counter() - start)
     hf_tokens = out[0, len(prompt):].tolist()
+    with torch.inference_mode():  # transformers' own static cache (no torch.compile: its compile alone outlasts the check)
+        kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, cache_implementation="static")
+        model.generate(max_new_tokens=4, **kwargs)
+        sync(device)
+        start = time.perf_counter()
+        model.generate(max_new_tokens=tokens, min_new_tokens=tokens, **kwargs)
+        sync(device)
+    row["hf_generate_static_cache_tok_s"] = tokens / (time.perf_counter() - start)
     fast = TargetEngine(CausalLM(model, device))
     engine_decode(fast, prompt, 4)
     fast_tokens, seconds = engine_decode(fast, prompt, tokens)
@@ -154,11 +166,15 @@ def run_model(name: str, device: torch.device, tokens: int, repeats: int, pass_r
     contexts = [list(range(300 + i, 300 + i + 128)) for i in range(8)]
     row["exact_batch8_g4_ms"] = round(batch_ms(exact, contexts, 4, repeats, device), 3)
     row["fast_batch8_g4_ms"] = round(batch_ms(fast, contexts, 4, repeats, device), 3)
-    table = profile_step(CausalLM(model, device), context, device)
-    del exact_lm, exact, fast, model
+    table, row["fast_kernels_per_step"] = profile_step(CausalLM(model, device), context, device)
+    # the exact pass without its graph: the graph replays these kernels, so this is where its time goes
+    eager = StaticLM(model, device, pass_rows=pass_rows, slots=16, max_context=2048, graphs=False)
+    exact_table, row["exact_kernels_per_pass"] = profile_step(eager, context, device)
+    row["exact_eager_pass_ms"] = {n: round(pass_ms(eager, n, context, repeats, device), 3) for n in (1, 4)}
+    del exact_lm, exact, fast, eager, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row, table
+    return row, {"fast": table, "exact-eager": exact_table}
 
 
 def main() -> int:
@@ -173,13 +189,14 @@ def main() -> int:
     device = torch.device(args.device)
     rows = []
     for name in args.models.split(","):
-        row, table = run_model(name, device, args.tokens, args.repeats, args.pass_rows)
+        row, tables = run_model(name, device, args.tokens, args.repeats, args.pass_rows)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        print(f"profile of 3 fast-mode decode steps ({name}):\n{table}", flush=True)
-        if args.out:
-            pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
-            (pathlib.Path(args.out) / f"profile-{name}.txt").write_text(table)
+        for mode, table in tables.items():
+            print(f"profile of 3 {mode} decode steps ({name}):\n{table}", flush=True)
+            if args.out:
+                pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+                (pathlib.Path(args.out) / f"profile-{mode}-{name}.txt").write_text(table)
     if args.out:
         (pathlib.Path(args.out) / "cuda_step.json").write_text(json.dumps(rows, indent=1))
     return 0

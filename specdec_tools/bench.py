@@ -436,10 +436,17 @@ def run(opts: Options, argv: list[str]) -> dict:
                 stack.stop()
         context_info = {"draft_cost": draft_cost, "rtt": rtt, "notes": notes, "machine": machine(),
                         "weights": {w: {"weight_bytes": p.weight_bytes if p else gemm.linear_bytes(m.model),
-                                        "stored_as": p.sources if p else {}} for w, (m, _, p) in formats.items()},
+                                        "stored_as": p.sources if p else {}, **held_as(m.model)} for w, (m, _, p) in formats.items()},
                         "command": "specdec bench " + " ".join(argv), "target": opts.target if not opts.quick else "tiny (quick)",
                         "drafters": [short_name(d) for d in drafters], "prompts": {k: [pid for pid, _ in v] for k, v in prompts.items()}}
         return report(list(results.values()), context_info, opts)
+
+
+def held_as(model: torch.nn.Module) -> dict[str, str]:
+    """The dtype and device the weights compute in: the "weights" column names the CPU kernel's
+    format, which a GPU run does not use (its model computes in its own dtype, bf16 by default)."""
+    parameter = next(model.parameters())
+    return {"dtype": str(parameter.dtype).removeprefix("torch."), "device": str(parameter.device)}
 
 
 def by_kind(prompts: dict[str, list[tuple[str, list[int]]]]) -> dict[str, list[tuple[str, list[int]]]]:

@@ -200,7 +200,8 @@ def print_table(document: dict) -> None:
                   f"RTT {document['rtt_seconds'] * 1e3:.2f} ms")
     for name, held in document.get("weights", {}).items():
         stored = ", ".join(f"{k} x{v}" for k, v in held["stored_as"].items())
-        console.print(f"weights {name}: {held['weight_bytes'] / 2**20:.0f} MiB of linear weights read per forward ({stored or 'as loaded'})")
+        console.print(f"weights {name}: {held['weight_bytes'] / 2**20:.0f} MiB of linear weights read per forward ({stored or 'as loaded'}), "
+                      f"computing in {held.get('dtype', '?')} on {held.get('device', '?')}")
     for set_name in document["prompts"]:
         table = Table(title=f"prompt set: {set_name} ({len(document['prompts'][set_name])} prompts)")
         for column in ("configuration", "weights", "tok/s median [min-max]", "TTFT ms", "vs hf", "vs hf-assisted", "vs llama.cpp",

@@ -6,6 +6,7 @@ with CUDA graphs and the Triton attention) where a GPU is present.
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -287,3 +288,36 @@ def test_real_shape_greedy_speculation_equals_decoding_alone_on_cuda(dtype):
     references = [decode_alone(engine, f"r{i}", p, 32) for i, p in enumerate(prompts)]
     assert speculate(engine, prompts, references, batched=True, tree=True) == references
     assert speculate(engine, prompts[:2], references[:2], batched=False, tree=False, name="alone") == references[:2]
+
+
+# Largest |logit - fp32 reference| over the largest |reference logit|, by the dtype served: fp32 on
+# the GPU differs from the CPU only by summation order (and TF32 in Triton's dots), the half types by
+# their rounding of every weight and activation through 30 layers.
+LOGIT_TOLERANCE = {torch.float32: 5e-3, torch.float16: 2e-2, torch.bfloat16: 6e-2}
+
+
+def relative_logit_error(model: torch.nn.Module, device: str, dtype: torch.dtype, prompt: list[int]) -> float:
+    """The served exact pass on `device` in `dtype` against transformers' fp32 forward on the CPU."""
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt])).logits[0]
+    served = exact_lm(copy.deepcopy(model).to(device=device, dtype=dtype), torch.device(device))
+    logits = served.forward(Sequence("ref", tokens=list(prompt)), [], keep=len(prompt)).float().cpu()
+    return float((logits - expected).abs().max() / expected.abs().max())
+
+
+def test_the_logit_error_of_the_cpus_fp32_pass_is_rounding():
+    error = relative_logit_error(small_model(), "cpu", torch.float32, [5, 17, 3, 99, 42, 7] * 12)
+    assert error <= 1e-5
+
+
+@CUDA[0]
+@CUDA[1]
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_cuda_logits_are_the_fp32_models_within_the_stated_tolerance(dtype):
+    """Exactness between passes says nothing of whether a pass computes the model: this does, for
+    SmolLM2-135M's shape, at every position of an 80-token prompt (two passes of 64 rows)."""
+    model = real_shape("smollm2-135m", seed=0).float().eval()
+    rng = random.Random(5)
+    prompt = [rng.randrange(model.config.vocab_size) for _ in range(80)]
+    error = relative_logit_error(model, "cuda", dtype, prompt)
+    assert error <= LOGIT_TOLERANCE[dtype], f"{dtype}: max |error| / max |logit| = {error:.2e}"

@@ -195,9 +195,10 @@ RECORDS = REPO / "benchmarks" / "results"
 KNOWN_ASSEMBLY: dict[tuple[str, str], int] = {
     # the exact fixed-shape passes against transformers' forward over one in-memory model of a real
     # shape with random weights (tinymodels.real_shape: no spec for load_lm to load), StaticLM on the
-    # CPU too (how its code path is tested), where exact_lm would choose CausalLM
+    # CPU too (how its code path is tested), where exact_lm would choose CausalLM; and once without
+    # its CUDA graph, for the profile of the kernels the graph replays
     ("benchmarks/cuda_step.py", "CausalLM"): 3,
-    ("benchmarks/cuda_step.py", "StaticLM"): 1,
+    ("benchmarks/cuda_step.py", "StaticLM"): 2,
     # on a GPU, the numerics=fast comparison row over the very model load_lm served with fixed-shape
     # passes: a second load_lm would hold the weights twice
     ("specdec_tools/bench.py", "CausalLM"): 1,
