@@ -34,7 +34,7 @@ from specdec.calls.request import VerifyCall, VerifyResult
 from specdec.maths.tree import EMPTY_DIST, SparseDist, tree_depth
 from specdec.maths.treeplan import TreePlan, plan_tree, tree_verdict
 from specdec.serving.batcher import Requeue
-from specdec.maths.verify import verify_greedy_row, verify_rejection
+from specdec.maths.verify import verify_greedy_row, verify_greedy_rows, verify_rejection
 from target_service.decode_ahead import DecodeAhead
 from target_service.lookup import PassCosts, TargetLookup
 from target_service.prefill import PrefillPlanning
@@ -197,11 +197,14 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
             chunk, fed_to = pending_only(fed, count), fed.cached + count
             seqs, extras, keeps, trees = [*seqs, fed], [*extras, []], [*keeps, 0], [*trees, None]
         with self._capturing(any(calls[index].return_features for index, _ in rows)) as hidden, chunk:
-            logits, state = forward_batch(self.lm, seqs, extras, keeps, trees)
+            logits, state = forward_batch(self.lm, seqs, extras, keeps, trees, on_device=True)
         if feeding is not None:
             state.write_back(len(rows), fed, self.lm, fed_to)
+        verdicts = self._greedy_verdicts(calls, rows, plans, logits)
         results = []
         for row, ((index, seq), plan) in enumerate(zip(rows, plans)):
+            if row not in verdicts:  # sampled, logprobs, trees: their maths reads the logits on the CPU
+                logits[row] = logits[row].cpu()
             if plan is not None:
                 length = len(seq.tokens)  # the canonical tokens, before the accepted path joins them
                 result, path = self._finish_tree(calls[index], seq, plan, logits[row], start, batch_size)
@@ -210,10 +213,24 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
                 state.write_back(row, seq, self.lm, length, [length + node for node in path])
             else:
                 result = self._finish(calls[index], seq, logits[row], start, batch_size,
-                                      hidden[0][row] if hidden else None, befores[row])
+                                      hidden[0][row] if hidden else None, befores[row], verdicts.get(row))
                 state.write_back(row, seq, self.lm, len(seq.tokens))  # only the accepted positions
             results.append(result)
         return results
+
+    def _greedy_verdicts(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]], plans: list[TreePlan | None],
+                         logits: list[torch.Tensor]) -> dict[int, tuple[int, int]]:
+        """{row: (accepted, next token)} for the pass's greedy chain rows that ask no logprobs, in one
+        argmax over all of them (verify_greedy_rows): on a GPU only their token ids reach the host.
+        A row under a min_tokens ban gets its banned logits first (ban_tokens), as _verdict does."""
+        chosen, these, drafts = [], [], []
+        for row, ((index, seq), plan) in enumerate(zip(rows, plans)):
+            call = calls[index]
+            if plan is None and call.sampling.greedy and call.logprobs is None:
+                chosen.append(row)
+                these.append(ban_tokens(logits[row], len(seq.tokens), call.eos_banned_until, self.lm.eos_token_ids))
+                drafts.append(call.draft_tokens)
+        return dict(zip(chosen, verify_greedy_rows(these, drafts)))
 
     def verify_tree(self, call: VerifyCall) -> VerifyResult:
         """Verifies a draft tree in ONE forward pass (tree attention, positions by depth) and keeps
@@ -266,9 +283,13 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         return seq
 
     def _finish(self, call: VerifyCall, seq: Sequence, logits: torch.Tensor, start: float, batch_size: int,
-                hidden: torch.Tensor | None = None, before: int = 0) -> VerifyResult:
-        """The verdict; appends the accepted tokens. hidden [T, H]: the row's final hidden states."""
-        accepted, next_token, logprobs = self._verdict(call, logits, len(seq.tokens))
+                hidden: torch.Tensor | None = None, before: int = 0, verdict: tuple[int, int] | None = None) -> VerifyResult:
+        """The verdict (or the greedy one already reached for the whole pass); appends the accepted
+        tokens. hidden [T, H]: the row's final hidden states."""
+        if verdict is not None:
+            (accepted, next_token), logprobs = verdict, []
+        else:
+            accepted, next_token, logprobs = self._verdict(call, logits, len(seq.tokens))
         seq.tokens.extend(call.draft_tokens[:accepted])
         features = self._features(seq, before, hidden) if call.return_features and hidden is not None else None
         return VerifyResult(accepted, next_token, len(seq.tokens), time.perf_counter() - start, features=features,

@@ -7,7 +7,7 @@ import torch
 from scipy import stats
 
 from specdec.maths.sampling import SamplingConfig, target_probs
-from specdec.maths.verify import sample_from, verify_greedy, verify_greedy_row, verify_rejection
+from specdec.maths.verify import sample_from, verify_greedy, verify_greedy_row, verify_greedy_rows, verify_rejection
 
 # Each chi-square test below fails by chance with probability FALSE_ALARM when the maths is right.
 FALSE_ALARM = 1e-4
@@ -179,3 +179,21 @@ def test_the_one_row_greedy_rule_is_the_batched_ones():
                   for i in range(g)]
         batched = verify_greedy(logits[None], torch.tensor([drafts], dtype=torch.long).reshape(1, g), torch.tensor([g]))
         assert verify_greedy_row(logits, drafts) == (int(batched.accepted[0]), int(batched.next_tokens[0]))
+
+
+def test_the_passs_greedy_verdicts_are_each_rows_own():
+    """verify_greedy_rows (one argmax for a whole pass) gives every row verify_greedy_row's verdict,
+    ties included (coarse logits make many): rows of 1 to 6 positions, drafts that follow the
+    argmax for a while and then stray."""
+    gen = torch.Generator().manual_seed(7)
+    rows, drafts = [], []
+    for i in range(40):
+        n = 1 + i % 6
+        logits = torch.randint(0, 4, (n, 11), generator=gen).float()  # ties in most rows
+        argmax = logits.argmax(-1).tolist()
+        keep = i % n
+        draft = argmax[:keep] + [(argmax[keep] + 1) % 11] * (n - 1 - keep) if n > 1 else []
+        rows.append(logits)
+        drafts.append(draft[:n - 1])
+    assert verify_greedy_rows(rows, drafts) == [verify_greedy_row(r, d) for r, d in zip(rows, drafts)]
+    assert verify_greedy_rows([], []) == []

@@ -95,16 +95,17 @@ def pass_groups(lm: LanguageModel, cached: list[int]) -> list[list[int]]:
 
 @torch.inference_mode()
 def forward_batch(lm: LanguageModel, seqs: list[Sequence], extras: list[list[int]], keeps: list[int],
-                  trees: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], "BatchState"]:
+                  trees: list[list[int] | None] | None = None, on_device: bool = False) -> tuple[list[torch.Tensor], "BatchState"]:
     """Feeds every row's seq.tokens[seq.cached:] + extras[i] in one pass.
 
     trees[i]: the parents of extras[i] when row i's extras are a draft tree's nodes (None: a chain).
 
-    Returns the float32 logits of each row's last keeps[i] positions ([keeps[i], V] each) and the
-    batch's cache, from which `BatchState.write_back` gives each sequence its own cache again.
+    Returns the float32 logits of each row's last keeps[i] positions ([keeps[i], V] each; on the
+    CPU unless `on_device`, where a fixed-shape GPU pass leaves them on the GPU for a verdict there)
+    and the batch's cache, from which `BatchState.write_back` gives each sequence its own cache again.
     """
     if lm.fixed_shape:
-        return lm.forward_batch(seqs, extras, keeps, trees)
+        return lm.forward_batch(seqs, extras, keeps, trees, on_device=on_device)
     pending = [seq.tokens[seq.cached:] + list(extra) for seq, extra in zip(seqs, extras)]
     for tokens, keep in zip(pending, keeps):
         if not tokens or keep > len(tokens):
@@ -156,7 +157,9 @@ def forward_batch(lm: LanguageModel, seqs: list[Sequence], extras: list[list[int
         **cache_kwargs(lm.model, cache), use_cache=True,
         logits_to_keep=width_n,  # only the new positions; each row's own last keeps[i] are picked below
     )
-    logits = [out.logits[i, len(tokens) - keep:len(tokens)].float().cpu() for i, (tokens, keep) in enumerate(zip(pending, keeps))]
+    logits = [out.logits[i, len(tokens) - keep:len(tokens)].float() for i, (tokens, keep) in enumerate(zip(pending, keeps))]
+    if not on_device:
+        logits = [rows.cpu() for rows in logits]
     logits = [lm.to_target_logits(rows) for rows in logits]  # a pruned draft scores only its kept ids
     return logits, BatchState(returned_cache(out), past, [len(t) for t in pending], width_p, block, arenas)
 

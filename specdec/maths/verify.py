@@ -61,6 +61,29 @@ def verify_greedy_row(target_logits: torch.Tensor, draft_tokens: list[int]) -> t
     return accepted, argmax[accepted]
 
 
+def verify_greedy_rows(rows_logits: list[torch.Tensor], drafts: list[list[int]]) -> list[tuple[int, int]]:
+    """verify_greedy_row for every row of a pass: [(accepted, next token)], from each row's logits
+    [G_i + 1, V] (on any device) and its draft.
+
+    Why all rows at once: one argmax over the pass and one copy of token ids to the host, not a
+    copy of every row's full-vocabulary logits (a GPU pass of 64 rows would ship 12 MB of them and
+    wait on the device once per row). The rule per row is verify_greedy_row's, on the same argmax
+    (the first maximal index on every device), so the verdicts are the same bits."""
+    if not rows_logits:
+        return []
+    flat = torch.cat(rows_logits) if len(rows_logits) > 1 else rows_logits[0]
+    ids = flat.argmax(dim=-1).tolist()
+    verdicts, at = [], 0
+    for logits, draft in zip(rows_logits, drafts):
+        argmax = ids[at:at + logits.shape[0]]
+        at += logits.shape[0]
+        accepted = 0
+        while accepted < len(draft) and draft[accepted] == argmax[accepted]:
+            accepted += 1
+        verdicts.append((accepted, argmax[accepted]))
+    return verdicts
+
+
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling. probs: [B, V] (unnormalised, >= 0, positive sum); uniforms: [B] in [0, 1).
 

@@ -273,9 +273,10 @@ class StaticLM(CausalLM):
         self._graph = graph
 
     @torch.inference_mode()
-    def run_rows(self, rows: list[_Row], wanted: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Runs `rows` in passes of pass_rows; returns the float32 CPU logits of the rows `wanted`
-        [W, V] and, while features are being captured, every row's final hidden state [R, H]."""
+    def run_rows(self, rows: list[_Row], wanted: list[int], host: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Runs `rows` in passes of pass_rows; returns the float32 logits of the rows `wanted` [W, V]
+        (on the CPU, or with `host` False where they were computed) and, while features are being
+        captured, every row's final hidden state [R, H]."""
         logits, hidden = [], []
         capture = self._captured is not None
         T = self.pass_rows
@@ -286,8 +287,8 @@ class StaticLM(CausalLM):
                 logits.append(self._logits.index_select(0, torch.tensor(here, device=self.device)).float())
             if capture:
                 hidden.append(self._hidden[:min(T, len(rows) - start)].clone())
-        out = torch.cat(logits).cpu() if logits else torch.empty(0, self.vocab_size)
-        return out, (torch.cat(hidden) if hidden else None)
+        out = torch.cat(logits) if logits else torch.empty(0, self.vocab_size, device=self.device)
+        return (out.cpu() if host else out), (torch.cat(hidden) if hidden else None)
 
     # -- what the engines call --------------------------------------------------------------------
 
@@ -316,9 +317,10 @@ class StaticLM(CausalLM):
         return self.to_target_logits(logits)
 
     def forward_batch(self, seqs: list[Sequence], extras: list[list[int]], keeps: list[int],
-                      trees: list[list[int] | None] | None = None) -> tuple[list[torch.Tensor], StaticBatch]:
+                      trees: list[list[int] | None] | None = None, on_device: bool = False) -> tuple[list[torch.Tensor], StaticBatch]:
         """As specdec.forward.batching.forward_batch: every row's pending tokens (a chain or a tree)
-        in shared passes; returns each row's last keeps[i] logits and the state to write back."""
+        in shared passes; returns each row's last keeps[i] logits (left on the GPU with
+        `on_device`) and the state to write back."""
         rows, spans, pending_counts = [], [], []
         for i, (seq, extra, keep) in enumerate(zip(seqs, extras, keeps)):
             tree = trees[i] if trees is not None else None
@@ -332,7 +334,7 @@ class StaticLM(CausalLM):
             pending_counts.append(len(these))
             rows.extend(these)
         wanted = [i for a, b in spans for i in range(a, b)]
-        logits, hidden = self.run_rows(rows, wanted)
+        logits, hidden = self.run_rows(rows, wanted, host=not on_device)
         if hidden is not None:  # [B, N, H] as the norm's hook sees a padded batch
             batch = hidden.new_zeros(len(seqs), max(pending_counts), hidden.shape[-1])
             at = 0
