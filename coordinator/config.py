@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specdec.limits import MAX_DECODE_AHEAD, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
+from specdec.limits import MAX_DECODE_AHEAD, MAX_STREAM_INTERVAL, MAX_TREE_DEPTH, MAX_TREE_NODES, MAX_TREE_TOP_K
 from coordinator.loop import DEFAULT_DECODE_AHEAD
 from specdec.serving.config import (backend_token_option, check_backend_token, event_loop_option, log_format_option,
                                     log_level_option, option)
@@ -60,6 +60,13 @@ class CoordinatorConfig:
         "target with --lookup-ahead) is one run in the target, which decodes it to its end and streams its tokens "
         "after every pass, on one Decode stream shared by all requests: no exchange between passes. Off: one "
         "Verify exchange per --decode-ahead passes. Not for a fleet of target replicas.",
+    )
+    stream_interval: int = option(
+        1,
+        "With --decode-runs, the target sends a run's tokens in bursts of N (the first token at once, the end "
+        "whenever it comes), and each burst is one message to the client: under many streams, fewer messages "
+        "a token for the target, the coordinator and the client (as vLLM's --stream-interval), at the cost "
+        "of tokens arriving N at a time. 1: after every pass.",
     )
     overlap: str = option(
         "off",
@@ -191,6 +198,8 @@ class CoordinatorConfig:
             raise ValueError(f"--max-body-bytes must be >= 1, got {self.max_body_bytes}")
         if not 0 <= self.tree_budget <= MAX_TREE_NODES:
             raise ValueError(f"--tree-budget must be in [0, {MAX_TREE_NODES}], got {self.tree_budget}")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ValueError(f"--stream-interval must be in [1, {MAX_STREAM_INTERVAL}], got {self.stream_interval}")
         if not 1 <= self.tree_top_k <= MAX_TREE_TOP_K:
             raise ValueError(f"--tree-top-k must be in [1, {MAX_TREE_TOP_K}], got {self.tree_top_k}")
         self.parsed_tree_shape()  # raises for a malformed shape

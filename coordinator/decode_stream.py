@@ -49,7 +49,7 @@ def run_proto(run: DecodeRun) -> pb.DecodeRun:
                         eos_banned_until=run.eos_banned_until, logprobs=run.logprobs,
                         lookup_max_tokens=run.lookup_draft_length, lookup_costs=run.lookup_costs, lookup_source=run.lookup_source,
                         draft_length=run.draft_length, adaptive=run.adaptive, seeded=run.seeded, features=run.features,
-                        overlap=run.overlap)
+                        overlap=run.overlap, report_every=run.report_every)
 
 
 class DecodeStream(StreamClient):

@@ -83,7 +83,7 @@ DEFAULT_DECODE_AHEAD = 8
 class SpeculativeLoop(Accounting, Releases):
     def __init__(self, verifier: Verifier, proposer: Proposer | None, cost_model: CostModel | None, prior: Costs,
                  overlap: str = "off", features: bool = False, calibrated: bool = False, decode_ahead: int = DEFAULT_DECODE_AHEAD,
-                 lookup: bool = False, decoder: Decoder | None = None, target_drafts: bool = False):
+                 lookup: bool = False, decoder: Decoder | None = None, target_drafts: bool = False, stream_interval: int = 1):
         """`overlap`: off, auto or on: whether the draft drafts the next step while the target
         verifies this one (coordinator/policy/overlap.py). `features`: the draft drafts from the target's
         hidden states (specdec/model/feature_draft.py), so every Verify asks for them and the next Propose
@@ -97,7 +97,9 @@ class SpeculativeLoop(Accounting, Releases):
         is most of a step once the forward is fast). `decoder`: the target runs a request whose
         drafts need no draft service (prompt lookup, or none) itself, to its end (`_decode`).
         `target_drafts`: the target has a draft service of its own (ModelInfo.draft), so a request
-        drafting with a model is one run too, the target asking the draft each step."""
+        drafting with a model is one run too, the target asking the draft each step.
+        `stream_interval`: a run's tokens come from the target in bursts of this many (its first
+        token at once), each burst one message on every hop: fewer messages a token under load."""
         RunAheadPolicy(overlap)  # validates the mode
         self.verifier = verifier
         self.proposer = proposer
@@ -112,6 +114,7 @@ class SpeculativeLoop(Accounting, Releases):
         self.decoder = decoder
         self.target_drafts = target_drafts and decoder is not None
         self._lookup_memo: tuple[object, int, tuple[float, ...]] = (None, 0, ())
+        self.stream_interval = stream_interval
 
     async def run(self, spec: GenerationSpec, stats: Stats) -> AsyncIterator[Step]:
         """Yields each step's new tokens until max_new_tokens or end-of-sequence.
@@ -175,7 +178,7 @@ class SpeculativeLoop(Accounting, Releases):
                             lookup_source=spec.prediction_ids if state.lookup else (),
                             draft_length=spec.draft_length if self._drafted_by_target(spec, state) else 0,
                             adaptive=spec.adaptive, seeded=spec.seeded, features=self.features,
-                            overlap=state.ahead.mode == "on")
+                            overlap=state.ahead.mode == "on", report_every=self.stream_interval)
             try:
                 ending: list[int] = []  # the last tokens, held until the run's end brings its costs
                 async with contextlib.aclosing(self.decoder.decode(run)) as progress:

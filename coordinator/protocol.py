@@ -87,6 +87,7 @@ class DecodeRun:
     seeded: bool = False  # ... with static lengths (the client chose the seed)
     features: bool = False  # ... a feature draft: the target sends it its hidden states
     overlap: bool = False  # ... pipelined: the draft drafts the next step during this one's pass
+    report_every: int = 1  # the target sends the run's tokens in bursts of this many (--stream-interval)
 
 
 @dataclasses.dataclass(frozen=True)

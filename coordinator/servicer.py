@@ -143,7 +143,8 @@ def make_loop(config: CoordinatorConfig, target, draft, draft_info: pb.ModelInfo
                            calibrated=ngram, decode_ahead=config.decode_ahead, lookup=ngram and config.lookup_ahead,
                            decoder=getattr(target, "decoder", None) if config.decode_runs else None,
                            # only where the target's draft service is this coordinator's own
-                           target_drafts=bool(target_info is not None and target_info.draft and target_info.draft == config.draft))
+                           target_drafts=bool(target_info is not None and target_info.draft and target_info.draft == config.draft),
+                           stream_interval=config.stream_interval)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):

@@ -377,7 +377,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, start: _Optional[_Iterable[_Union[DecodeRun, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DecodeRun(_message.Message):
-    __slots__ = ("sequence_id", "known_len", "append_tokens", "sampling", "max_new_tokens", "stop_token_ids", "eos_banned_until", "logprobs", "lookup_max_tokens", "lookup_costs", "lookup_source", "draft_length", "adaptive", "seeded", "features", "overlap")
+    __slots__ = ("sequence_id", "known_len", "append_tokens", "sampling", "max_new_tokens", "stop_token_ids", "eos_banned_until", "logprobs", "lookup_max_tokens", "lookup_costs", "lookup_source", "draft_length", "adaptive", "seeded", "features", "overlap", "report_every")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_LEN_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +394,7 @@ class DecodeRun(_message.Message):
     SEEDED_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    REPORT_EVERY_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     known_len: int
     append_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -410,7 +411,8 @@ class DecodeRun(_message.Message):
     seeded: bool
     features: bool
     overlap: bool
-    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_banned_until: _Optional[int] = ..., logprobs: _Optional[int] = ..., lookup_max_tokens: _Optional[int] = ..., lookup_costs: _Optional[_Iterable[float]] = ..., lookup_source: _Optional[_Iterable[int]] = ..., draft_length: _Optional[int] = ..., adaptive: _Optional[bool] = ..., seeded: _Optional[bool] = ..., features: _Optional[bool] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    report_every: int
+    def __init__(self, sequence_id: _Optional[str] = ..., known_len: _Optional[int] = ..., append_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., eos_banned_until: _Optional[int] = ..., logprobs: _Optional[int] = ..., lookup_max_tokens: _Optional[int] = ..., lookup_costs: _Optional[_Iterable[float]] = ..., lookup_source: _Optional[_Iterable[int]] = ..., draft_length: _Optional[int] = ..., adaptive: _Optional[bool] = ..., seeded: _Optional[bool] = ..., features: _Optional[bool] = ..., overlap: _Optional[bool] = ..., report_every: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("runs",)

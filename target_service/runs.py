@@ -32,7 +32,7 @@ import structlog
 
 from protos import specdec_pb2 as pb
 from specdec.errors import SequenceNotFound, SpecdecError, Unavailable
-from specdec.limits import MAX_DECODE_AHEAD
+from specdec.limits import MAX_DECODE_AHEAD, MAX_STREAM_INTERVAL
 from specdec.model.features import FeatureLog, FeatureRows
 from specdec.serving import metrics
 from specdec.serving.wire import decode_run_call_from_proto, dists_from_proto, logprobs_to_proto
@@ -72,6 +72,8 @@ class Run:
     stream: _Stream | None = None
     drafted: Drafted | None = None  # drafting with the target's draft service
     ask: tuple[float, float] = (0.0, 0.0)  # the last proposal's (draft compute, wire) seconds
+    report_every: int = 1  # tokens its progress holds before it is sent (DecodeRun.report_every)
+    reported: int = 0  # tokens sent so far
 
     def next_call(self, ahead: int | None = None) -> VerifyCall:
         """A step at the run's end: it decodes ahead for every token the run may still make (or `ahead`)."""
@@ -81,6 +83,17 @@ class Run:
                                    lookup_source=self.lookup_source)
         self.lookup_source = ()
         return call
+
+    def due(self) -> bool:
+        """Whether its progress goes out with the stream's next message: always after every pass,
+        else once it holds report_every tokens, or the run's first token (time to first token is
+        not what a burst may cost), or its end."""
+        out = self.out
+        if out is None:
+            return False
+        if self.report_every <= 1 or self.ending:
+            return True
+        return len(out.tokens) >= self.report_every or (self.reported == 0 and len(out.tokens) > 0)
 
     def progress(self) -> pb.DecodeProgress:
         if self.out is None:
@@ -234,6 +247,10 @@ class DecodeStreams:
         if self.draining():
             stream.fail(sequence_id, grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
             return
+        if not 0 <= message.report_every <= MAX_STREAM_INTERVAL:
+            stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT,
+                        f"report_every must be in [0, {MAX_STREAM_INTERVAL}], got {message.report_every}")
+            return
         if message.max_new_tokens < 1:
             stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens must be >= 1, got {message.max_new_tokens}")
             return
@@ -247,7 +264,7 @@ class DecodeStreams:
         template = decode_run_call_from_proto(message)
         run = Run(sequence_id, template, message.max_new_tokens, frozenset(message.stop_token_ids),
                   length=message.known_len + len(message.append_tokens), append=list(message.append_tokens),
-                  lookup_source=tuple(message.lookup_source), in_call=-1)
+                  lookup_source=tuple(message.lookup_source), in_call=-1, report_every=message.report_every)
         run.stream = stream
         if message.draft_length:
             policy = DraftLengthPolicy(draft_length=message.draft_length, cost_model=None if message.seeded else self.cost_model,
@@ -479,8 +496,9 @@ class _Stream:
         response.runs.extend(self.failed)
         self.failed.clear()
         for run in [*self.runs.values(), *self.finished]:
-            if run.out is not None:
+            if run.due():
                 response.runs.append(run.out)
+                run.reported += len(run.out.tokens)
                 run.out = None
         self.finished.clear()
         return response

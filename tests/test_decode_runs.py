@@ -17,6 +17,9 @@ import grpc
 import pytest
 
 from coordinator.clients import TargetClient
+from specdec.calls.request import VerifyCall
+from specdec.maths.sampling import SamplingConfig
+from target_service.runs import Run
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
 from tests import tiny
@@ -39,7 +42,8 @@ def stack(pair, tmp_path_factory):
     target = stack.target(str(tiny.save(pair[0], folder / "target")))
     addresses = {"lookup": stack.coordinator(target, "ngram", tiny.byte_tokenizer()),
                  "off": stack.coordinator(target, "", tiny.byte_tokenizer()),
-                 "steps": stack.coordinator(target, "ngram", tiny.byte_tokenizer(), decode_runs=False)}
+                 "steps": stack.coordinator(target, "ngram", tiny.byte_tokenizer(), decode_runs=False),
+                 "bursts": stack.coordinator(target, "", tiny.byte_tokenizer(), stream_interval=4)}
     yield stack, {name: stack.client(address) for name, address in addresses.items()}
     stack.stop()
 
@@ -91,6 +95,37 @@ def test_greedy_runs_are_the_target_alone_and_stream_every_pass(stack, pair):
     assert decoders(stack)[0].opened == 1, "one stream serves every run of a coordinator"
     assert decoders(stack)[2] is None
     assert wait_free(target_engine(stack)) == 0
+
+
+def test_a_stream_interval_sends_the_first_token_at_once_then_bursts(stack, pair):
+    """--stream-interval 4: the same tokens, at least 4 a message between the first (sent as soon
+    as the writer turns, whatever it holds then) and the last."""
+    stack, stubs = stack
+    for prompt in tiny.prompts(3, seed=4):
+        expected = tiny.reference_greedy(pair[0], prompt, MAX_NEW)
+        request = pb.GenerateStreamRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=MAX_NEW)
+        chunks = [list(c.token_ids) for c in stubs["bursts"].GenerateStream(request, timeout=60) if c.token_ids]
+        assert [t for c in chunks for t in c] == expected
+        assert all(len(c) >= 4 for c in chunks[1:-1]), [len(c) for c in chunks]
+        assert len(chunks) <= 2 + MAX_NEW // 4
+
+
+@pytest.mark.parametrize("every", [0, 1, 4])
+def test_a_runs_progress_is_due_at_its_first_token_every_n_tokens_and_its_end(every):
+    run = Run("r", VerifyCall("r", 0, [1], [], [], SamplingConfig()), 40, frozenset(), length=1, append=[1], report_every=every)
+    assert not run.due()  # nothing made yet
+    run.take([5], [])
+    assert run.due()  # the first token: at once
+    run.reported, run.out = 1, None
+    for made in range(1, 4):
+        run.take([6], [])
+        assert run.due() == (every <= 1), made
+    run.take([7], [])
+    assert run.due()  # four held
+    run.reported, run.out = 5, None
+    run.take([8], [])
+    run.ending = True
+    assert run.due()  # the end goes out whatever it holds
 
 
 def test_seeded_sampling_in_a_run_is_the_step_loops(stack, pair):
@@ -172,6 +207,8 @@ def test_bad_runs_are_refused_with_the_field_named_and_the_stream_goes_on(stack,
         prompt = tiny.prompts(1, seed=1)[0]
         requests = [pb.DecodeRequest(start=[pb.DecodeRun(sequence_id="bad-max", append_tokens=prompt, max_new_tokens=0),
                                             pb.DecodeRun(sequence_id="bad-token", append_tokens=[10**6], max_new_tokens=4),
+                                            pb.DecodeRun(sequence_id="bad-report", append_tokens=prompt, max_new_tokens=4,
+                                                         report_every=65),
                                             pb.DecodeRun(sequence_id="good", append_tokens=prompt, max_new_tokens=4)])]
         ends = {}
         tokens = []
@@ -187,6 +224,7 @@ def test_bad_runs_are_refused_with_the_field_named_and_the_stream_goes_on(stack,
         assert "bad-token" in ends, seen
         assert ends["bad-max"][0] == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in ends["bad-max"][1]
         assert ends["bad-token"][0] == grpc.StatusCode.INVALID_ARGUMENT and "append_tokens" in ends["bad-token"][1]
+        assert ends["bad-report"][0] == grpc.StatusCode.INVALID_ARGUMENT and "report_every" in ends["bad-report"][1]
         assert ends["good"][0] == grpc.StatusCode.OK
         assert tokens == tiny.reference_greedy(pair[0], prompt, 4)
     finally:
