@@ -152,13 +152,14 @@ class CoordinatorConfig:
         0, "A prompt longer than this is long (--max-long-partial-prefills); 0: 4 percent of the target's context, as vLLM.")
     max_queue: int = option(64, "Requests waiting for a running slot; past it RESOURCE_EXHAUSTED at once, with a retry-after hint.")
     verify_token_budget: int = option(
-        8,
+        -2,
         "Verified positions per target pass the running requests share: each drafts at most budget // running"
         " - 1 tokens, none once the batch is full (the response statistics count those steps: "
-        "load_capped_steps). 8 measured best on 2 CPU cores; a GPU's knee is far higher. -1: read off the "
-        "measured costs, the most positions a pass verifies before it costs 1.5 times one (noisy on a busy "
-        "machine, hence not the default); 0: no load cap. The target's own lookup drafts (--lookup-ahead) are "
-        "cut by what their positions add to its batched pass instead.",
+        "load_capped_steps). -2: the target's knee, timed at its start-up on its device (ModelInfo.verify_knee: "
+        "the most positions a pass verifies before it costs 1.5 times one; 8 from a target that does not "
+        "report one); -1: the same rule over the costs this coordinator measures (noisy on a busy machine); "
+        "0: no load cap; N: N. The target's own lookup drafts (--lookup-ahead) are cut by what their "
+        "positions add to its batched pass instead.",
     )
     rpc_timeout_s: float = option(
         30.0, "Deadline of each call to the draft and target services; a call that feeds a long prompt gets this "
@@ -187,8 +188,8 @@ class CoordinatorConfig:
         check_backend_token(self.backend_token)
         if not 0 <= self.decode_ahead <= MAX_DECODE_AHEAD:
             raise ValueError(f"--decode-ahead must be in [0, {MAX_DECODE_AHEAD}], got {self.decode_ahead}")
-        if self.verify_token_budget < -1:
-            raise ValueError(f"--verify-token-budget must be >= -1, got {self.verify_token_budget}")
+        if self.verify_token_budget < -2:
+            raise ValueError(f"--verify-token-budget must be >= -2, got {self.verify_token_budget}")
         for flag in ("max_concurrent_requests", "max_queue", "target_retry_s", "max_streams_per_client",
                      "stream_stall_timeout_s", "max_prompt_chars", "http_header_timeout_s", "max_connections_per_client",
                      "max_num_partial_prefills", "max_long_partial_prefills", "long_prefill_token_threshold"):

@@ -173,7 +173,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServiceServicer):
                                               or int(LONG_PREFILL_SHARE * target_info.max_context))
         self.loop = make_loop(self.config, target, draft, draft_info, self.admission.draft_cap, target_info)
         cost_model = self.loop.cost_model
-        self.admission.measured_budget = lambda: knee(cost_model.costs())  # --verify-token-budget -1
+        if self.config.verify_token_budget == -2:  # the target's knee, timed on its device at its start
+            self.admission.measured_budget = lambda: target_info.verify_knee or 8
+        else:  # -1: the knee of the costs this coordinator measures
+            self.admission.measured_budget = lambda: knee(cost_model.costs())
 
     def _spec(self, request) -> tuple[GenerationSpec, list[str]]:
         """The request as a validated spec and its stop strings: the checks are coordinator/validate.py's,

@@ -235,7 +235,7 @@ class TargetServiceGetInfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "device", "dtype", "drafter", "needs_features", "weights", "weight_bytes", "draft", "prefill_chunk_tokens", "numerics")
+    __slots__ = ("model", "vocab_size", "max_context", "eos_token_ids", "device", "dtype", "drafter", "needs_features", "weights", "weight_bytes", "draft", "prefill_chunk_tokens", "numerics", "verify_knee")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +249,7 @@ class ModelInfo(_message.Message):
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_KNEE_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_context: int
@@ -262,7 +263,8 @@ class ModelInfo(_message.Message):
     draft: str
     prefill_chunk_tokens: int
     numerics: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., drafter: _Optional[str] = ..., needs_features: _Optional[bool] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., draft: _Optional[str] = ..., prefill_chunk_tokens: _Optional[int] = ..., numerics: _Optional[str] = ...) -> None: ...
+    verify_knee: int
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., drafter: _Optional[str] = ..., needs_features: _Optional[bool] = ..., weights: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., draft: _Optional[str] = ..., prefill_chunk_tokens: _Optional[int] = ..., numerics: _Optional[str] = ..., verify_knee: _Optional[int] = ...) -> None: ...
 
 class Features(_message.Message):
     __slots__ = ("start", "rows", "dim", "data")

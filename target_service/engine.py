@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable
 
@@ -29,6 +30,7 @@ from specdec.maths.sampling import (SamplingConfig, TokenLogprob, ban_tokens, ch
 from specdec.forward.tree import forward_tree, keep_positions, supports_trees
 from specdec.forward.batching import batchable, forward_batch, pass_groups
 from specdec.calls.checks import check_verify_call
+from specdec.maths.costs import knee_of_passes
 from specdec.maths.lookup import LOOKUP_MAX_N, MatchCalibration
 from specdec.calls.request import VerifyCall, VerifyResult
 from specdec.maths.tree import EMPTY_DIST, SparseDist, tree_depth
@@ -318,6 +320,39 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
 
     def release(self, sequence_id: str) -> bool:
         return self.store.release(sequence_id)
+
+    KNEE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # positions of the passes pass_knee times
+
+    def pass_knee(self, repeats: int = 3) -> int:
+        """The most positions one pass verifies before it costs 1.5 times a one-position pass
+        (costs.knee_of_passes), from chains of KNEE_SIZES positions timed here after a 32-token
+        context (the median of `repeats` after one untimed): what ModelInfo.verify_knee reports and
+        coordinators share among their running requests by default (--verify-token-budget).
+
+        Why timed at start-up on the device in use: the curve is the device's own (a compact CPU
+        kernel's steep, a GPU's flat until compute binds), and one constant measured on a 2-core
+        CPU zeroed every draft at 8 streams on an H100, where the positions cost nothing."""
+        vocab = self.lm.vocab_size
+        context = [3 + i % (vocab - 3) for i in range(32)]
+        room = (self.lm.max_context or 1 << 30) - len(context) - 1
+        seq = self.store.sync("__knee__", 0, context)
+        try:
+            self.lm.forward(seq, [], keep=1)
+            seconds = {}
+            for n in (n for n in self.KNEE_SIZES if n <= room):
+                extra = [3 + (7 * i) % (vocab - 3) for i in range(n - 1)]
+                times = []
+                for _ in range(repeats + 1):
+                    seq.tokens = [*context, 5]
+                    began = time.perf_counter()
+                    self.lm.forward(seq, extra, keep=n)  # its logits reach the host: the pass is over
+                    times.append(time.perf_counter() - began)
+                    seq.crop_cache(len(context))
+                seconds[n] = statistics.median(times[1:])
+        finally:
+            seq.tokens = list(context)
+            self.store.release("__knee__", retire=False)
+        return knee_of_passes(seconds)
 
     def warm_up(self) -> None:
         """One prefill and one verification so the first real request pays no lazy initialisation."""

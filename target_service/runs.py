@@ -85,14 +85,11 @@ class Run:
         return call
 
     def due(self) -> bool:
-        """Whether its progress goes out with the stream's next message: always after every pass,
-        else once it holds report_every tokens, or the run's first token (time to first token is
-        not what a burst may cost), or its end."""
+        """Whether its progress goes out with the stream's next message: after every pass, or once
+        it holds report_every tokens, its first token (not what a burst may cost) or its end."""
         out = self.out
-        if out is None:
-            return False
-        if self.report_every <= 1 or self.ending:
-            return True
+        if out is None or self.report_every <= 1 or self.ending:
+            return out is not None
         return len(out.tokens) >= self.report_every or (self.reported == 0 and len(out.tokens) > 0)
 
     def progress(self) -> pb.DecodeProgress:
@@ -248,9 +245,7 @@ class DecodeStreams:
             stream.fail(sequence_id, grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another replica")
             return
         if not 0 <= message.report_every <= MAX_STREAM_INTERVAL:
-            stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT,
-                        f"report_every must be in [0, {MAX_STREAM_INTERVAL}], got {message.report_every}")
-            return
+            return stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT, f"report_every: not in [0, {MAX_STREAM_INTERVAL}]")
         if message.max_new_tokens < 1:
             stream.fail(sequence_id, grpc.StatusCode.INVALID_ARGUMENT, f"max_new_tokens must be >= 1, got {message.max_new_tokens}")
             return

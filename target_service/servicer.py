@@ -163,11 +163,12 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
             numerics = "fast"
     engine = TargetEngine(served.lm, config.max_sequences, config.idle_timeout_s, config.max_prefill_tokens_per_pass)
     await server.loading(servicer.host.run(engine.warm_up))
+    verify_knee = await server.loading(servicer.host.run(engine.pass_knee))
     info = pb.ModelInfo(
         model=config.model, vocab_size=engine.lm.vocab_size, max_context=engine.lm.max_context,
         eos_token_ids=engine.lm.eos_token_ids, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),
         weights=served.weights, weight_bytes=served.weight_bytes, draft=config.draft,
-        prefill_chunk_tokens=config.max_prefill_tokens_per_pass, numerics=numerics,
+        prefill_chunk_tokens=config.max_prefill_tokens_per_pass, numerics=numerics, verify_knee=verify_knee,
     )
     engine.store.on_start = metrics.target().sequences_started.inc
     engine.on_tokens = servicer.runs.on_tokens
@@ -181,7 +182,8 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
     metrics.follow_store(engine.store, metrics.target().sequences, metrics.target().kv_usage)
     servicer.host.attach(engine, info)
     await server.mark_serving()
-    log.info("target serving", port=server.port, vocab_size=engine.lm.vocab_size, weights=served.weights, numerics=numerics)
+    log.info("target serving", port=server.port, vocab_size=engine.lm.vocab_size, weights=served.weights, numerics=numerics,
+             verify_knee=verify_knee)
     server.servicer = servicer  # lets tests and tools inspect the engine behind the server
     if ready is not None:
         ready.set_result(server)

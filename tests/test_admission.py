@@ -163,7 +163,36 @@ def test_budget_minus_one_is_read_off_the_measured_cost_curve():
     admission.measured_budget = lambda: knee(flat)
     assert admission.draft_cap() == 256 // 4 - 1
     with pytest.raises(ValueError):
-        Admission(1, 1, verify_token_budget=-2)
+        Admission(1, 1, verify_token_budget=-3)
+
+
+def test_the_default_budget_is_the_knee_the_target_timed_at_its_start(tmp_path):
+    """-2 (the default): the target times a few passes at start-up and reports its knee in
+    ModelInfo.verify_knee; the coordinator shares that among its running requests."""
+    from tests.stack import Stack
+
+    stack = Stack()
+    try:
+        stack.tiny_speculative(tmp_path)
+        coordinator = stack.servers[-1].servicer
+        knee = coordinator.target_info.verify_knee
+        assert knee >= 1
+        assert coordinator.config.verify_token_budget == -2 and coordinator.admission.measured_budget() == knee
+    finally:
+        stack.stop()
+
+
+def test_the_knee_of_a_few_timed_passes():
+    """knee_of_passes draws the curve straight between the sizes timed: the CPU figures of
+    benchmarks/results/avx2-bench-gguf (ms) give 3, an H200's exact pass (2.67 ms for one position,
+    3.10 for 16, 3.8 for 64) far more, and a curve past 1.5x from the first step gives 1."""
+    from specdec.maths.costs import knee_of_passes
+
+    assert knee_of_passes({1: 12.1, 2: 14.7, 4: 20.7, 8: 44.1}) == 3
+    assert knee_of_passes({1: 2.67, 4: 2.75, 16: 3.10, 64: 3.8}) > 64
+    assert knee_of_passes({1: 1.0, 2: 2.0, 4: 4.0}) == 1
+    with pytest.raises(ValueError):
+        knee_of_passes({2: 1.0})
 
 
 def test_partial_prefills_are_bounded_and_short_prompts_pass_long_ones():

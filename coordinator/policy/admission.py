@@ -12,11 +12,12 @@
   one request drafts up to 7, 2 up to 3, 4 up to 1, 8 or more none at all. 8 is the knee measured
   on a 2-core CPU: 8 streams through the three services made more tokens per second with budget 8
   than with 16 (one draft token each), on chat prompts and on long grounded ones alike, although
-  the n-gram drafts were accepted half the time there. A GPU's knee is far higher (the gpu overlay
-  sets 128). -1 reads the budget off the measured cost curve instead (specdec/maths/costs.py: knee):
-  the most positions a pass verifies before it costs 1.5 times one position, 8 on the CPU prior's
-  curve. Not the default: the per-request V(n) it reads is noisy on a busy machine (a clean-clone
-  run read a knee of 2 off a tiny model's). The draft-length policy
+  the n-gram drafts were accepted half the time there. A GPU's knee is far higher, and a compact
+  CPU kernel's lower. So by default (-2) the budget is the target's knee (ModelInfo.verify_knee):
+  the most positions a pass verifies before it costs 1.5 times one position (specdec/maths/costs.py:
+  knee), timed by the target at its start-up on its own device, where nothing else runs yet. -1
+  reads the same rule off the coordinator's own per-request V(n) instead, which is noisy on a busy
+  machine (a clean-clone run read a knee of 2 off a tiny model's). The draft-length policy
   (specdec/maths/draft_length.py) still chooses within that cap by acceptance and cost.
 - Prompts the target feeds over several passes (longer than its prefill chunk) are bounded as
   vLLM bounds partial prefills: at most `max_partial_prefills` are admitted and not yet at their
@@ -101,13 +102,13 @@ class Admission:
         A prompt longer than `prefill_chunk_tokens` (the target's chunk; 0: none is chunked) is a partial
         prefill, and a long one past `long_prefill_tokens` too; 0 bounds: no bound."""
         if min(max_running, max_queue, max_partial_prefills, max_long_partial_prefills, long_prefill_tokens,
-               prefill_chunk_tokens) < 0 or verify_token_budget < -1:
-            raise ValueError("max_running, max_queue and the prefill bounds must be >= 0, verify_token_budget >= -1")
+               prefill_chunk_tokens) < 0 or verify_token_budget < -2:
+            raise ValueError("max_running, max_queue and the prefill bounds must be >= 0, verify_token_budget >= -2")
         self.max_running, self.max_queue, self.budget = max_running, max_queue, verify_token_budget
         self.max_partial, self.max_long = max_partial_prefills, max_long_partial_prefills
         self.long_prefill_tokens, self.prefill_chunk_tokens = long_prefill_tokens, prefill_chunk_tokens
-        # verify_token_budget -1: the budget is sized from the measured costs (costs.knee), by this
-        # callable once the coordinator has a cost model; 8 before it has one.
+        # verify_token_budget -1 / -2: the budget is sized by this callable once the coordinator has
+        # its backends (the knee of its measured costs / of the target's start-up timing); 8 before.
         self.measured_budget: Callable[[], int] | None = None
         self.running = 0
         self.partial = self.long = 0  # admitted partial (long) prefills not yet at their first token

@@ -180,6 +180,25 @@ def knee(costs: Costs, factor: float = 1.5, most: int = 256) -> int:
     return max(1, min(most, len(v) + int((limit - v[-1]) / slope)))
 
 
+def knee_of_passes(seconds: dict[int, float], factor: float = 1.5, most: int = 256) -> int:
+    """`knee` of passes timed at a few sizes ({positions: seconds}, 1 among them): the curve between
+    them drawn straight, then knee's rule (past the largest size, the line through its last half).
+
+    Why sizes, not every n: a target sizes the budget at start-up from a handful of timed passes
+    (TargetEngine.pass_knee), on the device it serves from, rather than from a constant measured
+    on one 2-core CPU."""
+    if 1 not in seconds or any(n < 1 or not s > 0 for n, s in seconds.items()):
+        raise ValueError(f"need positive seconds for 1 position and sizes >= 1, got {seconds}")
+    sizes = sorted(seconds)
+    curve = []
+    for n in range(1, sizes[-1] + 1):
+        hi = next(k for k in sizes if k >= n)
+        lo = max(k for k in sizes if k <= n)
+        t = seconds[lo] if hi == lo else seconds[lo] + (seconds[hi] - seconds[lo]) * (n - lo) / (hi - lo)
+        curve.append(t)
+    return knee(Costs(0.0, tuple(curve), 0.0), factor, most)
+
+
 def best_prefix(confidence: list[float], costs: Costs) -> int:
     """The prefix length g of a proposal (0..len) with the most expected tokens per second, where
     confidence[k - 1] is the probability that its first k tokens are all accepted."""
