@@ -55,7 +55,8 @@ fi
   --prompts chat,grounded --limit 3 --max-new-tokens 64 --repeats 1 --draft-lengths 4 --tree-budgets 8 --no-staged --no-llamacpp \
   --out "$o/bench"; grep -v "sequence started\|^{\|^rep \|Loading weights" "$o/bench.txt" | tail -40; }
 [[ $steps == *4* ]] && { step loadtest 90 python3 -m specdec_tools.cli loadtest --device cuda --target-model /tmp/rs \
-  --concurrency 1,8,32,64 --num-requests 64 --max-new-tokens 64 --prompts chat --speculation both --out "$o/lt"; \
+  --concurrency 1,8,32,64 --num-requests 64 --max-new-tokens 64 --prompts chat --speculation both \
+  --max-concurrent-requests 64 --max-queue 128 --out "$o/lt"; \
   grep -v "sequence started\|^{" "$o/loadtest.txt" | tail -24; }
 
 python3 - "$o" "$bundle" "$status" <<'PY'
