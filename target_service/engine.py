@@ -352,7 +352,7 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         finally:
             seq.tokens = list(context)
             self.store.release("__knee__", retire=False)
-        return knee_of_passes(seconds)
+        return knee_of_passes(seconds) if 1 in seconds else 0  # a context too short to time in: not measured
 
     def warm_up(self) -> None:
         """One prefill and one verification so the first real request pays no lazy initialisation."""

@@ -131,6 +131,16 @@ def _checked(lm) -> str | None:
         return f"the check could not run ({type(exc).__name__}: {exc})"
 
 
+def _knee(engine: TargetEngine) -> int:
+    """engine.pass_knee, or 0 (not measured: coordinators then use 8) if the timing could not run:
+    a budget is a load policy, never a reason not to serve."""
+    try:
+        return engine.pass_knee()
+    except Exception as exc:  # noqa: BLE001 - any failure of the timing means: no knee reported
+        log.warning("timing the pass-cost knee failed; reporting none", error=f"{type(exc).__name__}: {exc}")
+        return 0
+
+
 async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signals: bool = True) -> None:
     """Binds at once (health NOT_SERVING), loads and warms the model, then reports SERVING.
 
@@ -163,7 +173,7 @@ async def serve(config: TargetConfig, ready: asyncio.Future | None = None, signa
             numerics = "fast"
     engine = TargetEngine(served.lm, config.max_sequences, config.idle_timeout_s, config.max_prefill_tokens_per_pass)
     await server.loading(servicer.host.run(engine.warm_up))
-    verify_knee = await server.loading(servicer.host.run(engine.pass_knee))
+    verify_knee = await server.loading(servicer.host.run(_knee, engine))
     info = pb.ModelInfo(
         model=config.model, vocab_size=engine.lm.vocab_size, max_context=engine.lm.max_context,
         eos_token_ids=engine.lm.eos_token_ids, device=str(loaded.device), dtype=str(loaded.dtype).removeprefix("torch."),

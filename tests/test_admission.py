@@ -182,6 +182,25 @@ def test_the_default_budget_is_the_knee_the_target_timed_at_its_start(tmp_path):
         stack.stop()
 
 
+def test_a_target_times_its_knee_and_reports_none_where_it_cannot():
+    """pass_knee on a tiny model: a knee, and the engine holds no sequence after it; a context too
+    short for the timing's 32-token prefix: 0 (not measured), never an error."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.model.lm import CausalLM
+    from target_service.engine import TargetEngine
+
+    torch.manual_seed(0)
+    for context, measured in ((512, True), (32, False)):
+        config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, max_position_embeddings=context)
+        engine = TargetEngine(CausalLM(LlamaForCausalLM(config).eval(), torch.device("cpu")))
+        knee = engine.pass_knee(repeats=1)
+        assert (knee >= 1) if measured else knee == 0
+        assert len(engine.store) == 0
+
+
 def test_the_knee_of_a_few_timed_passes():
     """knee_of_passes draws the curve straight between the sizes timed: the CPU figures of
     benchmarks/results/avx2-bench-gguf (ms) give 3, an H200's exact pass (2.67 ms for one position,
