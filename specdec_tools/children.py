@@ -85,6 +85,19 @@ class ServiceProcesses:
         self.roles[address] = role
         return address
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds (user + system, every thread) each role's processes have used so far, from
+        /proc ({} where there is none): what a load test charges each service for its tokens."""
+        totals: dict[str, float] = {}
+        tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        for role, child in zip(self.roles.values(), self.children):
+            try:
+                fields = pathlib.Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            totals[role] = totals.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return totals
+
     def _quiet_flags(self, role: str) -> list[str]:
         """A tool's children: no metrics endpoint (the model services) and no HTTP API (the coordinator)."""
         if self.logs is None:

@@ -109,6 +109,12 @@ def _environment(**values: str):
                 os.environ[name] = value
 
 
+def _cpu(stack: LocalStack | None) -> dict[str, float]:
+    """CPU seconds so far of the local stack's services and of this process (the client)."""
+    times = os.times()
+    return {**(stack.cpu_seconds() if stack is not None else {}), "client": times.user + times.system}
+
+
 def refused_access(results: list[RequestResult], conn: connect.Connection) -> str:
     """One line when every request was turned away for its API token (no point in measuring on); '' otherwise."""
     if not results or not all(r.code in ("UNAUTHENTICATED", "PERMISSION_DENIED") for r in results):
@@ -278,7 +284,9 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
             return GrpcClient(conn, 600.0, args.ignore_eos)
 
         def level(*level_args, **kwargs):
+            cpu = _cpu(stack)
             results, duration = asyncio.run(run_level(client(), *level_args, **kwargs))
+            level.cpu = {role: after - cpu.get(role, 0.0) for role, after in _cpu(stack).items()}
             refused = refused_access(results, conn)
             if refused:
                 raise connect.ConnectError(refused)
@@ -303,6 +311,9 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
                                                "request_rate": args.request_rate or None, "repeat": repeat,
                                                "num_requests": n, "requested_output_tokens": args.max_new_tokens,
                                                **summarise(results, duration), "_results": results})
+                        tokens = report["runs"][-1]["total_output_tokens"]
+                        if tokens and level.cpu:  # the serving path's cost, counted: CPU ms a token, by process
+                            report["runs"][-1]["cpu_ms_per_token"] = {k: round(1e3 * v / tokens, 4) for k, v in level.cpu.items()}
                         if args.long_prompt_tokens:  # what the long prompts cost the others
                             short = [r for r in results if r.prompt_index % args.long_every != 0]
                             report["runs"][-1]["short_requests"] = summarise(short, duration)
@@ -310,6 +321,9 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
                             report["runs"][-1]["long_requests"] = {**summarise(long, duration), **long_prompts(long)}
                         save_partial(report, args.out)  # a long run killed later still leaves its numbers (main removes it at the end)
                         progress.console.print("\n".join(format_report({"runs": report["runs"][-1:]}).splitlines()[1:]))
+                        if "cpu_ms_per_token" in report["runs"][-1]:
+                            progress.console.print("   CPU ms a token: " + ", ".join(
+                                f"{k} {v:.3f}" for k, v in report["runs"][-1]["cpu_ms_per_token"].items()))
             if overload and stack:
                 offered = 4 * (args.max_concurrent_requests + args.max_queue)
                 results, duration = level(prompts, offered, args.max_new_tokens, True, offered, None, args.seed, progress)

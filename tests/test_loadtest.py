@@ -31,6 +31,9 @@ def test_quick_loadtest(tmp_path, capsys):
         assert all(key in run for key in VLLM_KEYS)
         assert run["failed"] == 0 and run["completed"] == run["num_requests"] == run["identical"]
         assert run["output_throughput"] > 0 and run["p99_ttft_ms"] >= run["median_ttft_ms"] > 0
+        # the serving path's cost, counted per process: the coordinator and the target work for every token
+        cpu = run["cpu_ms_per_token"]
+        assert set(cpu) == {"draft", "target", "coordinator", "client"} and cpu["coordinator"] > 0 and cpu["target"] > 0
     assert any(r["acceptance_rate"] > 0 for r in report["runs"] if r["speculation"])
 
     overload = report["overload"]
