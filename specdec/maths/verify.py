@@ -54,7 +54,11 @@ def verify_greedy_row(target_logits: torch.Tensor, draft_tokens: list[int]) -> t
     Why a row of its own: the target verifies each row of a pass apart (its verdicts are per row),
     and the batched form's tensors and masks are Python around one argmax, paid by every row of
     every pass. One argmax call, then the same rule on a list."""
-    argmax = target_logits.argmax(dim=-1).tolist()
+    return _greedy_verdict(target_logits.argmax(dim=-1).tolist(), draft_tokens)
+
+
+def _greedy_verdict(argmax: list[int], draft_tokens: list[int]) -> tuple[int, int]:
+    """(accepted, next token): the longest draft prefix equal to the target's argmax, then its own token."""
     accepted = 0
     while accepted < len(draft_tokens) and draft_tokens[accepted] == argmax[accepted]:
         accepted += 1
@@ -75,12 +79,8 @@ def verify_greedy_rows(rows_logits: list[torch.Tensor], drafts: list[list[int]])
     ids = flat.argmax(dim=-1).tolist()
     verdicts, at = [], 0
     for logits, draft in zip(rows_logits, drafts):
-        argmax = ids[at:at + logits.shape[0]]
+        verdicts.append(_greedy_verdict(ids[at:at + logits.shape[0]], draft))
         at += logits.shape[0]
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == argmax[accepted]:
-            accepted += 1
-        verdicts.append((accepted, argmax[accepted]))
     return verdicts
 
 
