@@ -284,9 +284,7 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
             return GrpcClient(conn, 600.0, args.ignore_eos)
 
         def level(*level_args, **kwargs):
-            cpu = _cpu(stack)
             results, duration = asyncio.run(run_level(client(), *level_args, **kwargs))
-            level.cpu = {role: after - cpu.get(role, 0.0) for role, after in _cpu(stack).items()}
             refused = refused_access(results, conn)
             if refused:
                 raise connect.ConnectError(refused)
@@ -305,6 +303,7 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
                 for concurrency in levels:
                     for speculation in (modes if repeat % 2 == 0 else modes[::-1]):
                         n = args.num_requests or max(8, 2 * (concurrency or 4))
+                        before = _cpu(stack)
                         results, duration = level(prompts, n, args.max_new_tokens, speculation, concurrency,
                                                   args.request_rate or None, args.seed, progress)
                         report["runs"].append({"weights": weights, "speculation": speculation, "concurrency": concurrency,
@@ -312,8 +311,9 @@ def run_format(args: argparse.Namespace, weights: str, target: str, tokenizer, p
                                                "num_requests": n, "requested_output_tokens": args.max_new_tokens,
                                                **summarise(results, duration), "_results": results})
                         tokens = report["runs"][-1]["total_output_tokens"]
-                        if tokens and level.cpu:  # the serving path's cost, counted: CPU ms a token, by process
-                            report["runs"][-1]["cpu_ms_per_token"] = {k: round(1e3 * v / tokens, 4) for k, v in level.cpu.items()}
+                        if tokens:  # the serving path's cost, counted: CPU ms a token, by process
+                            report["runs"][-1]["cpu_ms_per_token"] = {k: round(1e3 * (v - before.get(k, 0.0)) / tokens, 4)
+                                                                      for k, v in _cpu(stack).items()}
                         if args.long_prompt_tokens:  # what the long prompts cost the others
                             short = [r for r in results if r.prompt_index % args.long_every != 0]
                             report["runs"][-1]["short_requests"] = summarise(short, duration)
