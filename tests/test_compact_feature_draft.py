@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from coordinator.local import LocalProposer, LocalVerifier
 from draft_service.config import DraftConfig
@@ -19,6 +20,8 @@ from draft_service.engine import DraftEngine
 from draft_service.loading import load_engine
 from protos import specdec_pb2 as pb
 from protos import specdec_pb2_grpc as pb_grpc
+from specdec.calls.request import ProposeCall
+from specdec.kv.buffers import new_cache
 from specdec.model.cpu import gemm, packed
 from specdec.model.feature_draft import compact_weights, cut_head, save_feature_draft
 from specdec.model.lm import CausalLM
@@ -58,6 +61,39 @@ def test_compact_layers_take_the_integer_kernel_and_the_lean_layer(target):
     # another model (int8 weights and activations), close to the one it was made from
     assert not torch.equal(ours, reference)
     assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.8
+
+
+@needs_kernel
+def test_a_drafted_pair_runs_the_one_call_stack_with_the_per_layer_bits(target, monkeypatch):
+    """The draft's chain forwards (no mask, a cache that appends in place) take the compact stack
+    (specdec/model/cpu/stack.py), which must compute what its per-layer forward computes."""
+    draft = compact_draft(target)
+    gen = torch.Generator().manual_seed(1)
+    feats, nxt = torch.randn(1, 7, target.config.hidden_size, generator=gen), torch.tensor([[1, 2, 3, 4, 5, 6, 7]])
+    with torch.inference_mode():
+        per_layer, cache = [], DynamicCache(config=draft.config)  # not one the stack appends to: the layers' path
+        for a, b in ((0, 5), (5, 6), (6, 7)):
+            per_layer.append(draft(feats[:, a:b], nxt[:, a:b], cache, use_cache=True))
+        for layer in draft.body.layers:
+            monkeypatch.setattr(layer, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("layer ran")))
+        cache = new_cache(draft.config)
+        for (a, b), (feature, logits) in zip(((0, 5), (5, 6), (6, 7)), per_layer):
+            ours = draft(feats[:, a:b], nxt[:, a:b], cache, use_cache=True)
+            assert torch.equal(ours[0], feature) and torch.equal(ours[1], logits)
+    assert cache.get_seq_length() == 7
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_choosing_among_the_head_rows_is_choosing_over_the_vocabulary(target, temperature):
+    """The feature drafter chooses from its pruned head's logits and maps the ids: the same token, p
+    and sparse distribution as choosing from the whole vocabulary with -inf outside the head."""
+    draft = cut_head(tiny.feature_draft_of(target), list(range(1, tiny.VOCAB, 2)))
+    drafter = FeatureDrafter(draft, CPU, [tiny.EOS])
+    pruned = torch.randn(draft.kept_ids.numel(), generator=torch.Generator().manual_seed(2))
+    call = ProposeCall("s", 0, [], 4, temperature=temperature, seed=7)
+    ours = drafter.choose(pruned, drafter.begin(call, 0.0), draft.kept_ids)
+    theirs = drafter.choose(draft.to_target_logits(pruned), drafter.begin(call, 0.0))
+    assert ours.token % 2 == 1 and (ours.token, ours.dist, ours.cumulative_prob) == (theirs.token, theirs.dist, theirs.cumulative_prob)
 
 
 @needs_kernel

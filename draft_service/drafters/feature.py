@@ -30,6 +30,7 @@ from draft_service.tree import TreeBuilder, TreeDraft
 from specdec.model.feature_draft import FeatureDraft
 from specdec.errors import InvalidArgument
 from specdec.model.features import FeatureRows
+from specdec.kv.buffers import new_cache
 from specdec.kv.store import Sequence, crop_to
 from specdec.calls.request import ProposeCall
 
@@ -123,7 +124,7 @@ class FeatureDrafter(ModelDrafter):
         if seq.cache is not None and keep > 0:
             crop_to(seq.cache, keep)
         else:
-            seq.cache = self.model.new_cache()
+            seq.cache = new_cache(self.model.config)  # appending in place, as the compact stack's one call needs
             keep = 0
         seq.cached = keep
         feats = state.values[seq.cached:true_pairs][None].to(device)
@@ -148,7 +149,9 @@ class FeatureDrafter(ModelDrafter):
             chain = self.begin(call, start)
             while True:
                 self.forwards += 1
-                proposal = self.choose(self.model.to_target_logits(logits[0, -1].float().cpu()), chain)
+                # chosen among the head's rows, not the whole vocabulary: the same choice, the same
+                # distribution (every other token's p is 0), without scattering and normalising V logits
+                proposal = self.choose(logits[0, -1].float().cpu(), chain, self.model.kept_ids.cpu())
                 if proposal is None:
                     return
                 tokens.append(proposal.token)

@@ -83,8 +83,10 @@ class ModelDrafter:
     def begin(self, call: ProposeCall, start: float) -> ChainState:
         return ChainState(call, start, torch.Generator().manual_seed(call.seed))
 
-    def choose(self, logits: torch.Tensor, state: ChainState) -> Proposal | None:
+    def choose(self, logits: torch.Tensor, state: ChainState, ids: torch.Tensor | None = None) -> Proposal | None:
         """The next draft token from the logits [V] that follow the chain so far; None: stop here.
+        `ids`: the token id of each logit where they cover only some tokens (a pruned head; every
+        other token's probability is 0); None: logit i is token i's.
 
         Split from the forward so the batched path (draft_service/batcher.py) draws exactly what
         the one-sequence path draws: the same generator, the same order of draws.
@@ -101,14 +103,16 @@ class ModelDrafter:
         if state.done:
             return None
         if call.temperature == 0:
-            token = int(logits.argmax())
-            prob = float(torch.softmax(logits.float(), dim=-1)[token])  # the draft's confidence
+            index = int(logits.argmax())
+            prob = float(torch.softmax(logits.float(), dim=-1)[index])  # the draft's confidence
+            token = index if ids is None else int(ids[index])
             if state.cumulative * prob < call.min_cumulative_prob:
                 state.stopped = True  # not confident enough: verifying it would likely waste the slot
                 return None
             dist = EMPTY_DIST
         else:
             top_ids, top_probs = truncated_probs(logits, call.temperature, self.top_k)
+            top_ids = top_ids if ids is None else ids[top_ids]
             choice = int(torch.multinomial(top_probs, 1, generator=state.generator))
             token, prob = int(top_ids[choice]), float(top_probs[choice])
             dist = (top_ids.tolist(), top_probs.tolist())

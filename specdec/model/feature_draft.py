@@ -33,6 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache, LlamaConfig, LlamaModel
 
+from specdec.model.cpu import stack
 from specdec.model.draft_folders import FEATURE_MARKER, is_feature_draft
 from specdec.model.hfcache import cache_kwargs
 
@@ -89,6 +90,11 @@ class FeatureDraft(torch.nn.Module):
         level's pairs, each seeing the cached pairs and its own ancestors (draft_service/drafters/
         feature.py); None: causal after the cache, as a chain."""
         x = self.inputs(features, next_tokens)
+        if use_cache and attention_mask is None and position_ids is None and past_key_values is not None:
+            out = stack.forward_embeds(self.body, x, past_key_values)  # compact weights: one C call, the same bits
+            if out is not None:
+                predicted = self.body.norm(out)
+                return predicted, self.head(predicted)
         out = self.body(inputs_embeds=x, **cache_kwargs(self.body, past_key_values), use_cache=use_cache,
                         attention_mask=attention_mask, position_ids=position_ids)
         predicted = out.last_hidden_state

@@ -162,7 +162,12 @@ class Stack:
         through the stack: [1, sum(rows), hidden] before the final norm; None, feeding nothing, where
         some cache is not one this path can append to."""
         ids = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids])
-        x = decoder.embed_tokens(ids)
+        return self.feed_embeds(decoder, decoder.embed_tokens(ids), positions, caches, rows)
+
+    def feed_embeds(self, decoder: torch.nn.Module, x: torch.Tensor, positions: list[int], caches: list,
+                    rows: list[int]) -> torch.Tensor | None:
+        """feed, from input embeddings x [1, sum(rows), hidden] (contiguous, overwritten): a feature
+        draft's inputs are not token embeddings."""
         cos, sin = decoder.rotary_emb(x, position_ids=torch.tensor([positions]))
         if x.dtype != torch.float32 or not self.run(x.view(sum(rows), -1), caches, rows, cos[0].contiguous(),
                                                     sin[0].contiguous()):
@@ -199,7 +204,8 @@ def _forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.
 def use(model: torch.nn.Module) -> bool:
     """Gives the decoder of a causal LM whose every layer runs the lean forward (decoder.use) the
     one-call stack; True if it did."""
-    decoder = model.get_decoder() if isinstance(model, PreTrainedModel) else None  # a feature draft: its own layers
+    # a feature draft (specdec/model/feature_draft.py) is no PreTrainedModel: its decoder is its body
+    decoder = model.get_decoder() if isinstance(model, PreTrainedModel) else getattr(model, "body", None)
     kernel = gemm_kernel.load()
     layers = getattr(decoder, "layers", None)
     if kernel is None or layers is None or type(decoder).__name__ != "LlamaModel" or not len(layers):
@@ -212,6 +218,23 @@ def use(model: torch.nn.Module) -> bool:
     setattr(decoder, _INSTALLED, Stack(decoder, kernel))
     decoder.forward = types.MethodType(_forward, decoder)
     return True
+
+
+def forward_embeds(decoder: torch.nn.Module, x: torch.Tensor, cache) -> torch.Tensor | None:
+    """The stack over input embeddings x [1, T, hidden] of ONE sequence appended to `cache`: its
+    output before the final norm; None, feeding nothing, where this path does not apply (no stack,
+    gradients, hooks, another dtype, a cache it cannot append to).
+
+    Why: a feature draft drafts one pair a forward, and transformers' model forward around its one
+    layer (masks, rotary, output records) cost as much as the layer's weights (docs/benchmarks.md)."""
+    stack = installed(decoder)
+    if stack is None or x.dim() != 3 or x.shape[0] != 1 or x.dtype != torch.float32 or not stack.usable():
+        return None
+    past = stack._past(cache)
+    if past is None:
+        return None
+    rows = x.shape[1]
+    return stack.feed_embeds(decoder, x.contiguous(), list(range(past, past + rows)), [cache], [rows])
 
 
 def installed(decoder: torch.nn.Module) -> Stack | None:
