@@ -129,7 +129,7 @@ class FeatureDrafter(ModelDrafter):
         seq.cached = keep
         feats = state.values[seq.cached:true_pairs][None].to(device)
         nxt = torch.tensor([tokens[seq.cached + 1:true_pairs + 1]], dtype=torch.long, device=device)
-        predicted, logits = self.model(feats, nxt, seq.cache, use_cache=True)
+        predicted, logits = self.model(feats, nxt, seq.cache, use_cache=True, logits_to_keep=1)
         seq.cached = true_pairs
         feature = predicted[:, -1:]
         try:

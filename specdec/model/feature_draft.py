@@ -83,8 +83,10 @@ class FeatureDraft(torch.nn.Module):
 
     def forward(self, features: torch.Tensor, next_tokens: torch.Tensor, past_key_values: DynamicCache | None = None,
                 use_cache: bool = False, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                position_ids: torch.Tensor | None = None, logits_to_keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """features [B, T, H] (f_i), next_tokens [B, T] (x_{i+1}) -> (predicted f_{i+1} [B, T, H], logits [B, T, N]).
+        logits_to_keep > 0: the logits of the last so many positions only (as transformers' own), since
+        a prefill of a prompt's pairs reads one row's, and the head is half the draft's weights.
 
         attention_mask [B, 1, T, cached + T] (0 or the dtype's min) and position_ids [B, T]: a tree
         level's pairs, each seeing the cached pairs and its own ancestors (draft_service/drafters/
@@ -94,11 +96,14 @@ class FeatureDraft(torch.nn.Module):
             out = stack.forward_embeds(self.body, x, past_key_values)  # compact weights: one C call, the same bits
             if out is not None:
                 predicted = self.body.norm(out)
-                return predicted, self.head(predicted)
+                return predicted, self._head(predicted, logits_to_keep)
         out = self.body(inputs_embeds=x, **cache_kwargs(self.body, past_key_values), use_cache=use_cache,
                         attention_mask=attention_mask, position_ids=position_ids)
         predicted = out.last_hidden_state
-        return predicted, self.head(predicted)
+        return predicted, self._head(predicted, logits_to_keep)
+
+    def _head(self, predicted: torch.Tensor, keep: int) -> torch.Tensor:
+        return self.head(predicted[:, -keep:] if keep else predicted)
 
     def inputs(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """The body's input embeddings of pairs (f_i, x_{i+1}): [B, T, H]. Training calls the body
