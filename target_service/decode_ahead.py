@@ -48,6 +48,7 @@ class _RowAhead:
     ended: bool = False  # an end-of-sequence token was accepted inside a draft: what follows is cut anyway
     first: tuple[int, ...] = ()  # the tokens its call's own pass made canonical (draft tokens accepted, next token)
     sent: int = 0  # of first + decoded, how many went to TargetEngine.on_tokens
+    settled: bool = False  # its result went to its caller while the other rows decode on (_decode_ahead_rows' settle)
 
     def unsent(self) -> tuple[str, int, list[int], list[TokenLogprob]]:
         """(sequence, index, tokens, their log-probabilities) made since the last report: `index`
@@ -167,7 +168,8 @@ class DecodeAhead:
 
     def _decode_ahead_rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]],
                            results: list[VerifyResult | SpecdecError | None], start: float,
-                           interrupt: Callable[[], bool] | None) -> None:
+                           interrupt: Callable[[], bool] | None, settle: Callable[[int, VerifyResult], None] | None = None,
+                           dropped: Callable[[str], bool] | None = None) -> None:
         """Decodes ahead for every row of a batched pass together: one batched forward a pass, as
         many passes as the row that asked least allows, each row's token (and lookup draft) made
         as `_decode_ahead` makes it alone. Writes the rows' results back into `results`.
@@ -178,6 +180,11 @@ class DecodeAhead:
         another with no exchange in between. Only when every row asked for it (a row that did not
         would wait for the others' passes) and all of them feed one forward; stopped as soon as a
         call is waiting (`interrupt`), so a request that arrives meanwhile waits one pass, not all.
+        With `settle`, rows leave one by one instead: a row whose budget is spent, or whose caller is
+        gone (`dropped`), gets its result through settle(index, result) at once and the others decode
+        on for as many passes as the row that asked MOST allows. Why: under many streams a row
+        finishes nearly every pass; ending every row's decoding there made every stream's caller
+        submit again (an exchange a pass, on the event loop and the worker alike).
         Each row's tokens are the ones its own exchanges would have got, as exact as any batched
         pass: its verdict is keyed by position, and which rows share its forwards is the load's
         doing either way.
@@ -195,8 +202,11 @@ class DecodeAhead:
             rows_ahead.append(row)
         eos, context = self.lm.eos_token_ids, self.lm.max_context
         self._report(rows_ahead)
-        for _ in range(min(min(r.budget, r.most) for r in rows_ahead)):
-            live = [r for r in rows_ahead if r.going(eos, context)]
+        bound = max if settle is not None else min
+        for _ in range(bound(min(r.budget, r.most) for r in rows_ahead)):
+            live = [r for r in rows_ahead if r.going(eos, context) and not (dropped is not None and dropped(r.call.sequence_id))]
+            if settle is not None and len(live) < len(rows_ahead):
+                self._settle_rows(calls, rows_ahead, live, results, start, settle)
             if not live or (interrupt is not None and interrupt()):
                 break
             steps = {r.index: self._ahead_pass(r, len(live)) for r in live}
@@ -209,4 +219,17 @@ class DecodeAhead:
                 self._ahead_taken(r, outcome.accepted, outcome.next_token, outcome.logprobs)
             self._report(live)
         for r in rows_ahead:
+            if not r.settled:
+                results[r.index] = self._ahead_result(results[r.index], r, start)
+
+    def _settle_rows(self, calls: list[VerifyCall], rows_ahead: list[_RowAhead], live: list[_RowAhead],
+                     results: list, start: float, settle: Callable[[int, VerifyResult], None]) -> None:
+        """Hands the rows that stopped decoding their results (final: the pass returns the same)."""
+        going = {id(r) for r in live}
+        for r in rows_ahead:
+            # a lookup draft's result is rewritten once the pass returns (verify_batch's _as_decoded): it waits
+            if r.settled or id(r) in going or calls[r.index].lookup_match:
+                continue
+            r.settled = True
             results[r.index] = self._ahead_result(results[r.index], r, start)
+            settle(r.index, results[r.index])

@@ -96,7 +96,8 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         return FeatureRows(before, hidden[rows.to(hidden.device)].float().cpu())
 
     def verify_batch(self, calls: list[VerifyCall], decode_ahead: bool = True,
-                     interrupt: Callable[[], bool] | None = None) -> list[VerifyResult | SpecdecError]:
+                     interrupt: Callable[[], bool] | None = None, settle: Callable[[int, VerifyResult], None] | None = None,
+                     dropped: Callable[[str], bool] | None = None) -> list[VerifyResult | SpecdecError]:
         """Verifies several sequences' proposals in ONE forward pass (specdec/forward/batching.py),
         or a few where the rows' cache lengths differ so much that padding them to the longest
         would cost more than another pass (pad_groups).
@@ -108,7 +109,9 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         Rows decode ahead (VerifyCall.decode_ahead) only if `decode_ahead`: the batcher says no
         while sequences outside the pass are active, whose calls it would hold up. A lone row
         decodes ahead on its own (`_decode_ahead`), the rows of a pass that holds every call
-        together (`_decode_ahead_rows`), until `interrupt()` says a call is waiting.
+        together (`_decode_ahead_rows`), until `interrupt()` says a call is waiting; a row whose
+        caller is gone (`dropped(sequence_id)`) stops on its own. `settle(index, result)`: rows of
+        a pass decoding ahead may finish apart, each handed its result as it finishes (on this thread).
         """
         start = time.perf_counter()
         calls = list(calls)  # a row that drafts by lookup gets its draft here
@@ -134,7 +137,8 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         for group in groups:
             if len(group) == 1 and not fused:
                 (index, seq), = group
-                results[index] = self._row(calls[index], seq, start, len(rows), decode_ahead and len(rows) == 1, interrupt)
+                results[index] = self._row(calls[index], seq, start, len(rows), decode_ahead and len(rows) == 1,
+                                           _or_dropped(interrupt, dropped, calls[index].sequence_id))
                 continue
             for (index, _), result in zip(group, self._rows(calls, group, start, len(rows), chunk if fused else None)):
                 results[index] = result
@@ -154,7 +158,7 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
             positions = sum(calls[index].new_positions for index, _ in rows) + (chunk[2] if fused else 0)
             self.pass_costs.observe(positions, time.perf_counter() - start)
         if decode_ahead and len(groups) == 1:  # the rows' passes are one forward each
-            self._decode_ahead_rows(calls, rows, results, start, interrupt)
+            self._decode_ahead_rows(calls, rows, results, start, interrupt, settle, dropped)
         for index, seq in rows:
             if calls[index].lookup_match and isinstance(results[index], VerifyResult):
                 results[index] = self._as_decoded(calls[index], results[index], seq)
@@ -377,3 +381,11 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
                 p[i, token] = 1.0
         return p
 
+
+
+def _or_dropped(interrupt: Callable[[], bool] | None, dropped: Callable[[str], bool] | None,
+                sequence_id: str) -> Callable[[], bool] | None:
+    """A lone row's interrupt: another call waits, or its own caller is gone."""
+    if dropped is None:
+        return interrupt
+    return lambda: (interrupt is not None and interrupt()) or dropped(sequence_id)

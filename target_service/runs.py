@@ -153,9 +153,10 @@ class DecodeStreams:
         self._reports: collections.deque = collections.deque()  # the engine's, not yet taken by the loop
         self._woken = False
 
-    def interrupt(self) -> bool:
-        """Whether passes decoded ahead should stop for a run's sake. Safe on the worker (a set's length)."""
-        return bool(self.stopping)
+    def dropped(self, sequence_id: str) -> bool:
+        """Whether the passes decoded ahead should stop for this sequence (its run ended or was
+        cancelled): its row leaves, the others go on. Safe on the worker (a set's membership)."""
+        return sequence_id in self.stopping
 
     def drain(self) -> None:
         """The server is shutting down: runs in flight finish, streams end once they have none."""

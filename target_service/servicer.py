@@ -35,18 +35,19 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         # One worker: the model runs one forward at a time; Verify calls that wait together share it.
         self.host = EngineHost("target")
         self.batcher = VerifyBatcher(self.host.run, self._verify_batch, batch_window_ms / 1000, max_batch_size, max_batch_tokens,
-                                     inline=self._inline, engine=lambda: self.engine)
+                                     inline=self._inline, engine=lambda: self.engine, settles=True)
         self.runs = DecodeStreams(self.batcher.submit, self._release)
         self.carriers = Carriers(self._release)  # a VerifySession's sequences, freed when a coordinator is gone
 
-    def _verify_batch(self, calls, decode_ahead: bool = True):
+    def _verify_batch(self, calls, decode_ahead: bool = True, settle=None):
         # read from the worker thread: a list's and a set's lengths, set on the loop's thread, are safe to read
-        return self.engine.verify_batch(calls, decode_ahead, interrupt=self._interrupt)
+        return self.engine.verify_batch(calls, decode_ahead, interrupt=self._interrupt, settle=settle,
+                                        dropped=self.runs.dropped)
 
     def _interrupt(self) -> bool:
         """Whether passes decoded ahead should stop: a Verify waits for the next pass, or other work
-        (a Release) waits for the worker."""
-        return self.batcher.waiting() or self.host.queued() or self.runs.interrupt()
+        waits for the worker. A run that ended or was cancelled stops only its own row (`dropped`)."""
+        return self.batcher.waiting() or self.host.queued()
 
     def _inline(self, call: VerifyCall) -> bool:
         """Whether a lone call runs right on the event loop, without the hop to the worker thread
@@ -115,9 +116,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
 
     async def _release(self, sequence_id: str) -> bool:
         self.carriers.forget(sequence_id)
-        released = await self.host.run(self.engine.release, sequence_id)
-        self.batcher.released(sequence_id)
-        return released
+        self.batcher.released(sequence_id)  # not expected in the next pass: it will not call again
+        # in the background: the passes decoding ahead for the other sequences go on (EngineHost.queued)
+        return await self.host.run(self.engine.release, sequence_id, background=True)
 
 
 def _checked(lm) -> str | None:

@@ -101,6 +101,64 @@ def test_the_rows_of_a_pass_decode_ahead_together_with_the_tokens_single_steps_m
             assert more.next_token == want[len(got)]
 
 
+def test_with_settle_the_rows_of_a_pass_leave_one_by_one_and_the_others_decode_on(pair):
+    """With `settle` (the batcher's), a row whose budget is spent gets its result at once, while the
+    rows that asked more decode on past it; a row whose caller is gone (`dropped`) stops alone.
+    Every row's tokens are still the ones single steps make."""
+    target = engine(pair)
+    prompts = tiny.prompts(4, seed=13)
+    expected = [one_at_a_time(target, f"single{i}", p, 10, GREEDY) for i, p in enumerate(prompts)]
+    settled: list[tuple[int, object]] = []
+    calls = [VerifyCall(f"s{i}", 0, p, [], [], GREEDY, decode_ahead=2 + 2 * i) for i, p in enumerate(prompts)]
+    results = target.verify_batch(calls, settle=lambda index, result: settled.append((index, result)),
+                                  dropped=lambda sequence_id: sequence_id == "s3")
+    for i, (result, want) in enumerate(zip(results, expected)):
+        got = [result.next_token, *result.decoded]
+        assert got == want[: len(got)]
+        if tiny.EOS not in got and i < 3:
+            assert len(result.decoded) == 2 + 2 * i  # its own budget, not the smallest row's
+    assert results[3].ahead_passes == 0  # dropped: it left before its first pass ahead
+    # each row that left before the last pass was handed its result then, the very object returned
+    early = dict(settled)
+    assert set(early) >= {0, 3} - {i for i, r in enumerate(results) if tiny.EOS in (r.next_token, *r.decoded)}
+    assert all(results[index] is result for index, result in settled)
+    assert len(early) == len(settled)  # once each
+
+
+def test_a_settling_batcher_answers_a_row_when_it_is_done_not_when_the_pass_returns(pair):
+    target = engine(pair)
+    first, second = [p for p in tiny.prompts(40, seed=17) if tiny.EOS not in tiny.reference_greedy(pair[0], p, 12)][:2]
+    early: list[tuple[int, bool]] = []  # (row, whether the pass had returned yet) for each settle
+
+    def verify_batch(calls, alone, settle):
+        returned = [False]
+
+        def noted(index, result):
+            early.append((index, returned[0]))
+            settle(index, result)
+
+        results = target.verify_batch(calls, alone, settle=noted)
+        returned[0] = True
+        return results
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        batcher = VerifyBatcher(lambda fn, *args: loop.run_in_executor(None, fn, *args), verify_batch, window_s=0.0,
+                                settles=True)
+        a = await batcher.submit(VerifyCall("a", 0, first, [], [], GREEDY))
+        b = await batcher.submit(VerifyCall("b", 0, second, [], [], GREEDY))
+        short, long = await asyncio.gather(batcher.submit(VerifyCall("a", a.cached_len, [a.next_token], [], [], GREEDY, decode_ahead=1)),
+                                           batcher.submit(VerifyCall("b", b.cached_len, [b.next_token], [], [], GREEDY, decode_ahead=8)))
+        batcher.close()
+        return a, b, short, long
+
+    a, b, short, long = asyncio.run(main())
+    assert early == [(0, False)]  # the short row, handed over while the long one still decoded
+    assert len(short.decoded) == 1 and len(long.decoded) == 8  # the long row went past the short one's budget
+    assert [a.next_token, short.next_token, *short.decoded] == tiny.reference_greedy(pair[0], first, 3)
+    assert [b.next_token, long.next_token, *long.decoded] == tiny.reference_greedy(pair[0], second, 10)
+
+
 def test_the_rows_of_a_pass_decode_ahead_with_their_own_lookup_drafts(pair):
     target = engine(pair)
     # Prompts that repeat themselves, so prompt lookup finds matches to draft from.

@@ -20,7 +20,9 @@ leave at any step. A batcher is given:
   feeds only its own positions), a pass costs the sum of its rows' instead;
 - `seconds(result)`: what a result says its compute took (None: the pass's wall time), which sizes
   the window below;
-- `inline(call)` (optional): whether a call run alone (below) may run on the event loop itself.
+- `inline(call)` (optional): whether a call run alone (below) may run on the event loop itself;
+- `settles` (optional): run_batch takes `settle(index, result)` and may answer a row before the pass
+  returns (the target's rows decoding ahead, each done when its budget is spent).
 
 Why it waits. Before starting a pass it waits a short while for the calls it expects: one from
 every sequence active lately (a call within the last few passes' time, and not released since)
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Any, Generic, TypeVar
@@ -106,11 +109,15 @@ class ContinuousBatcher(Generic[C, R]):
         seconds: Callable[[R], float] | None = None,
         inline: Callable[[C], bool] | None = None,
         ragged: Callable[[], bool] | None = None,
+        settles: bool = False,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self._run, self._run_batch, self._key, self._cost, self._seconds = run, run_batch, key, cost, seconds
         self._inline, self._ragged = inline, ragged
+        # run_batch takes a keyword `settle(index, result)`, called on the worker for a row that is done
+        # before the pass returns (the target's rows decoding ahead leave one by one)
+        self._settles = settles
         self.window_s, self.max_batch_size, self.max_batch_tokens = window_s, max_batch_size, max_batch_tokens
         self._pending: list[_Pending[C]] = []
         self._arrived = asyncio.Event()
@@ -218,8 +225,13 @@ class ContinuousBatcher(Generic[C, R]):
         alone = not (self._expected() - self._prefilling - {self._key(item.call) for item in batch})
         self._running = True
         started = time.perf_counter()
+        run_batch = self._run_batch
+        if self._settles:
+            loop = asyncio.get_running_loop()
+            run_batch = functools.partial(
+                run_batch, settle=lambda index, result: loop.call_soon_threadsafe(_settle, batch[index].future, result))
         try:
-            results = await self._run(self._run_batch, [item.call for item in batch], alone)
+            results = await self._run(run_batch, [item.call for item in batch], alone)
         except Exception as exc:  # noqa: BLE001 - a failed pass fails its rows, never the batcher
             results = [exc] * len(batch)
         finally:

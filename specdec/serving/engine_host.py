@@ -39,6 +39,7 @@ class EngineHost:
         # Calls handed to the worker and not finished there, cancelled or not: while any is left the
         # worker may be touching the engine, so nothing else may (`idle`).
         self._in_flight: set[concurrent.futures.Future] = set()
+        self._urgent: set[concurrent.futures.Future] = set()  # of those, the ones `queued` counts
 
     def attach(self, engine, info) -> None:
         self.info = info
@@ -60,8 +61,9 @@ class EngineHost:
         """Whether a call waits for the worker behind the one it runs: a pass doing extra work for
         its own rows (the target decoding ahead) stops then, so a Release or another sequence's call
         does not wait out a long run of passes decoded ahead for a request answered whole. Safe to
-        call from the worker (a set's length)."""
-        return len(self._in_flight) > 1
+        call from the worker (a set's length). Work run as `background` (a finished sequence's
+        release) does not count: it waits for the passes to end."""
+        return len(self._urgent) > 1
 
     def sweep_idle(self, store) -> asyncio.Task | None:
         """Expires `store`'s idle sequences on a timer until the returned task is cancelled (None:
@@ -83,11 +85,16 @@ class EngineHost:
 
         return asyncio.get_running_loop().create_task(sweep(), name=f"{self.role}-idle-sweep")
 
-    async def run(self, fn, *args):
+    async def run(self, fn, *args, background: bool = False):
+        """fn(*args) on the worker, after what is queued there. `background`: nobody waits on it
+        (freeing a finished sequence), so it does not stop passes that decode ahead (`queued`)."""
         future = self.executor.submit(fn, *args)
         self._in_flight.add(future)
         # Discarded in the worker the moment fn returns (done callbacks run in the thread that
         # finishes the future), not when the awaiting task resumes: a cancelled caller stops
         # waiting at once, but its fn may still be running.
         future.add_done_callback(self._in_flight.discard)
+        if not background:
+            self._urgent.add(future)
+            future.add_done_callback(self._urgent.discard)
         return await asyncio.wrap_future(future)

@@ -8,7 +8,8 @@ from draft_service.loading import load_engine
 torch.set_num_threads(2)
 tok = load_tokenizer("smollm2-135m-instruct")
 context = curve_context(load_prompts(tok, "chat", 0), 64, None)
-cfg = dataclasses.replace(draft_config(sys.argv[1] if len(sys.argv) > 1 else "specdec/drafts/smollm2-135m-feature", "smollm2-135m-instruct"), weights="auto")
+folder = sys.argv[1] if len(sys.argv) > 1 else "specdec/drafts/smollm2-135m-feature"
+cfg = dataclasses.replace(draft_config(folder, "smollm2-135m-instruct"), weights="auto")
 e, info = load_engine(cfg)
 torch.manual_seed(0)
 feats = FeatureRows(0, torch.randn(len(context) - 1, e.drafter.feature_dim))

@@ -1,4 +1,4 @@
-import dataclasses, statistics, sys, time, torch
+import dataclasses, statistics, time, torch
 from specdec.model.loading import load_tokenizer
 from specdec.model.features import FeatureRows
 from specdec.calls.request import ProposeCall
@@ -20,4 +20,5 @@ for r in range(3):
         ts.append(time.perf_counter() - s)
         e.release(f"s{r}-{i}")
 print("prompt lengths", [len(p) for p in prompts])
-print("prefill ms median", round(statistics.median(ts) * 1e3, 1), "per pair us", round(statistics.median(ts) / statistics.median([len(p) for p in prompts]) * 1e6, 1))
+per_pair = statistics.median(ts) / statistics.median([len(p) for p in prompts])
+print("prefill ms median", round(statistics.median(ts) * 1e3, 1), "per pair us", round(per_pair * 1e6, 1))
