@@ -29,9 +29,10 @@ def _qkv(rows: int, keys: int, seed: int = 0, dim: int = 40) -> tuple[torch.Tens
             torch.randn(2, 2, keys, dim, generator=g))
 
 
-# Head sizes 64 and 128 run the kernel's tiles of several query rows (csrc/attention.c attend_tile),
-# any other size its one-row path: each must give a row the same bits alone or among others.
-DIMS = (40, 64, 128)
+# Head sizes that are multiples of 16 (but 112) run the kernel's tiles of several query rows
+# (csrc/attention.c attend_tile: 64 and 128, and 16 and 80 of the smaller and odd tiles), any other
+# size its one-row path: each must give a row the same bits alone or among others.
+DIMS = (16, 40, 64, 80, 128)
 
 
 @pytest.mark.parametrize("dim", DIMS)

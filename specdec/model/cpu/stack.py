@@ -93,12 +93,14 @@ class Stack:
         lengths = {layer._length if layer.is_initialized else 0 for layer in layers}
         return lengths.pop() if len(lengths) == 1 else None
 
-    def run(self, x: torch.Tensor, caches: list, rows: list[int], cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    def run(self, x: torch.Tensor, caches: list, rows: list[int], cos: torch.Tensor, sin: torch.Tensor,
+            pasts: list[int] | None = None) -> bool:
         """x [sum(rows), hidden] (contiguous float32, overwritten with the stack's output): rows[g] new
         positions of the sequence whose cache is caches[g], one sequence after another; cos/sin
         [sum(rows), head_dim]. False, computing nothing, where some cache is not one this path can
-        append to (the caller then takes transformers' path)."""
-        pasts = [self._past(cache) for cache in caches]
+        append to (the caller then takes transformers' path). `pasts`: what _past says of each cache,
+        where the caller has just asked it (a pass of 64 rows asks 64 caches)."""
+        pasts = [self._past(cache) for cache in caches] if pasts is None else pasts
         if None in pasts:
             return False
         pointers, strides = [], []
@@ -157,20 +159,20 @@ class Stack:
         return saved[2], saved[3]
 
     def feed(self, decoder: torch.nn.Module, ids: list[int] | torch.Tensor, positions: list[int], caches: list,
-             rows: list[int]) -> torch.Tensor | None:
+             rows: list[int], pasts: list[int] | None = None) -> torch.Tensor | None:
         """The decoder's token embeddings for `ids` (rows[g] of sequence g's, at their positions)
         through the stack: [1, sum(rows), hidden] before the final norm; None, feeding nothing, where
         some cache is not one this path can append to."""
         ids = ids if isinstance(ids, torch.Tensor) else torch.tensor([ids])
-        return self.feed_embeds(decoder, decoder.embed_tokens(ids), positions, caches, rows)
+        return self.feed_embeds(decoder, decoder.embed_tokens(ids), positions, caches, rows, pasts)
 
     def feed_embeds(self, decoder: torch.nn.Module, x: torch.Tensor, positions: list[int], caches: list,
-                    rows: list[int]) -> torch.Tensor | None:
+                    rows: list[int], pasts: list[int] | None = None) -> torch.Tensor | None:
         """feed, from input embeddings x [1, sum(rows), hidden] (contiguous, overwritten): a feature
         draft's inputs are not token embeddings."""
         cos, sin = decoder.rotary_emb(x, position_ids=torch.tensor([positions]))
         if x.dtype != torch.float32 or not self.run(x.view(sum(rows), -1), caches, rows, cos[0].contiguous(),
-                                                    sin[0].contiguous()):
+                                                    sin[0].contiguous(), pasts):
             return None
         return x
 
@@ -270,27 +272,26 @@ def forward_rows(lm, seqs: list, pending: list[list[int]], keeps: list[int]) -> 
     stack = installed(decoder)
     if lm.capturing or not stack.usable():
         return None  # features wanted (the padded batch hands them out per row), or hooks, or no kernel
-    caches = []
+    caches, pasts = [], []
     for seq in seqs:
         if seq.cache is None:
             seq.cache = lm.new_cache()
         if stack._past(seq.cache) != seq.cached:
             return None
         caches.append(seq.cache)
-    ids, positions = [], []
-    for seq, tokens in zip(seqs, pending):
+        pasts.append(seq.cached)
+    ids, positions, kept, end = [], [], [], 0
+    for seq, tokens, keep in zip(seqs, pending, keeps):
         ids += tokens
         positions += range(seq.cached, seq.cached + len(tokens))
+        end += len(tokens)
+        kept += range(end - keep, end)  # the positions whose logits are kept, in one index
     with torch.inference_mode():
-        x = stack.feed(decoder, ids, positions, caches, [len(t) for t in pending])
+        x = stack.feed(decoder, ids, positions, caches, [len(t) for t in pending], pasts)
         if x is None:
             return None
         hidden = decoder.norm(x)[0]
-        kept, end = [], 0
-        for tokens, keep in zip(pending, keeps):
-            end += len(tokens)
-            kept.append(torch.arange(end - keep, end))
-        logits = model.lm_head(hidden.index_select(0, torch.cat(kept))).float()
+        logits = model.lm_head(hidden.index_select(0, torch.tensor(kept))).float()
     for seq, tokens in zip(seqs, pending):
         seq.cached += len(tokens)
     return list(logits.split(keeps))

@@ -195,7 +195,9 @@ static inline __attribute__((always_inline)) void attend_tile(
     }
 }
 
-/* The same for any D: one row a tile, the sums in memory (models whose head size is not 64 or 128). */
+/* The same for any D: one row a tile, the sums in memory (head sizes that are not 16, 32, 48, 64, 80, 96
+ * or 128). A tile computes each of its rows with these very operations (attend_tile says how), so the
+ * two give the same bits where both apply. */
 static void attend_row(const float *qi, const float *kb, long kst, const float *vb, long vst, const uint8_t *mi,
                        int last, int D, float scale, float *scores, int *index, float *acc, float *o) {
     int n = 0;
@@ -251,18 +253,28 @@ static void scratch_close(scratch s) {
 #define TILE_ROWS 4 /* rows a tile: D = 64 keeps 4 rows' sums in 16 vector registers, D = 128 two rows' */
 
 /* `rows` query rows (at most tile_rows(D)) as attend_tile computes them, its constants fixed for the
- * head dims whose tiles keep their sums in registers; any other D one row at a time (attend_row,
- * rows 1). Inlined, so each branch is the specialised tile the three callers spelled out before. */
+ * head dims whose tiles keep their sums in registers (multiples of 16 up to 128 but 112); any other D
+ * one row at a time (attend_row, rows 1). Inlined, so each branch is the specialised tile the three callers spelled out before. */
 static inline __attribute__((always_inline)) void attend(
     int D, const float *q, long qsi, const float *kb, long kst, const float *vb, long vst, const uint8_t *mask, long msi,
     int rows, int first_last, int masked, int T, float scale, float *scores, int *index, float *acc, long stride,
     float *out, long osi, int row_step) {
+#define ATTEND_TILE(DV, R) attend_tile(DV, R, q, qsi, kb, kst, vb, vst, mask, msi, rows, first_last, masked, T, scale, \
+                                      scores, index, stride, out, osi, row_step)
     if (D == 64)
-        attend_tile(4, TILE_ROWS, q, qsi, kb, kst, vb, vst, mask, msi, rows, first_last, masked, T, scale, scores, index,
-                    stride, out, osi, row_step);
+        ATTEND_TILE(4, TILE_ROWS);
     else if (D == 128)
-        attend_tile(8, TILE_ROWS / 2, q, qsi, kb, kst, vb, vst, mask, msi, rows, first_last, masked, T, scale, scores,
-                    index, stride, out, osi, row_step);
+        ATTEND_TILE(8, TILE_ROWS / 2);
+    else if (D == 16) /* the other multiples of 16: the same tiles (small models, Phi's 80 and 96) */
+        ATTEND_TILE(1, TILE_ROWS);
+    else if (D == 32)
+        ATTEND_TILE(2, TILE_ROWS);
+    else if (D == 48)
+        ATTEND_TILE(3, TILE_ROWS / 2);
+    else if (D == 80)
+        ATTEND_TILE(5, TILE_ROWS / 2);
+    else if (D == 96)
+        ATTEND_TILE(6, TILE_ROWS / 2);
     else
         attend_row(q, kb, kst, vb, vst, mask, masked ? T - 1 : first_last, D, scale, scores, index, acc, out);
 }
@@ -273,7 +285,9 @@ static inline __attribute__((always_inline)) void attend(
  * computed alike whichever thread takes it, so the choice changes no bit. */
 static inline int attention_parallel(double products) { return products >= (double)(1 << 20); }
 
-static inline int tile_rows(int D) { return D == 64 ? TILE_ROWS : D == 128 ? TILE_ROWS / 2 : 1; }
+static inline int tile_rows(int D) {
+    return D == 64 || D == 16 || D == 32 ? TILE_ROWS : D == 128 || D == 48 || D == 80 || D == 96 ? TILE_ROWS / 2 : 1;
+}
 
 int sg_attention(const float *q, long qsb, long qsh, long qsi, const float *k, long ksb, long ksh, long kst,
                  const float *v, long vsb, long vsh, long vst, const uint8_t *mask, long msb, long msh, long msi,
