@@ -169,7 +169,7 @@ class DecodeAhead:
     def _decode_ahead_rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]],
                            results: list[VerifyResult | SpecdecError | None], start: float,
                            interrupt: Callable[[], bool] | None, settle: Callable[[int, VerifyResult], None] | None = None,
-                           dropped: Callable[[str], bool] | None = None) -> None:
+                           dropped: Callable[[str], bool] | None = None) -> set[int]:
         """Decodes ahead for every row of a batched pass together: one batched forward a pass, as
         many passes as the row that asked least allows, each row's token (and lookup draft) made
         as `_decode_ahead` makes it alone. Writes the rows' results back into `results`.
@@ -190,15 +190,15 @@ class DecodeAhead:
         doing either way.
         """
         if len(rows) < 2 or len(rows) != len(calls):  # one row decodes ahead in _row; a chunk or an error: no
-            return
+            return set()
         rows_ahead: list[_RowAhead] = []
         for index, seq in rows:
             call, result = calls[index], results[index]
             if not isinstance(result, VerifyResult) or call.tree is not None or call.return_features or call.decode_ahead <= 0:
-                return
+                return set()
             row = self._ahead(call, seq, result, index)
             if row is None:
-                return
+                return set()
             rows_ahead.append(row)
         eos, context = self.lm.eos_token_ids, self.lm.max_context
         self._report(rows_ahead)
@@ -221,15 +221,18 @@ class DecodeAhead:
         for r in rows_ahead:
             if not r.settled:
                 results[r.index] = self._ahead_result(results[r.index], r, start)
+        return {r.index for r in rows_ahead if r.settled}
 
     def _settle_rows(self, calls: list[VerifyCall], rows_ahead: list[_RowAhead], live: list[_RowAhead],
                      results: list, start: float, settle: Callable[[int, VerifyResult], None]) -> None:
-        """Hands the rows that stopped decoding their results (final: the pass returns the same)."""
+        """Hands the rows that stopped decoding their results, as the pass would return them (a
+        lookup draft's as the caller sees it: _as_decoded)."""
         going = {id(r) for r in live}
         for r in rows_ahead:
-            # a lookup draft's result is rewritten once the pass returns (verify_batch's _as_decoded): it waits
-            if r.settled or id(r) in going or calls[r.index].lookup_match:
+            if r.settled or id(r) in going:
                 continue
             r.settled = True
-            results[r.index] = self._ahead_result(results[r.index], r, start)
+            result = self._ahead_result(results[r.index], r, start)
+            call = calls[r.index]
+            results[r.index] = self._as_decoded(call, result, r.seq) if call.lookup_match else result
             settle(r.index, results[r.index])

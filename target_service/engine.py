@@ -157,10 +157,11 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
             # a prompt fed whole, whose positions attend to hundreds of keys each, does not)
             positions = sum(calls[index].new_positions for index, _ in rows) + (chunk[2] if fused else 0)
             self.pass_costs.observe(positions, time.perf_counter() - start)
+        settled = set()  # rows answered already, as the caller sees them
         if decode_ahead and len(groups) == 1:  # the rows' passes are one forward each
-            self._decode_ahead_rows(calls, rows, results, start, interrupt, settle, dropped)
+            settled = self._decode_ahead_rows(calls, rows, results, start, interrupt, settle, dropped)
         for index, seq in rows:
-            if calls[index].lookup_match and isinstance(results[index], VerifyResult):
+            if calls[index].lookup_match and isinstance(results[index], VerifyResult) and index not in settled:
                 results[index] = self._as_decoded(calls[index], results[index], seq)
         return results
 

@@ -173,6 +173,19 @@ def test_the_rows_of_a_pass_decode_ahead_with_their_own_lookup_drafts(pair):
     assert sum(r.ahead_drafted for r in results) > 0  # the lookup drafted (and the tokens above still match)
 
 
+def test_rows_with_lookup_drafts_leave_one_by_one_as_their_callers_see_them(pair):
+    target = engine(pair)
+    prompts = [(p * 3)[:30] for p in tiny.prompts(3, seed=31)]
+    expected = [tiny.reference_greedy(pair[0], p, 16) for p in prompts]
+    calls = [VerifyCall(f"k{i}", 0, p, [], [], GREEDY, decode_ahead=4 + 4 * i, lookup_draft_length=4) for i, p in enumerate(prompts)]
+    settled = []
+    results = target.verify_batch(calls, settle=lambda index, result: settled.append((index, result)))
+    for result, want in zip(results, expected):
+        got = [result.next_token, *result.decoded]
+        assert result.accepted == 0 and got == want[: len(got)]  # the lookup's tokens among those made, as for a lone call
+    assert settled and all(results[index] is result for index, result in settled)
+
+
 def test_a_pass_decodes_nothing_ahead_unless_every_row_asks_and_no_call_waits(pair):
     target = engine(pair)
     prompts = tiny.prompts(3, seed=13)
