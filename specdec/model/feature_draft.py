@@ -69,6 +69,11 @@ class FeatureDraft(torch.nn.Module):
         self.feature_layers = tuple(int(layer) for layer in feature_layers)
         self.fuse = torch.nn.Linear(len(self.feature_layers) * hidden, hidden, bias=False) if self.feature_layers else None
 
+    def get_decoder(self) -> LlamaModel:
+        """Its layers and norm, as transformers' models name their decoder: the compact one-call
+        stack (specdec/model/cpu/stack.py) installs itself there."""
+        return self.body
+
     @property
     def feature_dim(self) -> int:
         """The width of the target features this draft reads (FeatureRows.values' columns)."""

@@ -22,9 +22,9 @@ from __future__ import annotations
 import ctypes
 import types
 import weakref
+from typing import Protocol, runtime_checkable
 
 import torch
-from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from specdec.kv.buffers import GrowingLayer
@@ -32,6 +32,13 @@ from specdec.model.cpu import gemm_kernel, packed
 from specdec.model.hfcache import output_field
 
 _p = ctypes.c_void_p
+
+
+@runtime_checkable
+class HasDecoder(Protocol):
+    """A model whose decoder stack (embeddings aside) `get_decoder` returns, as transformers names it."""
+
+    def get_decoder(self) -> torch.nn.Module: ...
 
 
 class _Weight(ctypes.Structure):
@@ -206,8 +213,8 @@ def _forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.
 def use(model: torch.nn.Module) -> bool:
     """Gives the decoder of a causal LM whose every layer runs the lean forward (decoder.use) the
     one-call stack; True if it did."""
-    # a feature draft (specdec/model/feature_draft.py) is no PreTrainedModel: its decoder is its body
-    decoder = model.get_decoder() if isinstance(model, PreTrainedModel) else getattr(model, "body", None)
+    # transformers' causal LMs and a feature draft (specdec/model/feature_draft.py, its body) name their decoder
+    decoder = model.get_decoder() if isinstance(model, HasDecoder) else None
     kernel = gemm_kernel.load()
     layers = getattr(decoder, "layers", None)
     if kernel is None or layers is None or type(decoder).__name__ != "LlamaModel" or not len(layers):
