@@ -211,8 +211,8 @@ def _forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.
 
 
 def use(model: torch.nn.Module) -> bool:
-    """Gives the decoder of a causal LM whose every layer runs the lean forward (decoder.use) the
-    one-call stack; True if it did."""
+    """Gives the decoder of a causal LM (or of a feature draft) whose every layer runs the lean forward
+    (decoder.use) the one-call stack; True if it did."""
     # transformers' causal LMs and a feature draft (specdec/model/feature_draft.py, its body) name their decoder
     decoder = model.get_decoder() if isinstance(model, HasDecoder) else None
     kernel = gemm_kernel.load()
@@ -235,7 +235,8 @@ def forward_embeds(decoder: torch.nn.Module, x: torch.Tensor, cache) -> torch.Te
     gradients, hooks, another dtype, a cache it cannot append to).
 
     Why: a feature draft drafts one pair a forward, and transformers' model forward around its one
-    layer (masks, rotary, output records) cost as much as the layer's weights (docs/benchmarks.md)."""
+    layer (masks, rotary, output records) cost as much as the layer's weights
+    (benchmarks/results/feature-draft-stack/)."""
     stack = installed(decoder)
     if stack is None or x.dim() != 3 or x.shape[0] != 1 or x.dtype != torch.float32 or not stack.usable():
         return None
