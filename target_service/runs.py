@@ -146,7 +146,7 @@ class DecodeStreams:
         self.hits = 0  # steps of pipelined runs whose draft was drafted during the pass before
         self.runs: dict[str, Run] = {}  # every stream's runs, by sequence (the engine's reports name sequences)
         # Runs that ended (cancelled, or a stop token) while a call of theirs may be on the worker:
-        # the passes it decodes ahead for them are waste, so they stop (`interrupt`).
+        # the passes it decodes ahead for them are waste, so their rows stop (`dropped`).
         self.stopping: set[str] = set()
         self._streams: set[_Stream] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
