@@ -17,59 +17,10 @@ tokens, the rest decode one token), which is what `specdec bench` compares its m
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import math
 import statistics
 
-from specdec.maths.costs import expected_tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class CostCurve:
-    """V(n): seconds of one target forward over n new positions (n measured at a few points).
-
-    Interpolated linearly between measured points (fractional n: mean draft lengths), extended by
-    the last slope past the largest one.
-    """
-
-    points: tuple[tuple[int, float], ...]  # (n, seconds), n ascending
-
-    def __post_init__(self):
-        if not self.points or self.points[0][0] != 1:
-            raise ValueError("a cost curve needs V(1): the target's one-token decoding step")
-        if any(b[0] <= a[0] for a, b in zip(self.points, self.points[1:])):
-            raise ValueError("cost curve points must have strictly increasing n")
-        if any(s <= 0 or not math.isfinite(s) for _, s in self.points):
-            raise ValueError("cost curve seconds must be positive and finite")
-
-    @classmethod
-    def parse(cls, text: str, unit: float = 1e-3) -> CostCurve:
-        """'1:44,2:70,4:67,8:70' (milliseconds by default) -> CostCurve."""
-        try:
-            pairs = sorted((int(n), float(v) * unit) for n, v in (item.split(":") for item in text.split(",") if item.strip()))
-        except ValueError as e:
-            raise ValueError(f"cost curve {text!r}: expected n:ms pairs such as 1:44,2:70,4:67 ({e})") from e
-        return cls(tuple(pairs))
-
-    def __call__(self, n: float) -> float:
-        ns = [p[0] for p in self.points]
-        if n <= ns[0]:
-            return self.points[0][1]
-        i = bisect.bisect_left(ns, n)
-        if i < len(ns) and ns[i] == n:
-            return self.points[i][1]
-        if i == len(ns):  # past the last point: extend the last slope (or flat with one point)
-            if len(ns) == 1:
-                return self.points[0][1]
-            (n0, v0), (n1, v1) = self.points[-2], self.points[-1]
-        else:
-            (n0, v0), (n1, v1) = self.points[i - 1], self.points[i]
-        return v0 + (v1 - v0) * (n - n0) / (n1 - n0)
-
-    @property
-    def single(self) -> float:
-        return self.points[0][1]
+from specdec.maths.costs import CostCurve, expected_tokens
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,9 @@ How a request uses them (the threshold, probes, rests): specdec/maths/draft_leng
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
 import threading
 from collections.abc import Callable
 
@@ -182,21 +184,60 @@ def knee(costs: Costs, factor: float = 1.5, most: int = 256) -> int:
 
 def knee_of_passes(seconds: dict[int, float], factor: float = 1.5, most: int = 256) -> int:
     """`knee` of passes timed at a few sizes ({positions: seconds}, 1 among them): the curve between
-    them drawn straight, then knee's rule (past the largest size, the line through its last half).
+    them drawn straight (CostCurve), then knee's rule (past the largest size, the line through its last half).
 
     Why sizes, not every n: a target sizes the budget at start-up from a handful of timed passes
     (TargetEngine.pass_knee), on the device it serves from, rather than from a constant measured
     on one 2-core CPU."""
-    if 1 not in seconds or any(n < 1 or not s > 0 for n, s in seconds.items()):
-        raise ValueError(f"need positive seconds for 1 position and sizes >= 1, got {seconds}")
-    sizes = sorted(seconds)
-    curve = []
-    for n in range(1, sizes[-1] + 1):
-        hi = next(k for k in sizes if k >= n)
-        lo = max(k for k in sizes if k <= n)
-        t = seconds[lo] if hi == lo else seconds[lo] + (seconds[hi] - seconds[lo]) * (n - lo) / (hi - lo)
-        curve.append(t)
-    return knee(Costs(0.0, tuple(curve), 0.0), factor, most)
+    curve = CostCurve(tuple(sorted(seconds.items())))
+    return knee(Costs(0.0, tuple(curve(n) for n in range(1, curve.points[-1][0] + 1)), 0.0), factor, most)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostCurve:
+    """V(n): seconds of one target forward over n new positions (n measured at a few points).
+
+    Interpolated linearly between measured points (fractional n: mean draft lengths), extended by
+    the last slope past the largest one.
+    """
+
+    points: tuple[tuple[int, float], ...]  # (n, seconds), n ascending
+
+    def __post_init__(self):
+        if not self.points or self.points[0][0] != 1:
+            raise ValueError("a cost curve needs V(1): the target's one-token decoding step")
+        if any(b[0] <= a[0] for a, b in zip(self.points, self.points[1:])):
+            raise ValueError("cost curve points must have strictly increasing n")
+        if any(s <= 0 or not math.isfinite(s) for _, s in self.points):
+            raise ValueError("cost curve seconds must be positive and finite")
+
+    @classmethod
+    def parse(cls, text: str, unit: float = 1e-3) -> CostCurve:
+        """'1:44,2:70,4:67,8:70' (milliseconds by default) -> CostCurve."""
+        try:
+            pairs = sorted((int(n), float(v) * unit) for n, v in (item.split(":") for item in text.split(",") if item.strip()))
+        except ValueError as e:
+            raise ValueError(f"cost curve {text!r}: expected n:ms pairs such as 1:44,2:70,4:67 ({e})") from e
+        return cls(tuple(pairs))
+
+    def __call__(self, n: float) -> float:
+        ns = [p[0] for p in self.points]
+        if n <= ns[0]:
+            return self.points[0][1]
+        i = bisect.bisect_left(ns, n)
+        if i < len(ns) and ns[i] == n:
+            return self.points[i][1]
+        if i == len(ns):  # past the last point: extend the last slope (or flat with one point)
+            if len(ns) == 1:
+                return self.points[0][1]
+            (n0, v0), (n1, v1) = self.points[-2], self.points[-1]
+        else:
+            (n0, v0), (n1, v1) = self.points[i - 1], self.points[i]
+        return v0 + (v1 - v0) * (n - n0) / (n1 - n0)
+
+    @property
+    def single(self) -> float:
+        return self.points[0][1]
 
 
 def best_prefix(confidence: list[float], costs: Costs) -> int:
