@@ -20,7 +20,7 @@ import torch
 from specdec.errors import SpecdecError
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
-from specdec.maths.lookup import NgramIndex, in_source, lookup_draft
+from specdec.maths.lookup import NgramIndex, in_source, looked, lookup_draft
 from specdec.calls.request import VerifyCall, VerifyResult
 from specdec.maths.sampling import TokenLogprob
 
@@ -128,18 +128,21 @@ class DecodeAhead:
         if self.on_tokens is not None:
             self.on_tokens([row.unsent() for row in rows])
 
-    def _ahead_pass(self, row: _RowAhead, rows: int = 1) -> VerifyCall:
+    def _ahead_pass(self, row: _RowAhead, rows: int = 1, costs: dict | None = None) -> VerifyCall:
         """Makes the row's pending token canonical (its pass's first new position) and returns the call
-        its pass verifies: a plain step, with the row's lookup draft when it drafts by lookup."""
+        its pass verifies: a plain step, with the row's lookup draft when it drafts by lookup (where
+        `rows` rows share the pass, not while its lookups rest: _looks). `costs`: the pass's lookup
+        costs so far (_lookup_costs)."""
         row.seq.tokens.append(row.pending)
         row.proposal = ([], [], 0)
-        if row.lookup is not None:
-            row.lookup.extend(row.seq.tokens[len(row.lookup):])
+        if row.lookup is not None and self._looks(row.lookup, row.seq.tokens, rows):
             room = row.budget - len(row.decoded) - 1  # the pass's own token comes on top
             if self.lm.max_context:
                 room = min(room, self.lm.max_context - len(row.seq.tokens) - 1)
             row.proposal = lookup_draft(row.lookup, self.calibration, row.call.lookup_draft_length,
-                                        self._lookup_costs(row.call, rows), room)
+                                        self._lookup_costs(row.call, rows, costs), room)
+            if rows > 1:
+                looked(row.lookup, len(row.proposal[0]))
         draft = row.proposal[0]
         return dataclasses.replace(row.call, draft_tokens=draft) if draft else row.call
 
@@ -209,7 +212,8 @@ class DecodeAhead:
                 self._settle_rows(calls, rows_ahead, live, results, start, settle)
             if not live or (interrupt is not None and interrupt()):
                 break
-            steps = {r.index: self._ahead_pass(r, len(live)) for r in live}
+            costs: dict = {}
+            steps = {r.index: self._ahead_pass(r, len(live), costs) for r in live}
             began = time.perf_counter()
             outcomes = self._rows(steps, [(r.index, r.seq) for r in live], start, len(live))
             # one forward of steps, as a batched pass's first forward is: under load every pass may

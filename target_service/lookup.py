@@ -16,7 +16,7 @@ import itertools
 
 from specdec.kv.store import Sequence
 from specdec.limits import MAX_DRAFT_TOKENS, MAX_VERIFY_POSITIONS
-from specdec.maths.lookup import LOOKUP_MAX_N, NgramIndex, in_source, lookup_draft
+from specdec.maths.lookup import LOOKUP_MAX_N, NgramIndex, in_source, looked, lookup_draft, rests
 from specdec.calls.request import VerifyCall, VerifyResult
 
 
@@ -138,29 +138,57 @@ class TargetLookup:
         seq.side = index
         return index
 
-    def _lookup_costs(self, call: VerifyCall, rows: int) -> tuple[float, ...]:
+    def _lookup_costs(self, call: VerifyCall, rows: int, known: dict | None = None) -> tuple[float, ...]:
         """The relative costs that cut a row's lookup draft: the caller's V(n) / V(1) (its own
         requests' steps) with the sizes this engine has timed for a lone row in its own passes
         (PassCosts.lone_costs), or where `rows` rows share the pass and it costs more, what each
         drafted position adds to the pass against the row's share of it (PassCosts). None asked
-        (a fixed draft length): none given."""
+        (a fixed draft length): none given. `known`: the costs worked out for the other rows of
+        the same pass, by caller's figures (rows whose callers share them share the answer)."""
         mine = call.lookup_costs
         if not mine:
             return mine
+        if known is not None and mine in known:
+            return known[mine]
         if rows < 2:
-            return self.pass_costs.lone_costs(mine)
-        pass_costs = self.pass_costs.lookup_costs(rows, len(mine) - 1)
-        return tuple(max(c, s) for c, s in zip(mine, pass_costs)) if pass_costs else mine
+            out = self.pass_costs.lone_costs(mine)
+        else:
+            pass_costs = self.pass_costs.lookup_costs(rows, len(mine) - 1)
+            out = tuple(max(c, s) for c, s in zip(mine, pass_costs)) if pass_costs else mine
+        if known is not None:
+            known[mine] = out
+        return out
 
-    def _with_lookup(self, call: VerifyCall, seq: Sequence, rows: int = 1) -> VerifyCall:
-        """`call` with the draft prompt lookup makes for its pass (maybe none), among `rows` rows."""
+    def _with_lookup(self, call: VerifyCall, seq: Sequence, rows: int = 1, known: dict | None = None) -> VerifyCall:
+        """`call` with the draft prompt lookup makes for its pass (maybe none), among `rows` rows: none
+        without looking while the sequence's lookups rest (_looks; a call that brings a source looks)."""
+        kept = seq.side if isinstance(seq.side, NgramIndex) else None
+        if kept is not None and not call.lookup_source and rows > 1 and rests(kept):
+            return call
         index = self._lookup_index(call, seq)
-        index.extend(seq.tokens[len(index):])
+        index.extend(seq.tokens[len(index):], indexed=self._indexed(index, rows))
         room = MAX_DRAFT_TOKENS
         if self.lm.max_context:
             room = min(room, self.lm.max_context - len(seq.tokens))
-        draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_draft_length, self._lookup_costs(call, rows), room)
+        draft, proposal, n = lookup_draft(index, self.calibration, call.lookup_draft_length, self._lookup_costs(call, rows, known), room)
+        if rows > 1:
+            looked(index, len(draft))
         return dataclasses.replace(call, draft_tokens=draft, draft_dists=[], lookup_match=(n, tuple(proposal))) if n else call
+
+    @staticmethod
+    def _indexed(index: NgramIndex, rows: int) -> int | None:
+        """How many of the tokens a lookup catches up on get indexed: after a rest only the last
+        few (NgramIndex.extend), so that resting saves the indexing too; all of them otherwise."""
+        return LOOKUP_MAX_N if rows > 1 and index.empties else None
+
+    def _looks(self, index: NgramIndex, tokens: list[int], rows: int) -> bool:
+        """Whether a pass decoding ahead looks up the row's draft; if so, the index has caught up on `tokens`.
+        Where `rows` rows share the pass, a sequence whose lookups drafted nothing rests them
+        (specdec/maths/lookup.py, `rests`): a lone row's lookup costs little beside its pass."""
+        if rows > 1 and rests(index):
+            return False
+        index.extend(tokens[len(index):], indexed=self._indexed(index, rows))
+        return True
 
     def _as_decoded(self, call: VerifyCall, result: VerifyResult, seq: Sequence) -> VerifyResult:
         """A result whose draft was the target's own, as the caller sees it: the caller knows no

@@ -12,6 +12,7 @@ sequences up. Apart from the engine's verify path because it is a policy over it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 from specdec.errors import SpecdecError
@@ -41,6 +42,7 @@ class PrefillPlanning:
         rows: list[tuple[int, Sequence]] = []
         prompts: list[tuple[int, Sequence, int]] = []
         decoding = sum(1 for _, seq in prepared if seq.uncached <= self.MIN_CHUNK)  # rows whose steps share the pass
+        costs: dict = {}  # the rows' lookup costs, by their callers' figures (_lookup_costs)
         for index, seq in prepared:
             call, pending = calls[index], seq.uncached
             if self.max_prefill_tokens and pending > self.MIN_CHUNK and not call.return_features:
@@ -49,7 +51,7 @@ class PrefillPlanning:
                     prompts.append((index, seq, full))
                     continue
             if call.lookup_draft_length and not call.draft_tokens and call.tree is None:
-                calls[index] = self._with_lookup(call, seq, decoding)
+                calls[index] = self._with_lookup(call, seq, decoding, costs)
             rows.append((index, seq))
         # The oldest prompt: the first in the pass was, but prompts arriving during a pass queue
         # ahead of those requeued after it, and each newcomer's chunks then went first while
@@ -60,10 +62,11 @@ class PrefillPlanning:
                 results[index] = self._rest(calls[index], seq)
         return rows, chunk
 
-    @property
+    @functools.cached_property
     def ragged(self) -> bool:
         """Whether a pass's rows feed only their own positions (none padded to the longest row's):
-        one forward of the compact stack (specdec/model/cpu/stack.py) takes them all so."""
+        one forward of the compact stack (specdec/model/cpu/stack.py) takes them all so. Kept: the
+        loader installs the stack before an engine exists, and the batcher asks every pass."""
         return stack.applies(self.lm)
 
     def pass_positions(self, call: VerifyCall) -> int:

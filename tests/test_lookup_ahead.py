@@ -10,6 +10,7 @@ it is checked in tests/test_distribution_drafters.py (test_ngram_drafted_by_the_
 from __future__ import annotations
 
 import asyncio
+import random
 
 import grpc
 import pytest
@@ -26,7 +27,8 @@ from specdec.errors import InvalidArgument
 from specdec.model.lm import CausalLM
 from specdec.limits import MAX_DECODE_AHEAD
 from specdec.maths.costs import NGRAM_DRAFT_PRIOR, CostModel
-from specdec.maths.lookup import MatchCalibration, MatchOdds, NgramIndex, best_cut, lookup_draft, relative_costs
+from specdec.maths.lookup import (MAX_LOOKUP_REST, MatchCalibration, MatchOdds, NgramIndex, best_cut, looked, lookup_draft,
+                                  relative_costs, rests)
 from specdec.calls.request import VerifyCall
 from specdec.maths.sampling import SamplingConfig
 from target_service.engine import PassCosts, TargetEngine
@@ -70,6 +72,71 @@ def test_lookup_draft_is_cut_where_expected_tokens_per_cost_peak():
     for _ in range(50):
         calibration.observe(2, [9, 5, 7], [1])
     assert before > 0 and lookup_draft(index, calibration, 8, curve, room=10)[0] == []
+
+
+def test_the_shortcut_past_a_first_token_too_unlikely_to_pay_cuts_as_best_cut_does():
+    """lookup_draft skips working out a match's chances when its first token cannot pay for one
+    drafted position (pays_from): the draft it returns is the one best_cut picks, on every case."""
+    rng = random.Random(3)
+    for _ in range(400):
+        index = NgramIndex(4, 1)
+        index.extend([rng.randrange(4) for _ in range(rng.randrange(2, 40))])
+        calibration = MatchCalibration(4, prior_weight=rng.choice((0.5, 4.0)))
+        for _ in range(rng.randrange(30)):
+            n = rng.randrange(1, 5)
+            calibration.observe(n, [1, 2, 3], [1, 2, 3][: rng.randrange(4)] + [9], index.odds if rng.random() < 0.5 else None)
+        step = rng.choice((0.0, 0.05, 0.3, 0.9, 1.5))
+        relative = tuple(1.0 + step * g ** rng.choice((1.0, 0.7)) for g in range(rng.randrange(1, 9)))
+        got = lookup_draft(index, calibration, 8, relative, room=10)
+        proposal, n = index.propose(8)
+        full = proposal[: best_cut(calibration.survival(n, len(proposal), index.odds), relative)] if n else []
+        assert got[0] == full and got[1:] == ((proposal, n) if n else ([], 0))
+
+
+def test_a_lookup_that_drafts_nothing_rests_the_next_ones_1_2_4_then_8_passes():
+    """Among rows sharing a pass, a sequence whose lookups draft nothing skips its next lookups
+    (rests), doubling the rest each time up to MAX_LOOKUP_REST; a draft ends the rests. After a
+    rest the index catches up indexing only the last tokens: matches into the rested stretch are
+    lost (fewer drafts), the rest stays found."""
+    index = NgramIndex(4, 1)
+    skipped = []
+    for _ in range(4):
+        looked(index, 0)
+        count = 0
+        while rests(index):
+            count += 1
+        skipped.append(count)
+    assert skipped == [1, 2, 4, MAX_LOOKUP_REST]
+    looked(index, 2)
+    assert not rests(index) and index.empties == 0
+    index = NgramIndex(4, 1)
+    index.extend([1, 2, 3, 4, 5])
+    index.extend([6, 7, 8, 9, 10, 11, 1, 2], indexed=3)  # 6..10 not indexed: (8, 9) has no continuation
+    index.extend([8, 9])
+    assert index.tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 2, 8, 9] and index.propose(2) == ([], 0)
+    index.extend([1, 2, 3])  # (1, 2, 3), indexed before the rest, is still found: 4, 5 follow it
+    assert index.propose(2) == ([4, 5], 3)
+    index.crop(-10)  # back into the stretch left out, whose tokens roll back as the others do
+    assert index.tokens == [1, 2, 3, 4, 5, 6, 7, 8] and index.propose(1) == ([], 0)
+
+
+def test_rows_that_rest_their_lookups_still_get_the_targets_own_tokens(pair):
+    """Decoding ahead among several rows, with rests: every row's tokens are the ones decoding alone
+    gives, and a lone row never rests."""
+    target = engine(pair)
+    prompts = tiny.prompts(6, seed=5)
+    batch = target.verify_batch([VerifyCall(f"b{n}", 0, p, [], [], GREEDY, decode_ahead=24, lookup_draft_length=MOST,
+                                            lookup_costs=(1.0, 3.0, 5.0, 7.0, 9.0))  # a position: 2 passes' worth
+                                 for n, p in enumerate(prompts)])
+    for prompt, out in zip(prompts, batch):
+        got = [out.next_token, *out.decoded]
+        assert out.accepted == 0 and got == tiny.reference_greedy(pair[0], prompt, len(got))
+    sides = {seq.sequence_id: seq.side for seq in target.store}
+    assert any(sides[f"b{n}"].empties for n in range(len(prompts)))
+    alone = target.verify(VerifyCall("lone", 0, prompts[0], [], [], GREEDY, decode_ahead=24, lookup_draft_length=MOST,
+                                     lookup_costs=(1.0, 3.0, 5.0, 7.0, 9.0)))
+    assert [alone.next_token, *alone.decoded][:5] == [batch[0].next_token, *batch[0].decoded][:5]
+    assert {seq.sequence_id: seq.side for seq in target.store}["lone"].rest == 0
 
 
 def test_a_sequence_whose_matches_keep_missing_stops_drafting_them_on_the_others_odds():
@@ -160,6 +227,8 @@ def test_a_lookup_draft_beside_other_rows_pays_for_what_its_positions_add_to_the
         for positions in (1, 4, 8, 16):
             cheap.observe(positions, 0.001 + 1e-7 * positions)
     target.pass_costs = cheap
+    assert seq.side.rest == 1  # the empty lookup among 8 rows rests the next one (rests)
+    seq.side.rest = 0
     assert target._with_lookup(call, seq, rows=8).draft_tokens == alone
 
 

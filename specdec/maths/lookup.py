@@ -8,6 +8,9 @@ that dominates a step once the forward itself is fast. Pure Python over token id
 
 from __future__ import annotations
 
+import functools
+import math
+
 from specdec.maths.costs import Costs
 
 # Longest suffix the target's prompt lookup matches: the n-gram drafter's default (draft_service/config.py).
@@ -44,6 +47,8 @@ class NgramIndex:
                 self._next[self.source[pos - n: pos]] = ~pos
         self._undo: list[list[tuple[tuple[int, ...], int | None]]] = []  # per token: (key, previous value)
         self.odds = MatchOdds()  # this sequence's luck against the shared calibration (not rolled back by crop)
+        self.rest = 0  # passes whose lookup this sequence skips (rests)
+        self.empties = 0  # lookups in a row that drafted nothing (looked)
         # The last proposal, to learn from once the sequence has moved past it (MatchCalibration):
         # (position of its first token, the token before it, the tokens, n of the match).
         self.last: tuple[int, int, list[int], int] | None = None
@@ -61,8 +66,15 @@ class NgramIndex:
         self.tokens.append(token)
         self._undo.append(undo)
 
-    def extend(self, tokens: list[int]) -> None:
-        for t in tokens:
+    def extend(self, tokens: list[int], indexed: int | None = None) -> None:
+        """Appends `tokens`, indexing the n-grams of only the last `indexed` of them (None: all).
+        Why: a sequence that rested its lookups (`rests`) catches up cheaply; matches into the
+        stretch left out are lost, which drafts less, never wrongly."""
+        skipped = 0 if indexed is None else max(0, len(tokens) - indexed)
+        for t in tokens[:skipped]:
+            self.tokens.append(t)
+            self._undo.append([])
+        for t in tokens[skipped:]:
             self.append(t)
 
     def crop(self, delta: int) -> None:
@@ -168,6 +180,10 @@ class MatchCalibration:
                 return
             self._hits[n][k] += 1
 
+    def first(self, n: int) -> float:
+        """The chance that the first token of a match of n tokens is right."""
+        return self._hits[n][0] / self._trials[n][0] if n in self._hits else 0.0
+
     def survival(self, n: int, length: int, odds: MatchOdds | None = None) -> list[float]:
         """P(tokens 1..k all right) for k = 1..length: each proposed token's cumulative probability;
         with `odds`, its first token's chance taken to that sequence's own (MatchOdds)."""
@@ -196,6 +212,41 @@ def best_cut(confidence: list[float], relative: list[float] | tuple[float, ...])
     return best
 
 
+@functools.lru_cache(maxsize=64)
+def pays_from(relative: tuple[float, ...]) -> float:
+    """The first-token chance under which no cut of any proposal pays (best_cut returns 0): a
+    proposal's k-th token is right at most as often as its first, so g drafted tokens add at most
+    g * p expected tokens for relative[g] / relative[0] - 1 more cost. Cached: a pass asks it for
+    every row with the same costs."""
+    if len(relative) < 2:
+        return math.inf
+    return min((relative[g] / relative[0] - 1.0) / g for g in range(1, len(relative)))
+
+
+# Most passes a sequence's lookup rests after lookups that drafted nothing, as the coordinator's
+# n-gram policy rests after empty asks (specdec/maths/draft_length.py, max_rest): 1, 2, 4, then 8.
+MAX_LOOKUP_REST = 8
+
+
+def rests(index: NgramIndex) -> bool:
+    """Whether this pass skips the sequence's lookup (and the indexing of its new tokens): it is
+    resting after lookups that drafted nothing. Why: where many rows share a pass and the text does
+    not repeat itself, every lookup is cut to nothing, yet indexing, matching and cutting it cost the
+    target's worker a sizeable share of a row's pass (benchmarks/results/lookup-rests/). Only drafts
+    are skipped, never tokens: a rested pass is a pass with no draft."""
+    if index.rest:
+        index.rest -= 1
+        return True
+    return False
+
+
+def looked(index: NgramIndex, drafted: int) -> None:
+    """After a lookup that drafted `drafted` tokens: a draft ends the rests, each lookup in a row
+    that drafted nothing doubles the next rest, up to MAX_LOOKUP_REST."""
+    index.empties = 0 if drafted else index.empties + 1
+    index.rest = min(MAX_LOOKUP_REST, 2 ** (index.empties - 1)) if index.empties else 0
+
+
 def relative_costs(costs: Costs, draft_length: int) -> tuple[float, ...]:
     """V(n) / V(1) for n = 1..draft_length + 1: what VerifyCall.lookup_costs carries."""
     v = costs.verify
@@ -209,4 +260,6 @@ def lookup_draft(index: NgramIndex, calibration: MatchCalibration, draft_length:
     proposal, n = index.propose(min(draft_length, room))
     if not n:
         return [], [], 0
+    if relative and calibration.first(n) * index.odds.factor() <= pays_from(relative):
+        return [], proposal, n  # what best_cut would say, without working the chances out
     return proposal[: best_cut(calibration.survival(n, len(proposal), index.odds), relative)], proposal, n
