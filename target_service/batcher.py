@@ -29,12 +29,13 @@ class VerifyBatcher(ContinuousBatcher[VerifyCall, VerifyResult]):
     name = "verify-batcher"
 
     def __init__(self, run, verify_batch, window_s: float = 0.002, max_batch_size: int = 16, max_batch_tokens: int = 256,
-                 inline=None, engine=None, settles: bool = False):
+                 inline=None, engine=None, settles: bool = False, joinable=None):
         """`run(fn, *args)` awaits fn on the engine's worker; `verify_batch(calls, decode_ahead)` is the engine's;
         `inline(call)`: whether a lone call may run on the event loop (ContinuousBatcher); `engine()`:
         the TargetEngine once loaded, which says what a call costs a pass (TargetEngine.pass_positions)
         and whether its passes pad their rows (None: a call costs every position it feeds, padded);
-        `settles`: verify_batch answers each row decoding ahead as it finishes (its `settle`)."""
+        `settles`: verify_batch answers each row decoding ahead as it finishes (its `settle`);
+        `joinable(call)`: whether a call arriving during a pass is offered to it (verify_batch's `join`)."""
         self._engine = engine
         super().__init__(
             run, verify_batch,
@@ -42,7 +43,7 @@ class VerifyBatcher(ContinuousBatcher[VerifyCall, VerifyResult]):
             cost=self._positions,
             seconds=_pass_seconds,
             window_s=window_s, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens, inline=inline,
-            ragged=lambda: engine is not None and engine().ragged, settles=settles,
+            ragged=lambda: engine is not None and engine().ragged, settles=settles, joinable=joinable,
         )
 
     def _positions(self, call: VerifyCall) -> int:

@@ -12,12 +12,14 @@ docs/architecture.md, "Decoding ahead", says why and what stays exact.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 
 import torch
 
 from specdec.errors import SpecdecError
+from specdec.serving.batcher import Requeue
 from specdec.kv.store import Sequence
 from specdec.model.features import FeatureRows
 from specdec.maths.lookup import NgramIndex, in_source, looked, lookup_draft
@@ -49,6 +51,11 @@ class _RowAhead:
     first: tuple[int, ...] = ()  # the tokens its call's own pass made canonical (draft tokens accepted, next token)
     sent: int = 0  # of first + decoded, how many went to TargetEngine.on_tokens
     settled: bool = False  # its result went to its caller while the other rows decode on (_decode_ahead_rows' settle)
+    # A call that joined the pass (_joined): its own callback, call as sent, first pass's result and start
+    answer: Callable[[VerifyResult | SpecdecError], None] | None = None
+    origin: VerifyCall | None = None
+    base: VerifyResult | None = None
+    began: float = 0.0
 
     def unsent(self) -> tuple[str, int, list[int], list[TokenLogprob]]:
         """(sequence, index, tokens, their log-probabilities) made since the last report: `index`
@@ -66,6 +73,11 @@ class _RowAhead:
 class DecodeAhead:
     """Decoding ahead, as methods of TargetEngine: they read the engine's `lm`, `calibration`,
     `pass_costs` and `on_tokens`, and take their passes through its `_verdict` (a lone row) or `_rows` (a batch)."""
+
+    # The most positions a call joining a pass decoding ahead may feed where prompts are not fed in
+    # chunks (--max-prefill-tokens-per-pass 0; else a chunk's budget): a longer one would stretch a
+    # forward every decoding row waits for, and waits for a pass of its own instead.
+    JOIN_MOST = 64
 
     def _decode_ahead(self, call: VerifyCall, seq: Sequence, result: VerifyResult, start: float,
                       interrupt: Callable[[], bool] | None = None) -> VerifyResult:
@@ -172,7 +184,7 @@ class DecodeAhead:
     def _decode_ahead_rows(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]],
                            results: list[VerifyResult | SpecdecError | None], start: float,
                            interrupt: Callable[[], bool] | None, settle: Callable[[int, VerifyResult], None] | None = None,
-                           dropped: Callable[[str], bool] | None = None) -> set[int]:
+                           dropped: Callable[[str], bool] | None = None, join=None) -> set[int]:
         """Decodes ahead for every row of a batched pass together: one batched forward a pass, as
         many passes as the row that asked least allows, each row's token (and lookup draft) made
         as `_decode_ahead` makes it alone. Writes the rows' results back into `results`.
@@ -188,54 +200,136 @@ class DecodeAhead:
         on for as many passes as the row that asked MOST allows. Why: under many streams a row
         finishes nearly every pass; ending every row's decoding there made every stream's caller
         submit again (an exchange a pass, on the event loop and the worker alike).
+        With `join` too, the calls that arrive meanwhile join the pass before its next forward
+        (`_joined`) and decode on with the others, instead of stopping it.
         Each row's tokens are the ones its own exchanges would have got, as exact as any batched
         pass: its verdict is keyed by position, and which rows share its forwards is the load's
         doing either way.
         """
-        if len(rows) < 2 or len(rows) != len(calls):  # one row decodes ahead in _row; a chunk or an error: no
+        rows_ahead = self._rows_ahead(calls, rows, results)
+        if not rows_ahead:
             return set()
+        eos, context = self.lm.eos_token_ids, self.lm.max_context
+        self._report(rows_ahead)
+        passes = None if settle is not None else min(min(r.budget, r.most) for r in rows_ahead)
+        joins, indices = (join if settle is not None else None), itertools.count(len(calls))
+        fresh: list = []
+        try:
+            while passes is None or passes > 0:
+                live = [r for r in rows_ahead if r.going(eos, context) and not (dropped is not None and dropped(r.call.sequence_id))]
+                fresh = self._joining(joins, live, indices) if joins is not None else []
+                if not (live or fresh) or (interrupt is not None and interrupt()):
+                    for _, call, _, answer, _ in fresh:
+                        answer(Requeue(call))
+                    break  # the rows not settled yet are returned with the pass
+                if settle is not None and len(live) < len(rows_ahead):
+                    self._settle_rows(calls, rows_ahead, live, results, start, settle)
+                passes = None if passes is None else passes - 1
+                rows_ahead += self._ahead_forward(live, fresh, start)
+        except BaseException as exc:
+            for r in rows_ahead:  # the rows that joined have no place in the pass's results
+                if r.answer is not None and not r.settled:
+                    r.settled = True
+                    r.answer(exc)
+            for _, _, _, answer, _ in fresh:  # joined the failed forward: not rows yet
+                answer(exc)
+            raise
+        for r in rows_ahead:
+            if r.answer is not None and not r.settled:
+                self._settle_rows(calls, [r], [], results, start, settle)
+            elif not r.settled:
+                results[r.index] = self._ahead_result(results[r.index], r, start)
+        return {r.index for r in rows_ahead if r.settled and r.answer is None}
+
+    def _rows_ahead(self, calls: list[VerifyCall], rows: list[tuple[int, Sequence]],
+                    results: list[VerifyResult | SpecdecError | None]) -> list[_RowAhead]:
+        """The pass's rows as rows decoding ahead, or none if any of them may not."""
+        if len(rows) < 2 or len(rows) != len(calls):  # one row decodes ahead in _row; a chunk or an error: no
+            return []
         rows_ahead: list[_RowAhead] = []
         for index, seq in rows:
             call, result = calls[index], results[index]
             if not isinstance(result, VerifyResult) or call.tree is not None or call.return_features or call.decode_ahead <= 0:
-                return set()
+                return []
             row = self._ahead(call, seq, result, index)
             if row is None:
-                return set()
+                return []
             rows_ahead.append(row)
-        eos, context = self.lm.eos_token_ids, self.lm.max_context
-        self._report(rows_ahead)
-        bound = max if settle is not None else min
-        for _ in range(bound(min(r.budget, r.most) for r in rows_ahead)):
-            live = [r for r in rows_ahead if r.going(eos, context) and not (dropped is not None and dropped(r.call.sequence_id))]
-            if settle is not None and len(live) < len(rows_ahead):
-                self._settle_rows(calls, rows_ahead, live, results, start, settle)
-            if not live or (interrupt is not None and interrupt()):
-                break
-            costs: dict = {}
-            steps = {r.index: self._ahead_pass(r, len(live), costs) for r in live}
-            began = time.perf_counter()
-            outcomes = self._rows(steps, [(r.index, r.seq) for r in live], start, len(live))
-            # one forward of steps, as a batched pass's first forward is: under load every pass may
-            # decode ahead, and these are then the only forwards the pass costs can learn from
+        return rows_ahead
+
+    def _ahead_forward(self, live: list[_RowAhead], fresh: list, start: float) -> list[_RowAhead]:
+        """One forward of the live rows' next passes and the joined calls' own passes; returns the
+        joined calls that decode on, as rows (those with nothing left to decode get their answer)."""
+        costs: dict = {}
+        steps = {r.index: self._ahead_pass(r, len(live) + len(fresh), costs) for r in live}
+        steps.update((index, call) for index, call, _, _, _ in fresh)
+        began = time.perf_counter()
+        outcomes = self._rows(steps, [(r.index, r.seq) for r in live] + [(f[0], f[2]) for f in fresh], start, len(steps))
+        # one forward of steps, as a batched pass's first forward is: under load every pass may
+        # decode ahead, and these are then the only forwards the pass costs can learn from (not one
+        # that fed a joined call's prompt, whose positions cost otherwise)
+        if all(call.new_positions - len(call.draft_tokens) <= self.MIN_CHUNK for call in steps.values()):
             self.pass_costs.observe(sum(step.new_positions for step in steps.values()), time.perf_counter() - began)
-            for r, outcome in zip(live, outcomes):
-                self._ahead_taken(r, outcome.accepted, outcome.next_token, outcome.logprobs)
-            self._report(live)
-        for r in rows_ahead:
-            if not r.settled:
-                results[r.index] = self._ahead_result(results[r.index], r, start)
-        return {r.index for r in rows_ahead if r.settled}
+        for r, outcome in zip(live, outcomes):
+            self._ahead_taken(r, outcome.accepted, outcome.next_token, outcome.logprobs)
+        self._report(live)
+        joined = []
+        for (index, call, seq, answer, began), outcome in zip(fresh, outcomes[len(live):]):
+            outcome = dataclasses.replace(outcome, compute_seconds=time.perf_counter() - began)
+            row = self._ahead(call, seq, outcome, index)
+            if row is None:  # nothing to decode ahead: its own pass was all of it
+                answer(self._as_decoded(call, outcome, seq) if call.lookup_match else outcome)
+                continue
+            row.answer, row.origin, row.base, row.began = answer, call, outcome, began
+            self._report([row])
+            joined.append(row)
+        return joined
+
+    def _joining(self, join, live: list[_RowAhead], indices) -> list[tuple[int, VerifyCall, Sequence, Callable, float]]:
+        """The calls offered to the pass that join its next forward: (index, call, sequence, answer,
+        when it joined) each, indices drawn from `indices`. A call joins if it names a sequence not in
+        the pass, feeds no more than a pass's chunk (a prompt beside decoding rows), asks no tree and
+        no features, and its sequence is held or has room (a new one must not evict a row's); the
+        others wait for the next pass (Requeue), and a bad call gets its error."""
+        held = {r.call.sequence_id for r in live}
+        most = self.MIN_CHUNK
+        # A prompt rides in the rows' forward where each row feeds its own positions (the compact
+        # stack), but not while a longer prompt is fed in chunks: those are sized by what a chunk
+        # adds to the rows' forward, which prompts riding in them would blur (a 4,000-token prompt
+        # then went 2 tokens a pass: tests/test_loadtest.py, the victims' test).
+        if self.ragged and not any(seq.uncached > self.MIN_CHUNK for seq in self.store):
+            most = max(most, self._chunk_budget(alone=False) or self.JOIN_MOST)
+        fresh = []
+        for call, answer in join.take(len(live)):
+            if (call.sequence_id in held or call.tree is not None or call.return_features
+                    or call.prefill + len(call.append) > most
+                    or (call.sequence_id not in self.store and len(self.store) >= self.store.max_sequences)):
+                answer(Requeue(call))
+                continue
+            try:
+                seq = self._prepare(call)
+            except Exception as exc:  # noqa: BLE001 - a bad call (or a bug) fails that call, not the pass
+                answer(exc)
+                continue
+            if call.lookup_draft_length and not call.draft_tokens:
+                call = self._with_lookup(call, seq, len(live) + len(fresh) + 1)
+            held.add(call.sequence_id)
+            fresh.append((next(indices), call, seq, answer, time.perf_counter()))
+        return fresh
 
     def _settle_rows(self, calls: list[VerifyCall], rows_ahead: list[_RowAhead], live: list[_RowAhead],
                      results: list, start: float, settle: Callable[[int, VerifyResult], None]) -> None:
         """Hands the rows that stopped decoding their results, as the pass would return them (a
-        lookup draft's as the caller sees it: _as_decoded)."""
+        lookup draft's as the caller sees it: _as_decoded); a row that joined, through its own answer."""
         going = {id(r) for r in live}
         for r in rows_ahead:
             if r.settled or id(r) in going:
                 continue
             r.settled = True
+            if r.answer is not None:
+                result = self._ahead_result(r.base, r, r.began)
+                r.answer(self._as_decoded(r.origin, result, r.seq) if r.origin.lookup_match else result)
+                continue
             result = self._ahead_result(results[r.index], r, start)
             call = calls[r.index]
             results[r.index] = self._as_decoded(call, result, r.seq) if call.lookup_match else result

@@ -97,7 +97,7 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
 
     def verify_batch(self, calls: list[VerifyCall], decode_ahead: bool = True,
                      interrupt: Callable[[], bool] | None = None, settle: Callable[[int, VerifyResult], None] | None = None,
-                     dropped: Callable[[str], bool] | None = None) -> list[VerifyResult | SpecdecError]:
+                     dropped: Callable[[str], bool] | None = None, join=None) -> list[VerifyResult | SpecdecError]:
         """Verifies several sequences' proposals in ONE forward pass (specdec/forward/batching.py),
         or a few where the rows' cache lengths differ so much that padding them to the longest
         would cost more than another pass (pad_groups).
@@ -112,6 +112,8 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
         together (`_decode_ahead_rows`), until `interrupt()` says a call is waiting; a row whose
         caller is gone (`dropped(sequence_id)`) stops on its own. `settle(index, result)`: rows of
         a pass decoding ahead may finish apart, each handed its result as it finishes (on this thread).
+        `join` (specdec/serving/batcher.py, Joins; with `settle`): calls that arrive meanwhile join
+        the rows decoding ahead between two forwards (`_joining`), answered through their own callback.
         """
         start = time.perf_counter()
         calls = list(calls)  # a row that drafts by lookup gets its draft here
@@ -159,7 +161,7 @@ class TargetEngine(PrefillPlanning, TargetLookup, DecodeAhead):
             self.pass_costs.observe(positions, time.perf_counter() - start)
         settled = set()  # rows answered already, as the caller sees them
         if decode_ahead and len(groups) == 1:  # the rows' passes are one forward each
-            settled = self._decode_ahead_rows(calls, rows, results, start, interrupt, settle, dropped)
+            settled = self._decode_ahead_rows(calls, rows, results, start, interrupt, settle, dropped, join)
         for index, seq in rows:
             if calls[index].lookup_match and isinstance(results[index], VerifyResult) and index not in settled:
                 results[index] = self._as_decoded(calls[index], results[index], seq)

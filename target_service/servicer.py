@@ -35,14 +35,20 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         # One worker: the model runs one forward at a time; Verify calls that wait together share it.
         self.host = EngineHost("target")
         self.batcher = VerifyBatcher(self.host.run, self._verify_batch, batch_window_ms / 1000, max_batch_size, max_batch_tokens,
-                                     inline=self._inline, engine=lambda: self.engine, settles=True)
+                                     inline=self._inline, engine=lambda: self.engine, settles=True, joinable=self._joinable)
         self.runs = DecodeStreams(self.batcher.submit, self._release)
         self.carriers = Carriers(self._release)  # a VerifySession's sequences, freed when a coordinator is gone
 
-    def _verify_batch(self, calls, decode_ahead: bool = True, settle=None):
+    def _verify_batch(self, calls, decode_ahead: bool = True, settle=None, join=None):
         # read from the worker thread: a list's and a set's lengths, set on the loop's thread, are safe to read
         return self.engine.verify_batch(calls, decode_ahead, interrupt=self._interrupt, settle=settle,
-                                        dropped=self.runs.dropped)
+                                        dropped=self.runs.dropped, join=join)
+
+    @staticmethod
+    def _joinable(call: VerifyCall) -> bool:
+        """Whether a call that arrives during a pass is offered to it: no tree, no features (the engine
+        has the last word, a prompt's length against its chunk budget among them: TargetEngine._joining)."""
+        return call.tree is None and not call.return_features
 
     def _interrupt(self) -> bool:
         """Whether passes decoded ahead should stop: a Verify waits for the next pass, or other work

@@ -22,7 +22,15 @@ leave at any step. A batcher is given:
   the window below;
 - `inline(call)` (optional): whether a call run alone (below) may run on the event loop itself;
 - `settles` (optional): run_batch takes `settle(index, result)` and may answer a row before the pass
-  returns (the target's rows decoding ahead, each done when its budget is spent).
+  returns (the target's rows decoding ahead, each done when its budget is spent);
+- `joinable(call)` (optional, with `settles`): whether a call that arrives while a pass runs may join
+  that pass between two of its forwards; run_batch then takes `join` (a Joins) to take them.
+
+Why calls join a running pass. Under many streams the target's rows decode ahead pass after pass,
+and every new request's first call, or a row's next one, arrived while a pass ran: it stopped every
+row's decoding ahead (`waiting`), the worker idled while the rows' callers came back through the
+event loop and the window, and a new pass began. A call that may join waits one forward instead,
+and the pass goes on (iteration-level batching, as in Orca and vLLM).
 
 Why it waits. Before starting a pass it waits a short while for the calls it expects: one from
 every sequence active lately (a call within the last few passes' time, and not released since)
@@ -52,6 +60,7 @@ A failed pass fails its rows, never the batcher; a call cancelled while it waits
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import time
@@ -110,6 +119,7 @@ class ContinuousBatcher(Generic[C, R]):
         inline: Callable[[C], bool] | None = None,
         ragged: Callable[[], bool] | None = None,
         settles: bool = False,
+        joinable: Callable[[C], bool] | None = None,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -118,6 +128,9 @@ class ContinuousBatcher(Generic[C, R]):
         # run_batch takes a keyword `settle(index, result)`, called on the worker for a row that is done
         # before the pass returns (the target's rows decoding ahead leave one by one)
         self._settles = settles
+        self._joinable = joinable if settles else None
+        self._joiners: collections.deque[_Pending[C]] = collections.deque()  # calls offered to the running pass
+        self._joins_open = False  # a pass that takes joiners runs (not a call run alone)
         self.window_s, self.max_batch_size, self.max_batch_tokens = window_s, max_batch_size, max_batch_tokens
         self._pending: list[_Pending[C]] = []
         self._arrived = asyncio.Event()
@@ -136,14 +149,18 @@ class ContinuousBatcher(Generic[C, R]):
         if self._arrive(call):
             return await self._run_alone(call)
         item = _Pending(call, asyncio.get_running_loop().create_future())
-        self._pending.append(item)
-        self._arrived.set()
+        if self._joins_open and self._joinable(call):
+            self._joiners.append(item)  # the running pass takes it (Joins), or it waits for the next one
+        else:
+            self._pending.append(item)
+            self._arrived.set()
         return await item.future  # cancelled while waiting: the pass skips it
 
     def waiting(self) -> bool:
         """Whether a call waits for the next pass: a pass that does extra work for its own rows
-        (the target decoding ahead) stops then. Safe to call from the worker thread."""
-        return bool(self._pending)
+        (the target decoding ahead) stops then; a pass that takes joiners takes them first. Safe
+        to call from the worker thread."""
+        return bool(self._pending) or bool(self._joiners)
 
     def released(self, key: Hashable) -> None:
         """A sequence left: do not wait for its next call."""
@@ -230,12 +247,17 @@ class ContinuousBatcher(Generic[C, R]):
             loop = asyncio.get_running_loop()
             run_batch = functools.partial(
                 run_batch, settle=lambda index, result: loop.call_soon_threadsafe(_settle, batch[index].future, result))
+            if self._joinable is not None:
+                run_batch = functools.partial(run_batch, join=Joins(self, loop))
+                self._joins_open = True
         try:
             results = await self._run(run_batch, [item.call for item in batch], alone)
         except Exception as exc:  # noqa: BLE001 - a failed pass fails its rows, never the batcher
             results = [exc] * len(batch)
         finally:
-            self._running = False
+            self._running = self._joins_open = False
+            while self._joiners:  # offered after the pass's last forward: the next pass's
+                self._pending.append(self._joiners.popleft())
         self._count(results, time.perf_counter() - started)
         self._note_prefills([item.call for item in batch], results)
         for item, result in zip(batch, results):
@@ -243,6 +265,15 @@ class ContinuousBatcher(Generic[C, R]):
                 self._pending.append(_Pending(result.call, item.future))  # behind the rows that waited
                 continue
             _settle(item.future, result)
+
+    def _answer_joiner(self, item: _Pending[C], result: Any) -> None:
+        """A joiner's answer, on the loop: a Requeue (the pass could not take it) waits for the next pass."""
+        if isinstance(result, Requeue):
+            if not item.future.done():
+                self._pending.append(_Pending(result.call, item.future))
+                self._arrived.set()
+            return
+        _settle(item.future, result)
 
     def _note_prefills(self, calls: list[C], results: Sequence[R | BaseException]) -> None:
         for call, result in zip(calls, results):
@@ -297,3 +328,23 @@ class ContinuousBatcher(Generic[C, R]):
                 rest.append(item)
         self._pending = rest
         return batch
+
+
+class Joins(Generic[C]):
+    """The calls offered to a running pass (ContinuousBatcher's `joinable`), as its worker takes them."""
+
+    def __init__(self, batcher: ContinuousBatcher[C, Any], loop: asyncio.AbstractEventLoop):
+        self._batcher, self._loop = batcher, loop
+
+    def take(self, rows: int) -> list[tuple[C, Callable[[Any], None]]]:
+        """Up to max_batch_size - `rows` calls offered so far, each with its `answer(result)`: its
+        result or error when done, or Requeue(call) to leave it to the next pass. On the worker thread."""
+        batcher, out = self._batcher, []
+        while len(out) < batcher.max_batch_size - rows:
+            try:
+                item = batcher._joiners.popleft()
+            except IndexError:
+                break
+            if not item.future.done():  # not cancelled meanwhile
+                out.append((item.call, functools.partial(self._loop.call_soon_threadsafe, batcher._answer_joiner, item)))
+        return out
