@@ -51,7 +51,7 @@ class _RowAhead:
     first: tuple[int, ...] = ()  # the tokens its call's own pass made canonical (draft tokens accepted, next token)
     sent: int = 0  # of first + decoded, how many went to TargetEngine.on_tokens
     settled: bool = False  # its result went to its caller while the other rows decode on (_decode_ahead_rows' settle)
-    # A call that joined the pass (_joined): its own callback, call as sent, first pass's result and start
+    # A call that joined the pass (_joining): its own callback, call as sent, first pass's result and start
     answer: Callable[[VerifyResult | SpecdecError], None] | None = None
     origin: VerifyCall | None = None
     base: VerifyResult | None = None
@@ -201,7 +201,7 @@ class DecodeAhead:
         finishes nearly every pass; ending every row's decoding there made every stream's caller
         submit again (an exchange a pass, on the event loop and the worker alike).
         With `join` too, the calls that arrive meanwhile join the pass before its next forward
-        (`_joined`) and decode on with the others, instead of stopping it.
+        (`_joining`) and decode on with the others, instead of stopping it.
         Each row's tokens are the ones its own exchanges would have got, as exact as any batched
         pass: its verdict is keyed by position, and which rows share its forwards is the load's
         doing either way.
@@ -226,6 +226,7 @@ class DecodeAhead:
                     self._settle_rows(calls, rows_ahead, live, results, start, settle)
                 passes = None if passes is None else passes - 1
                 rows_ahead += self._ahead_forward(live, fresh, start)
+                fresh = []  # rows now, or answered
         except BaseException as exc:
             for r in rows_ahead:  # the rows that joined have no place in the pass's results
                 if r.answer is not None and not r.settled:
